@@ -1,0 +1,30 @@
+"""tiering: move segments of bytes among device memory, host memory and NVMe files, asynchronously, under
+hard budgets. Usable on its own; zero/ is its first client."""
+from .aio_config import AioConfig
+from .aligned import ALIGNMENT, align_up, aligned_empty
+from .errors import (
+    AlignmentError,
+    BudgetExceededError,
+    ChecksumMismatchError,
+    DirectIOUnsupportedError,
+    EngineUnavailableError,
+    IllegalTransitionError,
+    IOFailedError,
+    NvmePathError,
+    StoreFullError,
+    StoreRangeError,
+    TieringConfigError,
+    TieringError,
+)
+from .extents import Extent, ExtentAllocator
+from .handle import Handle, completed, gather
+from .host_pool import HostBuffer, HostBufferPool, HostPoolConfig
+from .nvme_store import NvmeStore, NvmeStoreConfig
+
+__all__ = [
+    "ALIGNMENT", "AioConfig", "AlignmentError", "BudgetExceededError", "ChecksumMismatchError",
+    "DirectIOUnsupportedError", "EngineUnavailableError", "Extent", "ExtentAllocator", "Handle", "HostBuffer",
+    "HostBufferPool", "HostPoolConfig", "IOFailedError", "IllegalTransitionError", "NvmePathError", "NvmeStore",
+    "NvmeStoreConfig", "StoreFullError", "StoreRangeError", "TieringConfigError", "TieringError", "align_up",
+    "aligned_empty", "completed", "gather",
+]
