@@ -20,11 +20,14 @@ from .extents import Extent, ExtentAllocator
 from .handle import Handle, completed, gather
 from .host_pool import HostBuffer, HostBufferPool, HostPoolConfig
 from .nvme_store import NvmeStore, NvmeStoreConfig
+from .residency import Residency, Tier
+from .swap_config import SwapConfig
+from .swap_manager import SwapManager
 
 __all__ = [
     "ALIGNMENT", "AioConfig", "AlignmentError", "BudgetExceededError", "ChecksumMismatchError",
     "DirectIOUnsupportedError", "EngineUnavailableError", "Extent", "ExtentAllocator", "Handle", "HostBuffer",
     "HostBufferPool", "HostPoolConfig", "IOFailedError", "IllegalTransitionError", "NvmePathError", "NvmeStore",
-    "NvmeStoreConfig", "StoreFullError", "StoreRangeError", "TieringConfigError", "TieringError", "align_up",
+    "NvmeStoreConfig", "Residency", "SwapConfig", "SwapManager", "Tier", "StoreFullError", "StoreRangeError", "TieringConfigError", "TieringError", "align_up",
     "aligned_empty", "completed", "gather",
 ]

@@ -24,20 +24,23 @@ def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
     return base[skip : skip + size]
 
 
-def check_io_buffer(buffer: torch.Tensor, nbytes: int) -> None:
-    """Raise unless `buffer` can take O_DIRECT I/O of `nbytes` (rounded up to 4 KiB) at its start."""
+def check_io_buffer(buffer: torch.Tensor, nbytes: int, what: str = "") -> None:
+    """Raise unless `buffer` can take O_DIRECT I/O of `nbytes` (rounded up to 4 KiB) at its start.
+
+    `what` (e.g. "write of 8192 bytes at offset 4096 in '/nvme/zt-....swap'") prefixes the message."""
+    where = f"{what}: " if what else ""
     if buffer.device.type != "cpu":
-        raise AlignmentError(f"I/O buffer must be a host tensor, got device {buffer.device}")
+        raise AlignmentError(f"{where}I/O buffer must be a host tensor, got device {buffer.device}")
     if not buffer.is_contiguous():
-        raise AlignmentError("I/O buffer must be contiguous")
+        raise AlignmentError(f"{where}I/O buffer must be contiguous")
     if buffer.data_ptr() % ALIGNMENT:
         raise AlignmentError(
-            f"I/O buffer address {buffer.data_ptr():#x} is not {ALIGNMENT}-byte aligned "
+            f"{where}I/O buffer address {buffer.data_ptr():#x} is not {ALIGNMENT}-byte aligned "
             f"(allocate it with tiering.aligned_empty or a HostBufferPool)"
         )
     capacity = buffer.numel() * buffer.element_size()
     if capacity < align_up(nbytes):
         raise AlignmentError(
-            f"I/O buffer holds {capacity} bytes, {align_up(nbytes)} needed "
+            f"{where}I/O buffer holds {capacity} bytes, {align_up(nbytes)} needed "
             f"({nbytes} rounded up to {ALIGNMENT})"
         )

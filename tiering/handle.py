@@ -2,6 +2,7 @@
 `done()` polls. The blocking form of any operation is "submit, then wait on the same handle"."""
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Callable, Iterable
 
@@ -37,9 +38,14 @@ class Handle:
                 return
             callbacks, self._callbacks = self._callbacks, []
             self._keepalive = None
-        for callback in callbacks:
-            callback(self)
-        self._event.set()
+        try:
+            for callback in callbacks:
+                try:
+                    callback(self)
+                except Exception:  # a faulty callback must not leave the handle (and its waiters) hanging
+                    logging.getLogger(__name__).exception("done callback of %r raised", self)
+        finally:
+            self._event.set()
 
     def add_done_callback(self, callback: Callable[[Handle], None]) -> None:
         """Run `callback(handle)` once done (now, if already done), on the thread that completes it."""
@@ -54,7 +60,8 @@ class Handle:
 
     @property
     def error(self) -> BaseException | None:
-        return self._error if self.done() else None
+        # Once every part is in (callbacks run before the event is set, and gather reads it there).
+        return None if self._pending > 0 else self._error
 
     def wait(self, timeout: float | None = None) -> None:
         if not self._event.wait(timeout):

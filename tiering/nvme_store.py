@@ -175,13 +175,13 @@ class NvmeStore:
         self._check_open()
         nbytes = extent.length if nbytes is None else nbytes
         length = align_up(nbytes) if nbytes else 0
-        if extent.offset % ALIGNMENT or extent.length % ALIGNMENT:
-            raise StoreRangeError(self.path, extent.offset, extent.length, self.capacity, f"unaligned {op}")
+        if extent.offset < 0 or extent.offset % ALIGNMENT or extent.length % ALIGNMENT:
+            raise StoreRangeError(self.path, extent.offset, extent.length, self.capacity, f"{op} of an unaligned or negative extent")
         if nbytes < 0 or length > extent.length:
             raise StoreRangeError(self.path, extent.offset, nbytes, extent.length, f"{op} past its extent")
         if extent.offset + length > self.capacity:
             raise StoreRangeError(self.path, extent.offset, length, self.capacity, f"{op} past the end of the store")
-        check_io_buffer(buffer, length)
+        check_io_buffer(buffer, length, f"{op} of {nbytes} bytes at offset {extent.offset} in {self.path!r}")
         handle = Handle(self._engine.blocks(length), label=f"{op} {self.path}@{extent.offset}+{length}", keepalive=buffer)
         if length:
             self._engine.submit(op, self._fd, self.path, buffer.data_ptr(), length, extent.offset, handle)

@@ -64,12 +64,15 @@ class LibaioEngine(IOEngine):
                 raise RuntimeError("libaio engine is closed")
             for start in range(0, nbytes, bs):
                 self._pending.append((handle, op, fd, path, address + start, min(bs, nbytes - start), offset + start))
-            self._pump()
+            refused = self._pump()
+        self._finish(refused)
 
-    def _pump(self) -> None:
-        """Submit pending blocks into free slots. Caller holds the condition's lock."""
+    def _pump(self) -> list[tuple[Handle, BaseException | None]]:
+        """Submit pending blocks into free slots; returns the blocks the kernel refused, to be completed by
+        the caller once it has dropped the lock (completion callbacks may take other locks)."""
+        refused: list[tuple[Handle, BaseException | None]] = []
         if not self._overlap_events and self._in_flight:
-            return
+            return refused
         raw = self._raw
         batch: list[int] = []
         while self._free and self._pending:
@@ -81,14 +84,18 @@ class LibaioEngine(IOEngine):
             iocb.data = ctypes.c_void_p(slot + 1)  # +1: a NULL data pointer reads back as None
             self._slots[slot] = (handle, op, path, offset, nbytes)
             batch.append(slot)
-        if not batch:
-            return
-        step = 1 if self._single_submit else len(batch)
+        step = 1 if self._single_submit else len(batch) or 1
         for i in range(0, len(batch), step):
-            self._submit_slots(batch[i : i + step])
+            self._submit_slots(batch[i : i + step], refused)
         self._cond.notify()
+        return refused
 
-    def _submit_slots(self, slots: list[int]) -> None:
+    @staticmethod
+    def _finish(completions: list[tuple[Handle, BaseException | None]]) -> None:
+        for handle, error in completions:
+            handle.part_done(error)
+
+    def _submit_slots(self, slots: list[int], refused: list) -> None:
         raw = self._raw
         array = (raw.iocb_p * len(slots))(*[self._iocb_ptrs[s] for s in slots])
         done = 0
@@ -101,7 +108,7 @@ class LibaioEngine(IOEngine):
                 slot = slots[done]
                 handle, op, path, offset, nbytes = self._slots[slot]
                 self._release(slot)
-                handle.part_done(block_result(op, path, offset, nbytes, -exc.errno))
+                refused.append((handle, block_result(op, path, offset, nbytes, -exc.errno)))
                 done += 1
                 continue
             self._in_flight += n
@@ -133,10 +140,9 @@ class LibaioEngine(IOEngine):
                     finished.append((handle, block_result(op, path, offset, nbytes, event.res)))
                     self._release(slot)
                 self._in_flight -= n
-                self._pump()
+                finished += self._pump()
                 self._cond.notify_all()
-            for handle, error in finished:
-                handle.part_done(error)
+            self._finish(finished)
 
     def close(self) -> None:
         with self._cond:

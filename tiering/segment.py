@@ -1,0 +1,62 @@
+"""Segment: the swap manager's one record per flat run of bytes (where its copies are, who uses it)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .device_tier import DeviceBuffer
+from .extents import Extent
+from .handle import Handle
+from .host_pool import HostBuffer
+from .residency import Residency, Tier
+
+
+@dataclass(eq=False)
+class Segment:
+    name: str
+    dtype: torch.dtype
+    shape: torch.Size
+    home: Tier
+    """The lowest tier the segment rests in; eviction moves it back here, never below."""
+    state: Residency
+    nbytes: int = field(init=False)
+
+    device: DeviceBuffer | HostBuffer | None = None
+    """Device-tier buffer (a HostBuffer from the device pool without CUDA), when a device copy exists."""
+    host: HostBuffer | None = None
+    """Host buffer, when a host copy exists."""
+    extent: Extent | None = None
+    """Range of the store file, once the segment was first written to nvme."""
+    host_current: bool = False
+    """The host copy holds the current bytes (dropping the device copy loses nothing)."""
+    nvme_current: bool = False
+    """The nvme copy holds the current bytes (dropping the host copy loses nothing)."""
+    checksum: int | None = None
+    """Checksum of the bytes last written to nvme, verified on read."""
+
+    pins: int = 0
+    """Users holding a view; a pinned segment is never moved."""
+    pinned_tier: Tier | None = None
+    move: Handle | None = None
+    """The move in flight, if any: waiting on it is how a caller waits for the segment."""
+    last_use: int = 0
+    """Tick of the last fetch: the LRU order before a trace exists."""
+    prefetched: bool = False
+    """Brought in by prefetch and not yet fetched by a user (a fetch then counts as a hit)."""
+
+    def __post_init__(self) -> None:
+        self.shape = torch.Size(self.shape)
+        self.nbytes = self.shape.numel() * self.dtype.itemsize
+
+    def to(self, action: str) -> None:
+        """Apply a residency transition, raising IllegalTransitionError with expected vs actual state."""
+        self.state = self.state.after(action, self.name)
+
+    def storage(self, tier: Tier) -> torch.Tensor:
+        """The uint8 bytes of the copy in `tier` (device or host)."""
+        buffer = self.device if tier == "device" else self.host
+        return buffer.storage[: self.nbytes]
+
+    def view(self, tier: Tier) -> torch.Tensor:
+        return self.storage(tier).view(self.dtype).view(self.shape)

@@ -1,0 +1,573 @@
+"""SwapManager: owns every segment, knows where each lives, moves segments among device, host and nvme
+asynchronously, keeps every tier within its budget, and follows the recorded trace to have a segment where
+it is needed before it is needed. It knows segments only: no modules, no optimizers."""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Iterable
+
+import torch
+
+from .checksum import checksum
+from .device_tier import DeviceTier
+from .errors import (
+    BudgetExceededError,
+    ChecksumMismatchError,
+    IllegalTransitionError,
+    TieringConfigError,
+    TieringError,
+)
+from .handle import Handle, completed, gather
+from .host_pool import HostBufferPool, HostPoolConfig
+from .nvme_store import NvmeStore
+from .residency import TIER_ORDER, Residency, Tier
+from .segment import Segment
+from .swap_config import SwapConfig
+from .timeline import SwapStats, Timeline
+from .trace import Trace
+
+class SwapManager:
+    """Segments moved among tiers under hard budgets.
+
+    The calls: `register` a segment with a home tier; `fetch` it to a tier (pins it there) or `acquire` it
+    (fetch, wait, and return a tensor view); `release` it (with `dirty=True` when the view was written, which
+    makes those bytes the segment's); `evict` it to its home; `prefetch` a list. Each returns a Handle. When
+    a tier is full the segment needed farthest in the future per the trace is evicted (Belady), or the least
+    recently used one before a trace exists; if nothing can go, BudgetExceededError says by how much.
+    `fetch` blocks only to wait for room or for a move of the same segment already under way; the move it
+    starts runs in the background. Call `end_step()` at each step boundary: the first step records the trace.
+    """
+
+    def __init__(self, config: SwapConfig, *, device: torch.device | None = None):
+        self.config = config
+        self.pool = HostBufferPool(HostPoolConfig(budget=config.host_budget, pin=config.pin))
+        self.device_tier = DeviceTier(config.device_budget, device)
+        self.store = NvmeStore(config.nvme) if config.nvme is not None else None
+        self.segments: dict[str, Segment] = {}
+        self.trace = Trace()
+        self.stats = SwapStats()
+        self.timeline = Timeline(config.timeline)
+        self._lock = threading.RLock()
+        self._tick = 0
+        self._prefetched_bytes = 0
+
+    # -- registration -------------------------------------------------------------------------------------
+
+    def register(self, name: str, *, dtype: torch.dtype, shape: Iterable[int], home: Tier,
+                 data: torch.Tensor | None = None) -> Handle:
+        """Add a segment resting in `home`, holding `data` (copied) or zeros. nvme-homed segments are staged
+        through a host buffer and written out; the handle is done when the bytes have reached their home."""
+        if home not in TIER_ORDER:
+            raise TieringConfigError("home", home, "one of 'device', 'host', 'nvme'")
+        if home == "nvme" and self.store is None:
+            raise TieringError(f"segment {name!r} has home 'nvme' but the swap manager has no nvme store")
+        seg = Segment(name, dtype, torch.Size(shape), home, Residency.HOST)
+        if data is not None and (data.dtype != dtype or data.numel() != seg.shape.numel()):
+            raise ValueError(f"data for {name!r} is {data.dtype} x {data.numel()}, expected {dtype} x {seg.shape.numel()}")
+        with self._lock:
+            if name in self.segments:
+                raise ValueError(f"segment {name!r} is already registered")
+            if home == "device":
+                self._room("device", seg.nbytes, seg, blocking=True, wait=True)
+                seg.device = self.device_tier.allocate(seg.nbytes, name)
+                seg.state = Residency.DEVICE
+            else:
+                self._room("host", seg.nbytes, seg, blocking=True, wait=True)
+                seg.host = self.pool.acquire(seg.nbytes, name)
+                seg.host_current = True
+            self._note_peaks()
+            tier = seg.state.tier
+            view = seg.view(tier)
+            if data is None:
+                view.zero_()
+            else:
+                view.copy_(data.reshape(seg.shape))
+            self.segments[name] = seg
+            if home != "nvme":
+                return completed(name)
+            return self._write_back(seg)
+
+    def unregister(self, name: str) -> None:
+        """Forget a segment and free its copies in every tier. It must be neither pinned nor moving."""
+        with self._lock:
+            seg = self._get(name)
+            if seg.pins or seg.state.moving:
+                raise IllegalTransitionError(name, "unregister", "unpinned and settled",
+                                             f"{seg.state.name} with {seg.pins} pins")
+            self._drop_device(seg)
+            self._drop_host(seg)
+            if seg.extent is not None:
+                self.store.free(seg.extent)
+            if seg.prefetched:
+                self._prefetched_bytes -= seg.nbytes
+            del self.segments[name]
+
+    # -- the user's calls ---------------------------------------------------------------------------------
+
+    def fetch(self, name: str, tier: Tier = "device") -> Handle:
+        """Bring the segment to `tier` and pin it there; the handle is done when `view(name)` is valid."""
+        with self._lock:
+            seg = self._get(name)
+            self._check_target(seg, tier)
+            self.trace.record(name, tier, seg.nbytes)
+            self._tick += 1
+            seg.last_use = self._tick
+            if seg.prefetched or seg.state.tier == tier:
+                self.stats.hits += 1
+            else:
+                self.stats.misses += 1
+            if seg.prefetched:
+                seg.prefetched = False
+                self._prefetched_bytes -= seg.nbytes
+        handle = self._bring(seg, tier, pin=True, blocking=True)
+        self._prefetch_ahead()
+        return handle
+
+    def acquire(self, name: str, tier: Tier = "device") -> torch.Tensor:
+        """Blocking fetch: the segment's tensor in `tier`, valid until `release`. Time spent waiting here is
+        counted as stall."""
+        handle = self.fetch(name, tier)
+        if not handle.done():
+            start = time.perf_counter()
+            handle.wait()
+            end = time.perf_counter()
+            self.stats.stall_seconds += end - start
+            self.timeline.add(name, "stall", start, end)
+        handle.wait()
+        return self.view(name)
+
+    def view(self, name: str) -> torch.Tensor:
+        """The tensor of a pinned segment in the tier it is pinned in (no copy)."""
+        with self._lock:
+            seg = self._get(name)
+            if not seg.pins or seg.state.moving:
+                raise IllegalTransitionError(name, "view", "pinned and settled", f"{seg.state.name} with {seg.pins} pins")
+            return seg.view(seg.pinned_tier)
+
+    def release(self, name: str, *, dirty: bool = False) -> Handle:
+        """Unpin one use. `dirty=True`: the view was written, so copies in lower tiers are now stale."""
+        with self._lock:
+            seg = self._get(name)
+            if not seg.pins:
+                raise IllegalTransitionError(name, "release", "pinned", "not pinned")
+            if dirty:
+                seg.nvme_current = False
+                if seg.pinned_tier == "device":
+                    seg.host_current = False
+            seg.pins -= 1
+            if seg.pins:
+                return completed(name)
+            seg.pinned_tier = None
+            distance = self.config.reuse_distance
+            if distance is None or seg.state.tier == seg.home or self.trace.next_use_bytes(name) <= distance:
+                return completed(name)
+            return self._evict_step(seg, blocking=False) or completed(name)
+
+    def evict(self, name: str) -> Handle:
+        """Move the segment down to its home tier, writing back what lower tiers lack; frees its room above.
+        Waits for intermediate steps (device->host before host->nvme); the handle covers the last one."""
+        while True:
+            with self._lock:
+                seg = self._get(name)
+                if seg.pins:
+                    raise IllegalTransitionError(name, "evict", "unpinned", f"pinned {seg.pins} times in {seg.pinned_tier}")
+                if seg.state.moving:
+                    pending = seg.move
+                else:
+                    step = self._evict_step(seg, blocking=True)
+                    if step is None and seg.state.tier == seg.home:
+                        return completed(name)
+                    if isinstance(step, Handle) and self._lands_home(seg):
+                        return step
+                    pending = step.handle if isinstance(step, _Wait) else step
+            if pending is not None:
+                pending.wait()
+
+    @staticmethod
+    def _lands_home(seg: Segment) -> bool:
+        """Whether the move under way ends in the segment's home tier."""
+        return seg.state == Residency.WRITING or (seg.state == Residency.TO_HOST and seg.home == "host")
+
+    def prefetch(self, names: Iterable[str], tier: Tier = "device") -> Handle:
+        """Start bringing segments to `tier` without pinning them, as far as room allows without waiting
+        (never evicting a segment needed sooner than the one prefetched). The handle covers the moves begun."""
+        handles = []
+        for name in names:
+            with self._lock:
+                seg = self._get(name)
+                self._check_target(seg, tier)
+                if seg.state.moving or seg.state.tier == tier or seg.pins:
+                    continue
+                handle = self._bring(seg, tier, pin=False, blocking=False)
+                if handle is None:
+                    break
+                seg.prefetched = True
+                self._prefetched_bytes += seg.nbytes
+                self.stats.prefetches += 1
+                handles.append(handle)
+        return gather(handles, "prefetch")
+
+    def end_step(self) -> None:
+        """Mark a step boundary: the trace adopts this step's order if it changed."""
+        with self._lock:
+            self.trace.end_step()
+
+    def compute(self, name: str):
+        """Context manager marking a compute span on the timeline."""
+        return self.timeline.span(name, "compute")
+
+    def write_chrome_trace(self, path: str) -> None:
+        self.timeline.write_chrome_trace(path)
+
+    def close(self) -> None:
+        """Wait for every move, free every buffer, remove the store's file."""
+        for seg in list(self.segments.values()):
+            if seg.move is not None:
+                try:
+                    seg.move.wait()
+                except TieringError:
+                    pass  # closing: the failure was reported to whoever waited on the move
+        self.device_tier.close()
+        if self.store is not None:
+            self.store.close()
+
+    def __enter__(self) -> SwapManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- bringing a segment up ------------------------------------------------------------------------------
+
+    def _check_target(self, seg: Segment, tier: Tier) -> None:
+        if tier not in ("device", "host"):
+            raise TieringConfigError("tier", tier, "'device' or 'host'")
+        if TIER_ORDER[tier] < TIER_ORDER[seg.home]:
+            raise IllegalTransitionError(seg.name, f"fetch to {tier}", f"a tier at or above its home {seg.home!r}", tier)
+        if seg.pins and seg.pinned_tier != tier:
+            raise IllegalTransitionError(seg.name, f"fetch to {tier}", f"unpinned or pinned in {tier}",
+                                         f"pinned in {seg.pinned_tier}")
+
+    def _bring(self, seg: Segment, tier: Tier, *, pin: bool, blocking: bool) -> Handle | None:
+        """Start the moves that put `seg` in `tier`. Blocking: wait (outside the lock) for room or for a move
+        of `seg` already in flight, then retry. Not blocking: None if that would be needed."""
+        while True:
+            with self._lock:
+                wait_on = seg.move if seg.state.moving else None
+                if wait_on is None and seg.state == Residency.DEVICE and tier == "host":
+                    step = self._evict_step(seg, blocking=blocking)  # down to host first
+                    if step is False:
+                        return None
+                    wait_on = step.handle if isinstance(step, _Wait) else step
+                if wait_on is None:
+                    handle = self._start_up(seg, tier, blocking)
+                    if handle is False:
+                        return None
+                    if not isinstance(handle, _Wait):
+                        if pin:
+                            seg.pins += 1
+                            seg.pinned_tier = tier
+                            if not handle.done():
+                                handle.add_done_callback(lambda h, s=seg: self._unpin_on_failure(s, h))
+                        return handle
+                    wait_on = handle.handle
+            if not blocking:
+                return None
+            try:
+                wait_on.wait()
+            except TieringError:
+                if seg.state.moving:
+                    raise
+                # A failed move of this segment: its state was rolled back; try again from there.
+
+    def _unpin_on_failure(self, seg: Segment, handle: Handle) -> None:
+        if handle.error is not None:
+            with self._lock:
+                seg.pins -= 1
+                if not seg.pins:
+                    seg.pinned_tier = None
+
+    def _start_up(self, seg: Segment, tier: Tier, blocking: bool) -> Handle | _Wait | bool:
+        """With the lock held and `seg` settled: reserve the room `seg` needs and start its moves up to `tier`.
+        Returns the handle of the last move, a _Wait for room being made, or False (not blocking, no room)."""
+        need_host = seg.state == Residency.NVME and seg.host is None
+        need_device = tier == "device" and seg.state != Residency.DEVICE
+        horizon = None if blocking else self.trace.next_use(seg.name)
+        for needed, t in ((need_host, "host"), (need_device, "device")):
+            if needed:
+                room = self._room(t, seg.nbytes, seg, blocking=blocking, horizon=horizon)
+                if room is not True:
+                    return room
+        if need_host:
+            seg.host = self.pool.acquire(seg.nbytes, seg.name)
+        if need_device:
+            seg.device = self.device_tier.allocate(seg.nbytes, seg.name)
+        self._note_peaks()
+        if seg.state == Residency.NVME:
+            return self._read(seg, then_device=tier == "device")
+        if seg.state == Residency.HOST and tier == "device":
+            return self._to_device(seg)
+        return completed(seg.name)
+
+    def _read(self, seg: Segment, then_device: bool) -> Handle:
+        seg.to("read")
+        final = Handle(label=f"fetch {seg.name}")
+        seg.move = final
+        start = time.perf_counter()
+        read = self.store.read(seg.extent, seg.host.storage, seg.nbytes)
+
+        def read_done(h: Handle) -> None:
+            error = h.error
+            if error is None and self.config.checksums:
+                actual = checksum(seg.storage("host"))
+                if actual != seg.checksum:
+                    error = ChecksumMismatchError(seg.name, self.store.path, seg.extent.offset, seg.checksum, actual)
+            with self._lock:
+                self._account("nvme->host", seg, start)
+                if error is not None:
+                    seg.to("read_failed")
+                    self._drop_host(seg)
+                    self._drop_device(seg)
+                    seg.move = None
+                else:
+                    seg.to("read_done")
+                    seg.host_current = True
+                    if then_device:
+                        self._to_device(seg, final)
+                        return
+                    seg.move = None
+            final.part_done(error)
+
+        read.add_done_callback(read_done)
+        return final
+
+    def _to_device(self, seg: Segment, final: Handle | None = None) -> Handle:
+        seg.to("to_device")
+        final = final or Handle(label=f"fetch {seg.name}")
+        seg.move = final
+        start = time.perf_counter()
+        copy = Handle(label=f"host->device {seg.name}")
+
+        def copied(h: Handle) -> None:
+            with self._lock:
+                self._account("host->device", seg, start)
+                seg.move = None
+                if h.error is not None:
+                    seg.to("to_device_failed")
+                    self._drop_device(seg)
+                else:
+                    seg.to("to_device_done")
+            final.part_done(h.error)
+
+        copy.add_done_callback(copied)
+        self.device_tier.copy(seg.storage("device"), seg.storage("host"), copy)
+        return final
+
+    # -- making room ---------------------------------------------------------------------------------------
+
+    def _used(self, tier: Tier) -> int:
+        return self.device_tier.in_use if tier == "device" else self.pool.in_use
+
+    def _budget(self, tier: Tier) -> float:
+        budget = self.device_tier.budget if tier == "device" else self.pool.budget
+        return math.inf if budget is None else budget
+
+    def _room(self, tier: Tier, nbytes: int, protect: Segment, *, blocking: bool, horizon: float | None = None,
+              wait: bool = False) -> bool | _Wait:
+        """Evict until `nbytes` fit in `tier`. True: they fit now. _Wait: write-backs were started, wait and
+        retry (or, with `wait=True`, waited here). False: not blocking and only waiting would make room.
+        Raises BudgetExceededError when even evicting everything evictable cannot make room."""
+        while True:
+            short = self._used(tier) + nbytes - self._budget(tier)
+            if short <= 0:
+                return True
+            started: list[Handle] = []
+            for victim in self._victims(tier, protect):
+                if horizon is not None and self.trace.next_use(victim.name) <= horizon:
+                    break
+                handle = self._evict_from(victim, tier, blocking)
+                if handle is None:
+                    short -= victim.nbytes
+                elif isinstance(handle, Handle):
+                    started.append(handle)
+                    short -= victim.nbytes
+                if short <= 0:
+                    break
+            if short <= 0 and not started:
+                return True
+            if not blocking:
+                return False  # write-backs begun (if any) make room for a later try
+            moving = [s.move for s in self.segments.values() if s.move is not None and s is not protect]
+            if not started and not moving:
+                raise BudgetExceededError(tier, int(self._budget(tier)), self._used(tier), nbytes, protect.name)
+            pending = _Wait(gather(started or moving[:1], f"room in {tier}"))
+            if not wait:
+                return pending
+            self._lock.release()
+            try:
+                pending.handle.wait()
+            finally:
+                self._lock.acquire()
+
+    def _victims(self, tier: Tier, protect: Segment) -> list[Segment]:
+        """Segments whose copy in `tier` may go, the one needed latest first (Belady), LRU before a trace."""
+        out = []
+        for seg in self.segments.values():
+            if seg is protect or seg.pins or seg.state.moving:
+                continue
+            if tier == "device" and seg.state == Residency.DEVICE and seg.home != "device":
+                out.append(seg)
+            elif tier == "host" and seg.host is not None and (seg.state == Residency.DEVICE or seg.home == "nvme"):
+                out.append(seg)
+        out.sort(key=lambda s: (-self.trace.next_use(s.name), s.last_use))
+        return out
+
+    def _evict_from(self, seg: Segment, tier: Tier, blocking: bool) -> Handle | _Wait | bool | None:
+        """Free `seg`'s copy in `tier`: None if dropped at once, a Handle for the write-back begun, a _Wait or
+        False if room below must be made first (see `_room`)."""
+        if seg.prefetched:
+            seg.prefetched = False
+            self._prefetched_bytes -= seg.nbytes
+        if tier == "host" and seg.state == Residency.DEVICE:
+            self._drop_host(seg)  # a cache under the device copy
+            return None
+        return self._evict_step(seg, blocking)
+
+    def _evict_step(self, seg: Segment, blocking: bool) -> Handle | _Wait | bool | None:
+        """Move `seg` one tier down toward home. None: nothing to do or done at once; a Handle: the move
+        started; a _Wait (blocking) or False (not blocking): room on host must be made first."""
+        if seg.state == Residency.DEVICE and seg.home != "device":
+            if seg.host_current:
+                seg.to("drop_device_to_host")
+                self._drop_device(seg)
+                return None
+            if seg.nvme_current and seg.home == "nvme":
+                self._drop_host(seg)  # a stale cache, if any
+                seg.to("drop_device_to_nvme")
+                self._drop_device(seg)
+                return None
+            if seg.host is None:
+                room = self._room("host", seg.nbytes, seg, blocking=blocking)
+                if room is not True:
+                    return room
+                seg.host = self.pool.acquire(seg.nbytes, seg.name)
+                self._note_peaks()
+            return self._to_host(seg)
+        if seg.state == Residency.HOST and seg.home == "nvme":
+            if seg.nvme_current:
+                seg.to("drop_host")
+                self._drop_host(seg)
+                return None
+            return self._write_back(seg)
+        return None
+
+    def _to_host(self, seg: Segment) -> Handle:
+        seg.to("to_host")
+        final = Handle(label=f"evict {seg.name}")
+        seg.move = final
+        start = time.perf_counter()
+
+        def copied(h: Handle) -> None:
+            with self._lock:
+                self._account("device->host", seg, start)
+                seg.move = None
+                if h.error is not None:
+                    seg.to("to_host_failed")
+                else:
+                    seg.to("to_host_done")
+                    seg.host_current = True
+                    self._drop_device(seg)
+            final.part_done(h.error)
+
+        copy = Handle(label=f"device->host {seg.name}")
+        copy.add_done_callback(copied)
+        self.device_tier.copy(seg.storage("host"), seg.storage("device"), copy)
+        return final
+
+    def _write_back(self, seg: Segment) -> Handle:
+        """Write the host copy to nvme, then free it. On failure the host copy stays, still current."""
+        if seg.extent is None:
+            seg.extent = self.store.allocate(seg.nbytes, seg.name)
+            self.stats.peak_bytes["nvme"] = max(self.stats.peak_bytes["nvme"], self.store.used_bytes)
+        if self.config.checksums:
+            seg.checksum = checksum(seg.storage("host"))
+        seg.to("write")
+        final = Handle(label=f"write {seg.name}")
+        seg.move = final
+        start = time.perf_counter()
+
+        def written(h: Handle) -> None:
+            with self._lock:
+                self._account("host->nvme", seg, start)
+                seg.move = None
+                if h.error is not None:
+                    seg.to("write_failed")
+                else:
+                    seg.to("write_done")
+                    seg.nvme_current = True
+                    self._drop_host(seg)
+            final.part_done(h.error)
+
+        self.store.write(seg.extent, seg.host.storage, seg.nbytes).add_done_callback(written)
+        return final
+
+    # -- prefetch along the trace ----------------------------------------------------------------------------
+
+    def _prefetch_ahead(self) -> None:
+        """Start moves for the uses the trace says come next, within the prefetch and live-byte budgets."""
+        with self._lock:
+            live_cap = self.config.max_live_bytes
+            for name, tier in self.trace.upcoming():
+                seg = self.segments.get(name)
+                if seg is None or seg.pins or seg.state.moving or seg.state.tier == tier or seg.prefetched:
+                    continue
+                if self._prefetched_bytes + seg.nbytes > self.config.prefetch_bytes:
+                    break
+                if tier == "device" and live_cap is not None and self.device_tier.in_use + seg.nbytes > live_cap:
+                    break
+                handle = self._bring(seg, tier, pin=False, blocking=False)
+                if handle is None:
+                    break
+                seg.prefetched = True
+                self._prefetched_bytes += seg.nbytes
+                self.stats.prefetches += 1
+
+    # -- bookkeeping ----------------------------------------------------------------------------------------
+
+    def _get(self, name: str) -> Segment:
+        try:
+            return self.segments[name]
+        except KeyError:
+            raise KeyError(f"no segment named {name!r}") from None
+
+    def _drop_device(self, seg: Segment) -> None:
+        if seg.device is not None:
+            self.device_tier.free(seg.device, seg.nbytes)
+            seg.device = None
+
+    def _drop_host(self, seg: Segment) -> None:
+        if seg.host is not None:
+            seg.host.release()
+            seg.host = None
+        seg.host_current = False
+
+    def _account(self, pair: str, seg: Segment, start: float) -> None:
+        end = time.perf_counter()
+        self.stats.bytes_moved[pair] += seg.nbytes
+        self.timeline.add(seg.name, pair, start, end, bytes=seg.nbytes)
+
+    def _note_peaks(self) -> None:
+        peaks = self.stats.peak_bytes
+        peaks["device"] = max(peaks["device"], self.device_tier.in_use)
+        peaks["host"] = max(peaks["host"], self.pool.in_use)
+
+
+class _Wait:
+    """Room is being made: wait on `handle` (outside the lock), then try again."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: Handle):
+        self.handle = handle
