@@ -20,8 +20,10 @@ class AioConfig:
     """Bytes per I/O request; a transfer is cut into blocks of this size. Multiple of 4 KiB. 8 MiB reached
     the disk's limit here (bench/RESULTS.md); DeepSpeed's default is 1 MiB."""
 
-    queue_depth: int = 32
-    """libaio: requests in flight at once. threads: ignored (in flight = intra_op_parallelism)."""
+    queue_depth: int = 8
+    """libaio: requests in flight at once. threads: ignored (in flight = intra_op_parallelism). With 8 MiB
+    blocks, 8 in flight already reach the disk's limit here, and a shallower queue finishes segments closer
+    to the order they were asked for (prefetch wants the next segment first, not all of them at once)."""
 
     intra_op_parallelism: int = 4
     """threads: worker threads, hence requests in flight. libaio: ignored (one submitter, one reaper)."""

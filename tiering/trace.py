@@ -53,9 +53,10 @@ class Trace:
         self.cursor = 0
         self.on_track = bool(self.uses)
 
-    def upcoming(self):
-        """The uses still ahead in this step, in order, while on track."""
-        return self.uses[self.cursor :] if self.ready else []
+    def upcoming(self) -> list[tuple[str, Tier]]:
+        """The uses ahead, in order, while on track: the rest of this step, then the next step's first ones
+        (a training loop starts the next step right after this one ends)."""
+        return self.uses[self.cursor :] + self.uses[: self.cursor] if self.ready else []
 
     def _next_position(self, name: str) -> float:
         """Index of the next use of `name` counted from the start of this step (past the end: the next

@@ -1,0 +1,422 @@
+"""zero.config: DeepSpeed-format configs load unchanged where supported; every bad one names its key."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from tiering.aio_config import AioConfig
+from zero.config import (
+    Config,
+    ConfigError,
+    OffloadParamConfig,
+    TrainingArgs,
+    UnknownKeyError,
+    UnresolvedAutoError,
+    UnsupportedKeyError,
+    WarmupDecayLRParams,
+    format_size,
+    load_config,
+    parse_size,
+)
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+EXAMPLES = {"zero3_nvme.json": 3, "zero3_cpu.json": 3, "zero2_cpu.json": 2, "zero1.json": 1, "no_offload.json": 0}
+
+# What the Hugging Face Trainer docs tell users to write for ZeRO-3 with offload (every "auto" it fills).
+HF_ZERO3 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW",
+                  "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR",
+                  "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
+                             "total_num_steps": "auto"}},
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": "auto",
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
+HF_ARGS = TrainingArgs(
+    per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=1.0, learning_rate=3e-4,
+    adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.01, warmup_steps=100,
+    num_training_steps=1000, fp16=False, bf16=True, zero3_save_16bit_model=True,
+)
+
+
+def with_keys(base: dict, **updates: object) -> dict:
+    """A deep copy of `base` with keys set by path, `__` separating levels (zero_optimization__stage=3)."""
+    config = copy.deepcopy(base)
+    for dotted, value in updates.items():
+        *parents, leaf = dotted.split("__")
+        node = config
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return config
+
+
+MINIMAL = {"train_batch_size": 8}
+
+
+# ------------------------------------------------------------------------------------------------------
+# Configs that load
+
+
+def test_every_example_config_is_there():
+    assert EXAMPLES.keys() <= {path.name for path in CONFIGS.glob("*.json")}
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.json")), ids=lambda p: p.name)
+def test_every_config_in_configs_loads(path: Path):
+    config = load_config(path)
+    assert isinstance(config, Config)
+    assert (config.train_batch_size
+            == config.train_micro_batch_size_per_gpu * config.gradient_accumulation_steps)
+    assert isinstance(config.to_aio_config(), AioConfig)
+    if path.name in EXAMPLES:
+        assert config.zero_optimization.stage == EXAMPLES[path.name]
+    assert load_config(path, world_size=2).train_batch_size % 2 == 0
+
+
+def test_nvme_example_puts_state_on_nvme_with_our_section():
+    config = load_config(CONFIGS / "zero3_nvme.json")
+    zero = config.zero_optimization
+    assert (zero.offload_param.device, zero.offload_optimizer.device) == ("nvme", "nvme")
+    assert zero.offload_param.nvme_path == "/tmp/zero_tiering_nvme"
+    assert zero.prefetch_bucket_size == 50_000_000 and isinstance(zero.prefetch_bucket_size, int)
+    assert config.zero_tiering.host_budget == 32 << 30
+    assert config.zero_tiering.nvme_budget == 1 << 40
+
+
+def test_hf_trainer_config_resolves_every_auto():
+    config = load_config(HF_ZERO3, world_size=2, hidden_size=768, args=HF_ARGS)
+    assert (config.train_batch_size, config.train_micro_batch_size_per_gpu,
+            config.gradient_accumulation_steps) == (2 * 4 * 2, 4, 2)
+    assert config.gradient_clipping == 1.0
+    assert (config.fp16.enabled, config.bf16.enabled) == (False, True)
+    params = config.optimizer.params
+    assert (params.lr, params.betas, params.eps, params.weight_decay) == (3e-4, (0.9, 0.95), 1e-8, 0.01)
+    sched = config.scheduler.params
+    assert isinstance(sched, WarmupDecayLRParams)
+    assert (sched.warmup_min_lr, sched.warmup_max_lr, sched.warmup_num_steps, sched.total_num_steps) == (
+        0.0, 3e-4, 100, 1000)
+    zero = config.zero_optimization
+    assert zero.reduce_bucket_size == 768 * 768
+    assert zero.prefetch_bucket_size == int(0.9 * 768 * 768)
+    assert zero.param_persistence_threshold == 10 * 768
+    assert zero.gather_16bit_weights_on_model_save is True
+    assert config.ignored == ("steps_per_print", "wall_clock_breakdown")
+
+
+def test_loading_does_not_modify_the_callers_dict():
+    before = copy.deepcopy(HF_ZERO3)
+    load_config(HF_ZERO3, hidden_size=64, args=HF_ARGS)
+    assert HF_ZERO3 == before
+
+
+def test_batch_autos_without_args_follow_deepspeeds_derivation():
+    config = load_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2,
+                          "gradient_accumulation_steps": "auto"}, world_size=4)
+    assert (config.train_batch_size, config.train_micro_batch_size_per_gpu,
+            config.gradient_accumulation_steps) == (8, 2, 1)
+
+
+@settings(max_examples=100, deadline=None)
+@given(micro=st.integers(1, 64), accum=st.integers(1, 16), world=st.integers(1, 8),
+       given_keys=st.sets(st.sampled_from(["train", "micro", "accum"]), min_size=1))
+def test_any_sufficient_subset_of_batch_sizes_derives_the_rest(micro, accum, world, given_keys):
+    assume(given_keys != {"accum"})
+    full = {"train": micro * accum * world, "micro": micro, "accum": accum}
+    # DeepSpeed's rule: with only one of train / micro given, accumulation is 1.
+    if "accum" not in given_keys and len(given_keys) == 1:
+        full = ({"train": micro * accum * world, "micro": micro * accum, "accum": 1} if "train" in given_keys
+                else {"train": micro * world, "micro": micro, "accum": 1})
+    names = {"train": "train_batch_size", "micro": "train_micro_batch_size_per_gpu",
+             "accum": "gradient_accumulation_steps"}
+    config = load_config({names[k]: full[k] for k in given_keys}, world_size=world)
+    assert (config.train_batch_size, config.train_micro_batch_size_per_gpu,
+            config.gradient_accumulation_steps) == (full["train"], full["micro"], full["accum"])
+
+
+def test_integral_floats_from_json_become_ints():
+    config = load_config(with_keys(MINIMAL, zero_optimization__reduce_bucket_size=5e8,
+                                   zero_optimization__stage=3.0))
+    assert config.zero_optimization.reduce_bucket_size == 500_000_000
+    assert type(config.zero_optimization.reduce_bucket_size) is int
+    assert config.zero_optimization.stage == 3
+
+
+@pytest.mark.parametrize("prefixed, plain, field", [
+    ("stage3_prefetch_bucket_size", "prefetch_bucket_size", "prefetch_bucket_size"),
+    ("stage3_param_persistence_threshold", "param_persistence_threshold", "param_persistence_threshold"),
+    ("stage3_max_live_parameters", "max_live_parameters", "max_live_parameters"),
+    ("stage3_max_reuse_distance", "max_reuse_distance", "max_reuse_distance"),
+    ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+     "gather_16bit_weights_on_model_save"),
+])
+def test_stage3_aliases(prefixed: str, plain: str, field: str):
+    value, other = (True, False) if field.startswith("gather") else (12345, 678)
+    for spelled in ({prefixed: value}, {plain: value}, {prefixed: value, plain: value}):
+        zero = load_config({**MINIMAL, "zero_optimization": {"stage": 3, **spelled}}).zero_optimization
+        assert getattr(zero, field) == value
+    with pytest.raises(ConfigError) as err:
+        load_config({**MINIMAL, "zero_optimization": {"stage": 3, prefixed: value, plain: other}})
+    assert err.value.key == f"zero_optimization.{plain}"
+    assert f"zero_optimization.{prefixed}" in str(err.value)
+
+
+def test_aio_maps_onto_tiering_with_the_engine_from_our_section():
+    config = load_config(with_keys(MINIMAL, aio={"block_size": 1 << 20, "thread_count": 2, "queue_depth": 8},
+                                   zero_tiering={"engine": "threads"}))
+    aio = config.to_aio_config()
+    assert (aio.engine, aio.block_size, aio.intra_op_parallelism, aio.queue_depth) == ("threads", 1 << 20, 2, 8)
+    assert aio.overlap_events == AioConfig().overlap_events  # not written: tiering's default
+
+
+def test_optimizer_type_is_case_insensitive_and_adam_defaults_to_decoupled_decay():
+    adam = load_config(with_keys(MINIMAL, optimizer={"type": "adam"})).optimizer
+    assert adam.type == "Adam" and adam.decoupled_weight_decay
+    classic = load_config(with_keys(MINIMAL, optimizer={"type": "Adam", "params": {"adam_w_mode": False}}))
+    assert not classic.optimizer.decoupled_weight_decay
+    adamw = load_config(with_keys(MINIMAL, optimizer={"type": "ADAMW", "params": {"adam_w_mode": False}}))
+    assert adamw.optimizer.type == "AdamW" and adamw.optimizer.decoupled_weight_decay
+
+
+def test_unsupported_keys_at_their_off_value_load():
+    config = load_config({
+        **MINIMAL,
+        "amp": {"enabled": False, "opt_level": "O1"},
+        "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
+                                     "contiguous_memory_optimization": False, "number_checkpoints": None,
+                                     "synchronize_checkpoint_boundary": False, "profile": False},
+        "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1, "zero_quantized_weights": False},
+        "aio": {"use_gds": False},
+    })
+    assert config.zero_optimization.stage == 3
+
+
+def test_monitoring_keys_are_accepted_and_reported_as_ignored():
+    config = load_config({**MINIMAL, "tensorboard": {"enabled": True, "output_path": "/tmp/tb"},
+                          "wandb": {"enabled": False}, "flops_profiler": {"enabled": True},
+                          "zero_optimization": {"stage": 2, "round_robin_gradients": True}})
+    assert set(config.ignored) == {"tensorboard", "wandb", "flops_profiler", "zero_optimization.round_robin_gradients"}
+
+
+def test_overlap_comm_defaults_like_deepspeed():
+    assert load_config(with_keys(MINIMAL, zero_optimization={"stage": 3})).zero_optimization.overlap_comm
+    assert not load_config(with_keys(MINIMAL, zero_optimization={"stage": 2})).zero_optimization.overlap_comm
+
+
+def test_a_config_file_on_disk(tmp_path: Path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(with_keys(MINIMAL, zero_optimization={"stage": 2})))
+    assert load_config(str(path)).zero_optimization.stage == 2
+
+
+# ------------------------------------------------------------------------------------------------------
+# Configs that fail, each naming the key
+
+NVME = {"device": "nvme", "nvme_path": "/tmp/zero_tiering_nvme"}
+
+BAD = [
+    # unknown keys: the message has the closest known key
+    ("unknown top-level", with_keys(MINIMAL, gradient_clip=1.0), UnknownKeyError,
+     "gradient_clip", "gradient_clipping"),
+    ("unknown nested", with_keys(MINIMAL, zero_optimization={"stage": 3, "stage3_prefetch_bucket": 1}),
+     UnknownKeyError, "zero_optimization.stage3_prefetch_bucket", "stage3_prefetch_bucket_size"),
+    ("unknown in offload", with_keys(MINIMAL, zero_optimization={"stage": 3, "offload_param": {
+        "device": "cpu", "pin_memroy": True}}), UnknownKeyError,
+     "zero_optimization.offload_param.pin_memroy", "pin_memory"),
+    ("unknown in our section", with_keys(MINIMAL, zero_tiering={"host_budgett": "1GiB"}), UnknownKeyError,
+     "zero_tiering.host_budgett", "host_budget"),
+    # wrong type
+    ("stage as string", with_keys(MINIMAL, zero_optimization={"stage": "3"}), ConfigError,
+     "zero_optimization.stage", "'3'"),
+    ("bool for a number", with_keys(MINIMAL, gradient_clipping=True), ConfigError, "gradient_clipping", "True"),
+    ("number for a bool", with_keys(MINIMAL, fp16={"enabled": 1}), ConfigError, "fp16.enabled", "true or false"),
+    ("fractional int", with_keys(MINIMAL, zero_optimization={"sub_group_size": 1.5}), ConfigError,
+     "zero_optimization.sub_group_size", "1.5"),
+    ("section not an object", with_keys(MINIMAL, zero_optimization=3), ConfigError, "zero_optimization", "object"),
+    ("bad device", with_keys(MINIMAL, zero_optimization={"stage": 3, "offload_param": {"device": "disk"}}),
+     ConfigError, "zero_optimization.offload_param.device", "'none', 'cpu', 'nvme'"),
+    ("bad size string", with_keys(MINIMAL, zero_tiering={"host_budget": "2 gigs"}), ConfigError,
+     "zero_tiering.host_budget", "2GiB"),
+    ("bad engine", with_keys(MINIMAL, zero_tiering={"engine": "io_uring"}), ConfigError,
+     "zero_tiering.engine", "'libaio'"),
+    # out of range
+    ("negative bucket", with_keys(MINIMAL, zero_optimization={"reduce_bucket_size": -1}), ConfigError,
+     "zero_optimization.reduce_bucket_size", ">= 0"),
+    ("beta of 1", with_keys(MINIMAL, optimizer={"type": "AdamW", "params": {"betas": [0.9, 1.0]}}),
+     ConfigError, "optimizer.params.betas", "[0, 1)"),
+    ("zero loss-scale window", with_keys(MINIMAL, fp16={"enabled": True, "loss_scale_window": 0}),
+     ConfigError, "fp16.loss_scale_window", ">= 1"),
+    ("offload ratio above 1", with_keys(MINIMAL, zero_optimization={"stage": 3, "offload_optimizer": {
+        "device": "cpu", "ratio": 1.5}}), ConfigError, "zero_optimization.offload_optimizer.ratio", "[0, 1]"),
+    ("aio block size (tiering's rule)", with_keys(MINIMAL, aio={"block_size": 1000}), ConfigError,
+     "aio.block_size", "4096"),
+    ("aio old name, tiering's rule", with_keys(MINIMAL, aio={"thread_count": 0}), ConfigError,
+     "aio.thread_count", "1..1024"),
+    # nvme without nvme_path
+    ("nvme params without path", with_keys(MINIMAL, zero_optimization={"stage": 3, "offload_param": {
+        "device": "nvme"}}), ConfigError, "zero_optimization.offload_param.nvme_path", "nvme"),
+    ("nvme optimizer without path", with_keys(MINIMAL, zero_optimization={"stage": 2, "offload_optimizer": {
+        "device": "nvme", "nvme_path": ""}}), ConfigError, "zero_optimization.offload_optimizer.nvme_path", "nvme"),
+    # DeepSpeed keys we do not support
+    ("hpZ", with_keys(MINIMAL, zero_optimization={"stage": 3, "zero_hpz_partition_size": 8}),
+     UnsupportedKeyError, "zero_optimization.zero_hpz_partition_size", "does not support"),
+    ("quantized weights", with_keys(MINIMAL, zero_optimization={"stage": 3, "zero_quantized_weights": True}),
+     UnsupportedKeyError, "zero_optimization.zero_quantized_weights", "does not support"),
+    ("apex amp", with_keys(MINIMAL, amp={"enabled": True, "opt_level": "O2"}), UnsupportedKeyError, "amp",
+     "does not support"),
+    ("activation partitioning", with_keys(MINIMAL, activation_checkpointing={"partition_activations": True}),
+     UnsupportedKeyError, "activation_checkpointing", "does not support"),
+    ("compression", with_keys(MINIMAL, compression_training={"weight_quantization": {}}), UnsupportedKeyError,
+     "compression_training", "does not support"),
+    ("pipeline", with_keys(MINIMAL, pipeline={"stages": "auto"}), UnsupportedKeyError, "pipeline",
+     "does not support"),
+    ("GDS with nvme", with_keys(MINIMAL, zero_optimization={"stage": 3, "offload_optimizer": NVME},
+                                aio={"use_gds": True}), UnsupportedKeyError, "aio.use_gds", "does not support"),
+    ("optimizer type", with_keys(MINIMAL, optimizer={"type": "Lamb"}), UnsupportedKeyError, "optimizer.type",
+     "'Adam', 'AdamW'"),
+    ("amsgrad", with_keys(MINIMAL, optimizer={"type": "Adam", "params": {"amsgrad": True}}),
+     UnsupportedKeyError, "optimizer.params.amsgrad", "does not support"),
+    ("schedule type", with_keys(MINIMAL, scheduler={"type": "OneCycle", "params": {}}), UnsupportedKeyError,
+     "scheduler.type", "WarmupCosineLR"),
+    ("deprecated cpu_offload", with_keys(MINIMAL, zero_optimization={"stage": 2, "cpu_offload": True}),
+     UnsupportedKeyError, "zero_optimization.cpu_offload", "offload_optimizer"),
+    # "auto" that cannot be resolved
+    ("auto bucket without hidden size", with_keys(MINIMAL, zero_optimization={"stage": 3,
+                                                                               "reduce_bucket_size": "auto"}),
+     UnresolvedAutoError, "zero_optimization.reduce_bucket_size", "hidden_size"),
+    ("auto lr without args", with_keys(MINIMAL, optimizer={"type": "AdamW", "params": {"lr": "auto"}}),
+     UnresolvedAutoError, "optimizer.params.lr", "learning_rate"),
+    ("auto total steps", with_keys(MINIMAL, scheduler={"type": "WarmupDecayLR", "params": {
+        "total_num_steps": "auto"}}), UnresolvedAutoError, "scheduler.params.total_num_steps",
+     "num_training_steps"),
+    ("auto no rule knows", with_keys(MINIMAL, zero_optimization={"stage": 3, "stage3_max_live_parameters": "auto"}),
+     UnresolvedAutoError, "zero_optimization.stage3_max_live_parameters", "1000000000"),
+    ("all batch sizes auto", {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"},
+     UnresolvedAutoError, "train_micro_batch_size_per_gpu", "per_device_train_batch_size"),
+    # batch-size inconsistency
+    ("batch sizes disagree", {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+                              "gradient_accumulation_steps": 2}, ConfigError, "train_batch_size", "4 * 2 * 1 = 8"),
+    ("batch not divisible", {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}, ConfigError,
+     "train_batch_size", "not divisible"),
+    ("no batch size", {"gradient_accumulation_steps": 2}, ConfigError, "train_batch_size", "missing"),
+    ("zero micro batch", {"train_micro_batch_size_per_gpu": 0}, ConfigError, "train_micro_batch_size_per_gpu",
+     ">= 1"),
+    # keys that contradict each other
+    ("fp16 and bf16", with_keys(MINIMAL, fp16={"enabled": True}, bf16={"enabled": True}), ConfigError,
+     "bf16.enabled", "both"),
+    ("param offload below stage 3", with_keys(MINIMAL, zero_optimization={"stage": 2, "offload_param": {
+        "device": "cpu"}}), ConfigError, "zero_optimization.offload_param.device", "stage 3"),
+    ("required schedule key", with_keys(MINIMAL, scheduler={"type": "WarmupCosineLR", "params": {}}),
+     ConfigError, "scheduler.params.total_num_steps", "required"),
+]
+
+
+@pytest.mark.parametrize("name, config, error, key, detail", BAD, ids=[case[0] for case in BAD])
+def test_bad_config_fails_naming_the_key(name, config, error, key, detail):
+    with pytest.raises(error) as raised:
+        load_config(config)
+    assert raised.value.key == key
+    message = str(raised.value)
+    assert message.startswith(key) and detail in message, message
+
+
+def test_unsupported_message_says_deepspeed_key():
+    with pytest.raises(UnsupportedKeyError, match="a DeepSpeed key zero-tiering does not support"):
+        load_config(with_keys(MINIMAL, sparse_gradients=True))
+
+
+def test_explicit_value_that_contradicts_the_training_arguments_fails():
+    config = with_keys(HF_ZERO3, optimizer__params__lr=1e-3)
+    with pytest.raises(ConfigError, match=r"optimizer\.params\.lr = 0\.001: disagrees") as raised:
+        load_config(config, hidden_size=64, args=HF_ARGS)
+    assert raised.value.key == "optimizer.params.lr"
+
+
+def test_auto_for_a_model_fact_is_fine_once_given():
+    config = with_keys(MINIMAL, zero_optimization={"stage": 3, "reduce_bucket_size": "auto"})
+    assert load_config(config, hidden_size=16).zero_optimization.reduce_bucket_size == 256
+
+
+def test_duplicate_keys_in_a_file_fail(tmp_path: Path):
+    path = tmp_path / "dup.json"
+    path.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
+    with pytest.raises(ConfigError, match="train_batch_size: appears twice"):
+        load_config(path)
+
+
+def test_invalid_json_names_the_file(tmp_path: Path):
+    path = tmp_path / "broken.json"
+    path.write_text('{"train_batch_size": 8,}')
+    with pytest.raises(ConfigError, match="broken.json: not valid JSON"):
+        load_config(path)
+
+
+def test_sections_built_in_python_are_validated_too():
+    with pytest.raises(ConfigError) as raised:
+        OffloadParamConfig(device="disk")
+    assert raised.value.key == "device"
+    with pytest.raises(ConfigError, match="nvme_path"):
+        OffloadParamConfig(device="nvme")
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(UnknownKeyError, ConfigError) and issubclass(ConfigError, ValueError)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Sizes
+
+SCALES = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(min_value=0, max_value=1 << 60))
+def test_size_format_round_trip(nbytes: int):
+    text = format_size(nbytes)
+    assert parse_size(text) == nbytes
+    assert parse_size(text.lower()) == nbytes
+
+
+@settings(max_examples=100, deadline=None)
+@given(count=st.integers(0, 10**6), unit=st.sampled_from(sorted(SCALES)), space=st.sampled_from(["", " "]))
+def test_size_with_unit_is_exact(count: int, unit: str, space: str):
+    assert parse_size(f"{count}{space}{unit}") == count * SCALES[unit]
+
+
+@pytest.mark.parametrize("text, nbytes", [("2GiB", 2 << 30), ("512MB", 512 * 10**6), ("1.5GiB", 3 << 29),
+                                          ("1.5KB", 1500), ("4096", 4096), (2e9, 2_000_000_000), (0, 0)])
+def test_size_examples(text, nbytes):
+    assert parse_size(text) == nbytes
+
+
+@pytest.mark.parametrize("bad", ["0.3KiB", "1.5B", "-1", "2XB", "GiB", "", True, -5, 1.5, None])
+def test_size_rejects(bad):
+    with pytest.raises(ValueError):
+        parse_size(bad)

@@ -1,0 +1,1 @@
+"""zero: the training face of zero-tiering: config, engine, ZeRO-3 partitioner, CPU-Adam, precision, checkpoints."""

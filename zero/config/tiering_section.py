@@ -1,0 +1,38 @@
+"""The `zero_tiering` section: our own settings, namespaced so a DeepSpeed file never collides with them.
+DeepSpeed rejects this section, so users add it knowingly, only to files zero-tiering reads."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .schema import Section, setting
+from .sizes import parse_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroTieringSection(Section):
+    """Tier budgets, the NVMe I/O engine, integrity checks and tracing. Sizes are bytes, or strings such as
+    "2GiB" / "512MB" parsed exactly (see sizes.py)."""
+
+    engine: Literal["auto", "libaio", "threads"] = "auto"
+    """NVMe I/O engine. "libaio": Linux kernel AIO with O_DIRECT; "threads": pread/pwrite from a thread
+    pool; "auto": libaio where the library loads and O_DIRECT works on the path, else threads (the store
+    reports which it chose and why)."""
+
+    device_budget: int | None = setting(None, convert=parse_size)
+    """Bytes of device memory the swap manager may hold; null: what the device has."""
+
+    host_budget: int | None = setting(None, convert=parse_size)
+    """Bytes of host memory the swap manager may hold; null: no cap of ours."""
+
+    nvme_budget: int | None = setting(None, convert=parse_size)
+    """Bytes the nvme store file may grow to; null: what the filesystem gives."""
+
+    checksums: bool = True
+    """Verify a checksum of every segment read back from nvme; a mismatch raises and names the segment."""
+
+    trace_path: str | None = None
+    """Write every move and compute span as Chrome trace JSON (Perfetto) to this file; null: no trace."""
+
+    prefetch: bool = True
+    """Prefetch segments along the recorded trace; false fetches each on demand (for debugging)."""

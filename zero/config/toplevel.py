@@ -1,0 +1,140 @@
+"""`Config`: a whole ds_config.json, typed, validated and with every "auto" resolved (see loader.py)."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from tiering.aio_config import AioConfig
+
+from .aio import AioSection
+from .checkpoint import CheckpointConfig
+from .errors import ConfigError
+from .optimizer import OptimizerConfig
+from .precision import BF16Config, FP16Config
+from .scheduler import SchedulerConfig
+from .schema import DISABLED, Section, Unsupported, setting
+from .tiering_section import ZeroTieringSection
+from .zero_optimization import ZeroOptimizationConfig
+
+ACTIVATION_SWITCHES = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                       "synchronize_checkpoint_boundary", "profile")
+
+
+def _activation_checkpointing_off(value: object) -> bool:
+    return value is None or (
+        isinstance(value, Mapping)
+        and not any(value.get(switch) for switch in ACTIVATION_SWITCHES)
+        and value.get("number_checkpoints") is None
+    )
+
+
+def _fp32_accumulation(value: object) -> bool:
+    return value is None or (isinstance(value, Mapping) and value.get("grad_accum_dtype") in (None, "fp32"))
+
+
+MONITORING = "logging or monitoring output only"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config(Section):
+    """A DeepSpeed config as zero-tiering runs it. Built by `load_config`, which derives the batch sizes and
+    fills "auto"; the three batch sizes here are always consistent for the world size it was given."""
+
+    train_batch_size: int = setting(ge=1)
+    """Samples per optimizer step over all ranks: micro batch * accumulation steps * world size."""
+
+    train_micro_batch_size_per_gpu: int = setting(ge=1)
+    """Samples per forward/backward on one rank."""
+
+    gradient_accumulation_steps: int = setting(ge=1)
+    """Micro-batches per optimizer step; `engine.step()` runs the optimizer on every this-many calls."""
+
+    gradient_clipping: float = setting(0.0, ge=0)
+    """Clip gradients to this global L2 norm before the step; 0: no clipping."""
+
+    fp16: FP16Config = setting(factory=FP16Config)
+    """fp16 mixed precision."""
+
+    bf16: BF16Config = setting(factory=BF16Config, aliases=("bfloat16",))
+    """bf16 mixed precision (DeepSpeed's old key `bfloat16` is accepted)."""
+
+    optimizer: OptimizerConfig | None = None
+    """The optimizer the engine builds; null: the user passes one."""
+
+    scheduler: SchedulerConfig | None = None
+    """The learning-rate schedule the engine builds; null: none, or the user passes one."""
+
+    zero_optimization: ZeroOptimizationConfig = setting(factory=ZeroOptimizationConfig)
+    """ZeRO stage and tiers."""
+
+    aio: AioSection = setting(factory=AioSection)
+    """NVMe I/O settings (see `to_aio_config`)."""
+
+    checkpoint: CheckpointConfig = setting(factory=CheckpointConfig)
+    """Checkpoint options."""
+
+    zero_tiering: ZeroTieringSection = setting(factory=ZeroTieringSection)
+    """zero-tiering's own settings: budgets, I/O engine, checksums, trace."""
+
+    prescale_gradients: bool = False
+    """Divide gradients by gradient_predivide_factor before the reduction and by world_size /
+    gradient_predivide_factor after it, instead of dividing the sum by world_size."""
+
+    gradient_predivide_factor: float = setting(1.0, gt=0)
+    """See prescale_gradients."""
+
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    """Data type of gradient reductions; null: the training precision."""
+
+    zero_allow_untested_optimizer: bool = False
+    """DeepSpeed's permission to use a user-supplied optimizer under ZeRO."""
+
+    zero_force_ds_cpu_optimizer: bool = True
+    """DeepSpeed's demand that optimizer offload run its own CPU optimizer (for us: CPU-Adam)."""
+
+    ignored: tuple[str, ...] = setting((), in_json=False)
+    """The key paths the file carried that zero-tiering accepts and ignores (see IGNORED), for a log line."""
+
+    UNSUPPORTED = {
+        "amp": Unsupported("NVIDIA Apex AMP; use fp16 or bf16", off=DISABLED),
+        "activation_checkpointing": Unsupported(
+            "DeepSpeed's activation partitioning and offload", off=_activation_checkpointing_off,
+            fix="set its switches to false or null; model-side checkpointing (torch.utils.checkpoint, "
+                "gradient_checkpointing_enable()) works without this section"),
+        "data_types": Unsupported("gradient accumulation in low precision", off=_fp32_accumulation,
+                                  fix='remove it or set "grad_accum_dtype": "fp32"'),
+        "compression_training": Unsupported("DeepSpeed Compression"),
+        "pipeline": Unsupported("pipeline parallelism"),
+        "sparse_attention": Unsupported("DeepSpeed sparse attention"),
+        "tensor_parallel": Unsupported("tensor parallelism"),
+        "weight_quantization": Unsupported("weight quantization"),
+        "sequence_parallel_size": Unsupported("sequence parallelism", off=1),
+        "fp32_allreduce": Unsupported("fp32 all-reduce of low-precision gradients", off=False),
+        "sparse_gradients": Unsupported("sparse gradients", off=False),
+        "disable_allgather": Unsupported("broadcast instead of all-gather", off=False),
+        **{name: Unsupported(what, off=DISABLED) for name, what in (
+            ("data_efficiency", "DeepSpeed Data Efficiency"),
+            ("curriculum_learning", "curriculum learning"),
+            ("elasticity", "elastic training"),
+            ("autotuning", "the autotuner"),
+            ("quantize_training", "quantization-aware training"),
+            ("progressive_layer_drop", "progressive layer drop"),
+            ("eigenvalue", "eigenvalue computation"),
+            ("hybrid_engine", "the hybrid (RLHF) engine"),
+            ("nebula", "Nebula checkpointing"),
+            ("torch_autocast", "torch.autocast inside the engine"),
+        )},
+    }
+    IGNORED = {name: MONITORING for name in (
+        "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "flops_profiler", "timers",
+        "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown")}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ConfigError("bf16.enabled", "fp16 and bf16 cannot both be enabled", value=True)
+
+    def to_aio_config(self) -> AioConfig:
+        """tiering's AioConfig: the `aio` section's settings with zero_tiering.engine."""
+        return self.aio.to_aio_config(self.zero_tiering.engine)

@@ -1,0 +1,186 @@
+"""The `zero_optimization` section: the ZeRO stage, where parameters and optimizer state live (the tiers), and
+the stage-3 prefetch and persistence knobs. Names, aliases and defaults are DeepSpeed's."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+from .errors import ConfigError
+from .schema import Section, Unsupported, setting
+
+Device = Literal["none", "cpu", "nvme"]
+
+
+def _check_nvme_path(device: str, nvme_path: str | None) -> None:
+    if device == "nvme" and not nvme_path:
+        raise ConfigError("nvme_path", 'required when device is "nvme": a directory on a local SSD')
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadParamConfig(Section):
+    """`zero_optimization.offload_param`: where stage 3 keeps this rank's low-precision parameter shards
+    between uses."""
+
+    device: Device = "none"
+    """Tier: "none" (device memory), "cpu" (host memory) or "nvme" (files under nvme_path)."""
+
+    nvme_path: str | None = None
+    """Directory on a local SSD for the nvme tier; required with device "nvme"."""
+
+    buffer_count: int = setting(5, ge=0)
+    """Host buffers staging parameter reads from nvme."""
+
+    buffer_size: int = setting(100_000_000, ge=0)
+    """Elements per staging buffer."""
+
+    max_in_cpu: int = setting(1_000_000_000, ge=0)
+    """With device "nvme": parameter elements that may stay resident in host memory in front of nvme."""
+
+    pin_memory: bool = False
+    """Page-lock the host buffers (faster, asynchronous host<->device copies)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_nvme_path(self.device, self.nvme_path)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadOptimizerConfig(Section):
+    """`zero_optimization.offload_optimizer`: where the fp32 master weights and Adam moments live; with any
+    device but "none" the optimizer step runs on the CPU (CPU-Adam)."""
+
+    device: Device = "none"
+    """Tier: "none" (device memory), "cpu" (host memory) or "nvme" (files under nvme_path)."""
+
+    nvme_path: str | None = None
+    """Directory on a local SSD for the nvme tier; required with device "nvme"."""
+
+    buffer_count: int = setting(4, ge=0)
+    """Host buffers staging optimizer state to and from nvme (DeepSpeed advises >= 4 for Adam)."""
+
+    pin_memory: bool = False
+    """Page-lock the host buffers."""
+
+    pipeline_read: bool = False
+    """Read the next sub-group's state from nvme while the current one is stepped."""
+
+    pipeline_write: bool = False
+    """Write the previous sub-group's state to nvme while the current one is stepped."""
+
+    fast_init: bool = False
+    """With device "nvme": initialize optimizer state without a read-back from nvme."""
+
+    ratio: float = setting(1.0, ge=0, le=1)
+    """Fraction of the optimizer state offloaded (stage 3 only); the rest stays on the device."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_nvme_path(self.device, self.nvme_path)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroOptimizationConfig(Section):
+    """DeepSpeed's `zero_optimization`. Stage 0: plain data parallel; 1: optimizer state sharded over ranks;
+    2: gradients too; 3: parameters too. Sizes counted in elements are elements, as in DeepSpeed."""
+
+    stage: Literal[0, 1, 2, 3] = 0
+    """The ZeRO stage."""
+
+    offload_param: OffloadParamConfig = setting(factory=OffloadParamConfig)
+    """Parameter tier (stage 3 only)."""
+
+    offload_optimizer: OffloadOptimizerConfig = setting(factory=OffloadOptimizerConfig)
+    """Optimizer-state tier."""
+
+    contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced (less fragmentation)."""
+
+    overlap_comm: bool | None = None
+    """Overlap gradient reduction with the backward; null: DeepSpeed's default, true for stage 3 only."""
+
+    reduce_scatter: bool = True
+    """Reduce gradients with reduce-scatter (each rank gets its shard) rather than all-reduce."""
+
+    reduce_bucket_size: int = setting(500_000_000, ge=0)
+    """Gradient elements reduced at once."""
+
+    allgather_partitions: bool = True
+    """After the step, gather updated shards with all-gather rather than a series of broadcasts."""
+
+    allgather_bucket_size: int = setting(500_000_000, ge=0)
+    """Parameter elements all-gathered at once (stages 1-2)."""
+
+    load_from_fp32_weights: bool = True
+    """On checkpoint load, take the fp32 master weights from the checkpoint (exact) rather than from the
+    low-precision model weights."""
+
+    elastic_checkpoint: bool = False
+    """Allow loading a stage 1-2 checkpoint saved with a different number of ranks."""
+
+    ignore_unused_parameters: bool = True
+    """Stage 1-2: parameters that get no gradient are fine; false makes them an error."""
+
+    sub_group_size: int = setting(1_000_000_000, ge=0)
+    """Parameter elements per optimizer sub-group (the unit CPU-Adam streams through host buffers)."""
+
+    prefetch_bucket_size: int = setting(50_000_000, ge=0, aliases=("stage3_prefetch_bucket_size",))
+    """Stage 3: parameter elements fetched ahead of their use along the trace."""
+
+    param_persistence_threshold: int = setting(100_000, ge=0, aliases=("stage3_param_persistence_threshold",))
+    """Stage 3: parameters with fewer elements stay resident (not partitioned)."""
+
+    model_persistence_threshold: int = setting(sys.maxsize, ge=0, aliases=("stage3_model_persistence_threshold",))
+    """Stage 3: cap on the total elements kept resident by param_persistence_threshold."""
+
+    max_live_parameters: int = setting(1_000_000_000, ge=0, aliases=("stage3_max_live_parameters",))
+    """Stage 3: cap on gathered parameter elements resident at once."""
+
+    max_reuse_distance: int = setting(1_000_000_000, ge=0, aliases=("stage3_max_reuse_distance",))
+    """Stage 3: a parameter reused within this many elements of fetches is kept rather than released."""
+
+    gather_16bit_weights_on_model_save: bool = setting(
+        False, aliases=("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"))
+    """Stage 3: gather the full low-precision weights when the model is saved."""
+
+    UNSUPPORTED = {
+        "zero_hpz_partition_size": Unsupported("ZeRO++ hierarchical partitioning", off=1),
+        "zero_quantized_weights": Unsupported("ZeRO++ quantized weights", off=False),
+        "zero_quantized_nontrainable_weights": Unsupported("ZeRO++ quantized frozen weights", off=False),
+        "zero_quantized_gradients": Unsupported("ZeRO++ quantized gradients", off=False),
+        "zeropp_loco_param": Unsupported("LoCo-ZeRO++", off=None),
+        "mics_shard_size": Unsupported("MiCS sharding", off=-1),
+        "mics_hierarchical_params_gather": Unsupported("MiCS hierarchical gather", off=False),
+        "legacy_stage1": Unsupported("the legacy stage 1 implementation", off=False),
+        "pipeline_loading_checkpoint": Unsupported("pipeline-mode checkpoint loading", off=False),
+        "cpu_offload": Unsupported("a deprecated offload switch", off=False,
+                                   fix='use "offload_optimizer": {"device": "cpu"}'),
+        "cpu_offload_param": Unsupported("a deprecated offload switch", off=False,
+                                         fix='use "offload_param": {"device": "cpu"}'),
+        "cpu_offload_use_pin_memory": Unsupported("a deprecated offload switch", off=False,
+                                                  fix="use pin_memory in offload_param / offload_optimizer"),
+    }
+    IGNORED = {
+        "round_robin_gradients": "orders DeepSpeed's stage 1-2 gradient copies to host; same values",
+        "use_multi_rank_bucket_allreduce": "DeepSpeed's choice of collective for small buckets; same sums",
+        "stage3_module_granularity_threshold": "groups small modules into one fetch; same parameters",
+        "module_granularity_threshold": "groups small modules into one fetch; same parameters",
+        "stage3_use_all_reduce_for_fetch_params": "DeepSpeed's collective for gathering; same parameters",
+        "use_all_reduce_for_fetch_params": "DeepSpeed's collective for gathering; same parameters",
+        "memory_efficient_linear": "DeepSpeed's own Linear autograd function for stage 3; same arithmetic",
+        "override_module_apply": "DeepSpeed's patch of nn.Module.apply for stage 3; ours patches nothing",
+        "log_trace_cache_warnings": "logging only",
+    }
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.overlap_comm is None:
+            object.__setattr__(self, "overlap_comm", self.stage == 3)
+        if self.offload_param.device != "none" and self.stage != 3:
+            raise ConfigError("offload_param.device",
+                              f"parameter offload needs stage 3 (stage is {self.stage})",
+                              value=self.offload_param.device)
+        if self.offload_optimizer.ratio < 1 and self.stage != 3:
+            raise ConfigError("offload_optimizer.ratio",
+                              f"partial optimizer offload needs stage 3 (stage is {self.stage})",
+                              value=self.offload_optimizer.ratio)

@@ -1,0 +1,72 @@
+"""FlatUnit: a group of parameters gathered and released together, flattened into one buffer.
+
+The unit's parameters become views into its flat buffer, so one segment moves and one collective runs
+per unit. The flat length is padded to a multiple of world_size x 1024 elements so every rank's shard has
+the same size and stays aligned for O_DIRECT I/O in any dtype.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+PAD_ELEMENTS = 1024
+
+
+class ParamSlot(NamedTuple):
+    name: str
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+class FlatUnit:
+    def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], world_size: int, rank: int):
+        self.name = name
+        self.slots: list[ParamSlot] = []
+        offset = 0
+        for pname, param in params:
+            self.slots.append(ParamSlot(pname, param, offset, param.numel(), param.shape))
+            offset += param.numel()
+        self.numel = offset
+        quantum = world_size * PAD_ELEMENTS
+        self.padded_numel = max(quantum, -(-offset // quantum) * quantum)
+        self.shard_numel = self.padded_numel // world_size
+        self.rank = rank
+        self.world_size = world_size
+
+    @property
+    def shard_start(self) -> int:
+        return self.rank * self.shard_numel
+
+    def flatten(self, out: torch.Tensor) -> torch.Tensor:
+        """Copy the parameters' current values into `out` (padded_numel elements; the padding zeroed)."""
+        for slot in self.slots:
+            out[slot.offset : slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+        out[self.numel :].zero_()
+        return out
+
+    def bind(self, flat: torch.Tensor) -> None:
+        """Make every parameter a view into `flat` (the full, gathered buffer)."""
+        for slot in self.slots:
+            slot.param.data = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def unbind(self) -> None:
+        """Drop the parameters' storage: empty placeholders of their dtype, on their device."""
+        for slot in self.slots:
+            slot.param.data = torch.empty(0, dtype=slot.param.dtype, device=slot.param.device)
+
+    def flatten_grads(self, out: torch.Tensor) -> torch.Tensor:
+        """Copy the parameters' gradients into `out` (zeros where a parameter got none); frees the grads."""
+        for slot in self.slots:
+            view = out[slot.offset : slot.offset + slot.numel]
+            grad = slot.param.grad
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(grad.reshape(-1))
+                slot.param.grad = None
+        out[self.numel :].zero_()
+        return out

@@ -1,0 +1,47 @@
+"""Wrap policy: which modules become units. By default the model's repeated blocks (the elements of its
+largest nn.ModuleList of same-class modules, e.g. transformer layers); every parameter not inside a block
+goes to one root unit. A parameter shared by several modules (tied embeddings) belongs to the first block
+that holds it, or to the root unit when no block does."""
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+Policy = Callable[[str, nn.Module], bool]
+
+
+def repeated_blocks(model: nn.Module) -> set[type[nn.Module]]:
+    """Classes of the elements of the model's largest ModuleList whose elements all share one class."""
+    best: tuple[int, type | None] = (0, None)
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > best[0]:
+            classes = {type(m) for m in module}
+            if len(classes) == 1:
+                best = (len(module), classes.pop())
+    return {best[1]} if best[1] is not None else set()
+
+
+def by_class(classes: set[type[nn.Module]]) -> Policy:
+    return lambda name, module: isinstance(module, tuple(classes))
+
+
+def split_units(model: nn.Module, policy: Policy | None = None) -> list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
+    """(unit name, the module whose forward the unit follows, its parameters) in module order; the root unit
+    (named '' and following the whole model) comes first."""
+    policy = policy or by_class(repeated_blocks(model))
+    blocks: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if name and policy(name, module) and not any(name.startswith(b + ".") for b, _ in blocks):
+            blocks.append((name, module))
+    seen: set[int] = set()
+    units = []
+    for name, module in blocks:
+        params = []
+        for pname, p in module.named_parameters(prefix=name):
+            if id(p) not in seen and p.requires_grad:
+                seen.add(id(p))
+                params.append((pname, p))
+        units.append((name, module, params))
+    root = [(n, p) for n, p in model.named_parameters() if id(p) not in seen and p.requires_grad]
+    return [("", model, root)] + [u for u in units if u[2]]
