@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from .aligned import align_up
 from .errors import BudgetExceededError
 from .handle import Handle
 from .host_pool import HostBuffer, HostBufferPool, HostPoolConfig
@@ -22,6 +23,10 @@ class DeviceBuffer:
 
     def __init__(self, storage: torch.Tensor):
         self.storage = storage
+
+    @property
+    def capacity(self) -> int:
+        return self.storage.numel()
 
     def release(self) -> None:
         self.storage = None  # the caching allocator takes it back once no stream uses it
@@ -48,21 +53,29 @@ class DeviceTier:
     def free_bytes(self) -> int | None:
         return None if self.budget is None else self.budget - self.in_use
 
+    def charge(self, nbytes: int) -> int:
+        """Bytes a copy of `nbytes` takes from the budget: the CPU stand-in's pool hands out whole 4 KiB pages,
+        and the budget counts what is really held (else its pool refuses what the budget allowed)."""
+        return align_up(max(nbytes, 1)) if self._pool is not None else max(nbytes, 1)
+
     def allocate(self, nbytes: int, what: str) -> DeviceBuffer | HostBuffer:
         """Device storage for `nbytes`; raises BudgetExceededError past the budget (callers evict first)."""
         with self._lock:
-            if self.budget is not None and self.in_use + nbytes > self.budget:
-                raise BudgetExceededError("device", self.budget, self.in_use, nbytes, what)
-            self.in_use += nbytes
+            if self.budget is not None and self.in_use + self.charge(nbytes) > self.budget:
+                raise BudgetExceededError("device", self.budget, self.in_use, self.charge(nbytes), what)
+            if self._pool is not None:
+                buffer = self._pool.acquire(nbytes, what)  # within its budget: in_use is the pool's in_use
+            else:
+                buffer = DeviceBuffer(torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device))
+            self.in_use += buffer.capacity
             self.peak = max(self.peak, self.in_use)
-        if self._pool is not None:
-            return self._pool.acquire(nbytes, what)
-        return DeviceBuffer(torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device))
+        return buffer
 
-    def free(self, buffer: DeviceBuffer | HostBuffer, nbytes: int) -> None:
+    def free(self, buffer: DeviceBuffer | HostBuffer) -> None:
+        size = buffer.capacity
         buffer.release()
         with self._lock:
-            self.in_use -= nbytes
+            self.in_use -= size
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, handle: Handle) -> None:
         """Copy `src` into `dst` (host<->device) on the mover; completes `handle` when the bytes have landed."""

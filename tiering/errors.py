@@ -31,11 +31,13 @@ class TieringConfigError(TieringError, ValueError):
 class BudgetExceededError(TieringError, MemoryError):
     """A tier's hard budget cannot hold a request, even after evicting what could be evicted."""
 
-    def __init__(self, tier: str, budget: int, in_use: int, requested: int, what: str = ""):
+    def __init__(self, tier: str, budget: int, in_use: int, requested: int, what: str = "", path: str = ""):
         self.tier, self.budget, self.in_use, self.requested, self.what = tier, budget, in_use, requested, what
+        self.path = path  # the store file, for tier 'nvme'
         target = f" for {what!r}" if what else ""
+        where = f" in {path!r}" if path else ""
         super().__init__(
-            f"{tier} budget {fmt_bytes(budget)} exhausted: {fmt_bytes(in_use)} in use, "
+            f"{tier} budget {fmt_bytes(budget)} exhausted{where}: {fmt_bytes(in_use)} in use, "
             f"{fmt_bytes(requested)} requested{target}"
         )
 

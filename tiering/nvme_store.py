@@ -144,7 +144,7 @@ class NvmeStore:
         grow = max(need, self.config.grow_step)
         if budget is not None:
             if old + need > budget:
-                raise BudgetExceededError("nvme", budget, self._extents.used_bytes, length, what)
+                raise BudgetExceededError("nvme", budget, self._extents.used_bytes, length, what, self.path)
             grow = min(grow, budget - old)
         try:
             os.posix_fallocate(self._fd, old, grow)

@@ -10,6 +10,7 @@ from typing import Iterable
 
 import torch
 
+from .aligned import align_up
 from .checksum import checksum
 from .device_tier import DeviceTier
 from .errors import (
@@ -70,11 +71,11 @@ class SwapManager:
             if name in self.segments:
                 raise ValueError(f"segment {name!r} is already registered")
             if home == "device":
-                self._room("device", seg.nbytes, seg, blocking=True, wait=True)
+                self._room("device", seg, blocking=True, wait=True)
                 seg.device = self.device_tier.allocate(seg.nbytes, name)
                 seg.state = Residency.DEVICE
             else:
-                self._room("host", seg.nbytes, seg, blocking=True, wait=True)
+                self._room("host", seg, blocking=True, wait=True)
                 seg.host = self.pool.acquire(seg.nbytes, name)
                 seg.host_current = True
             self._note_peaks()
@@ -100,8 +101,7 @@ class SwapManager:
             self._drop_host(seg)
             if seg.extent is not None:
                 self.store.free(seg.extent)
-            if seg.prefetched:
-                self._prefetched_bytes -= seg.nbytes
+            self._unprefetch(seg)
             del self.segments[name]
 
     # -- the user's calls ---------------------------------------------------------------------------------
@@ -118,9 +118,7 @@ class SwapManager:
                 self.stats.hits += 1
             else:
                 self.stats.misses += 1
-            if seg.prefetched:
-                seg.prefetched = False
-                self._prefetched_bytes -= seg.nbytes
+            self._unprefetch(seg)
         handle = self._bring(seg, tier, pin=True, blocking=True)
         self._prefetch_ahead()
         return handle
@@ -173,6 +171,7 @@ class SwapManager:
                 seg = self._get(name)
                 if seg.pins:
                     raise IllegalTransitionError(name, "evict", "unpinned", f"pinned {seg.pins} times in {seg.pinned_tier}")
+                self._unprefetch(seg)  # its prefetch is undone: no longer counts against prefetch_bytes
                 if seg.state.moving:
                     pending = seg.move
                 else:
@@ -193,11 +192,13 @@ class SwapManager:
     def prefetch(self, names: Iterable[str], tier: Tier = "device") -> Handle:
         """Start bringing segments to `tier` without pinning them, as far as room allows without waiting
         (never evicting a segment needed sooner than the one prefetched). The handle covers the moves begun."""
-        handles = []
-        for name in names:
-            with self._lock:
-                seg = self._get(name)
+        with self._lock:
+            segments = [self._get(name) for name in names]
+            for seg in segments:  # all checked before any move starts, whether or not room runs out first
                 self._check_target(seg, tier)
+        handles = []
+        for seg in segments:
+            with self._lock:
                 if seg.state.moving or seg.state.tier == tier or seg.pins:
                     continue
                 handle = self._bring(seg, tier, pin=False, blocking=False)
@@ -295,14 +296,22 @@ class SwapManager:
         need_host = seg.state == Residency.NVME and seg.host is None
         need_device = tier == "device" and seg.state != Residency.DEVICE
         horizon = None if blocking else self.trace.next_use(seg.name)
-        for needed, t in ((need_host, "host"), (need_device, "device")):
-            if needed:
-                room = self._room(t, seg.nbytes, seg, blocking=blocking, horizon=horizon)
-                if room is not True:
-                    return room
+        # Take the host buffer before making room on the device: that may move dirty device copies down to
+        # host, which must not take the room just made for `seg`.
         if need_host:
+            room = self._room("host", seg, blocking=blocking, horizon=horizon)
+            if room is not True:
+                return room
             seg.host = self.pool.acquire(seg.nbytes, seg.name)
         if need_device:
+            room = False
+            try:
+                room = self._room("device", seg, blocking=blocking, horizon=horizon)
+            finally:
+                if room is not True and need_host:
+                    self._drop_host(seg)  # nothing read into it yet; retaken on the next try
+            if room is not True:
+                return room
             seg.device = self.device_tier.allocate(seg.nbytes, seg.name)
         self._note_peaks()
         if seg.state == Residency.NVME:
@@ -374,34 +383,51 @@ class SwapManager:
         budget = self.device_tier.budget if tier == "device" else self.pool.budget
         return math.inf if budget is None else budget
 
-    def _room(self, tier: Tier, nbytes: int, protect: Segment, *, blocking: bool, horizon: float | None = None,
-              wait: bool = False) -> bool | _Wait:
-        """Evict until `nbytes` fit in `tier`. True: they fit now. _Wait: write-backs were started, wait and
-        retry (or, with `wait=True`, waited here). False: not blocking and only waiting would make room.
+    def _charge(self, tier: Tier, nbytes: int) -> int:
+        """Bytes a copy of `nbytes` takes from `tier`'s budget (host buffers are whole 4 KiB pages)."""
+        return self.device_tier.charge(nbytes) if tier == "device" else align_up(max(nbytes, 1))
+
+    def _held(self, seg: Segment, tier: Tier) -> int:
+        """Bytes `seg`'s copy in `tier` holds (a reused buffer may be larger than the segment)."""
+        return (seg.device if tier == "device" else seg.host).capacity
+
+    def _room(self, tier: Tier, seg: Segment, *, blocking: bool, horizon: float | None = None, wait: bool = False,
+              keep: tuple[Segment, ...] = ()) -> bool | _Wait:
+        """Evict until a copy of `seg` fits in `tier`, never evicting `seg` or `keep` (segments being brought
+        up, whose state must not change under them). True: it fits now. _Wait: write-backs were started, wait
+        and retry (or, with `wait=True`, waited here). False: not blocking and only waiting would make room.
         Raises BudgetExceededError when even evicting everything evictable cannot make room."""
+        nbytes = self._charge(tier, seg.nbytes)
+        keep = (seg, *keep)
         while True:
             short = self._used(tier) + nbytes - self._budget(tier)
             if short <= 0:
                 return True
             started: list[Handle] = []
-            for victim in self._victims(tier, protect):
+            blocked = None
+            for victim in self._victims(tier, keep):
                 if horizon is not None and self.trace.next_use(victim.name) <= horizon:
                     break
-                handle = self._evict_from(victim, tier, blocking)
+                freed = self._held(victim, tier)
+                try:
+                    handle = self._evict_from(victim, tier, blocking, keep)
+                except BudgetExceededError as exc:
+                    blocked = exc  # no room below for this one; the next victim may still do
+                    continue
                 if handle is None:
-                    short -= victim.nbytes
+                    short -= freed
                 elif isinstance(handle, Handle):
                     started.append(handle)
-                    short -= victim.nbytes
+                    short -= freed
                 if short <= 0:
                     break
             if short <= 0 and not started:
                 return True
             if not blocking:
                 return False  # write-backs begun (if any) make room for a later try
-            moving = [s.move for s in self.segments.values() if s.move is not None and s is not protect]
+            moving = [s.move for s in self.segments.values() if s.move is not None and s not in keep]
             if not started and not moving:
-                raise BudgetExceededError(tier, int(self._budget(tier)), self._used(tier), nbytes, protect.name)
+                raise BudgetExceededError(tier, int(self._budget(tier)), self._used(tier), nbytes, seg.name) from blocked
             pending = _Wait(gather(started or moving[:1], f"room in {tier}"))
             if not wait:
                 return pending
@@ -411,33 +437,35 @@ class SwapManager:
             finally:
                 self._lock.acquire()
 
-    def _victims(self, tier: Tier, protect: Segment) -> list[Segment]:
-        """Segments whose copy in `tier` may go, the one needed latest first (Belady), LRU before a trace."""
+    def _victims(self, tier: Tier, keep: tuple[Segment, ...]) -> list[Segment]:
+        """Segments whose copy in `tier` may go, the one needed latest first (Belady), LRU before a trace.
+        A host copy under a device copy is a cache, droppable even while the device copy is pinned."""
         out = []
         for seg in self.segments.values():
-            if seg is protect or seg.pins or seg.state.moving:
+            if seg in keep or seg.state.moving:
                 continue
-            if tier == "device" and seg.state == Residency.DEVICE and seg.home != "device":
+            if tier == "device" and seg.state == Residency.DEVICE and seg.home != "device" and not seg.pins:
                 out.append(seg)
-            elif tier == "host" and seg.host is not None and (seg.state == Residency.DEVICE or seg.home == "nvme"):
+            elif tier == "host" and seg.host is not None and (
+                    seg.state == Residency.DEVICE or (seg.state == Residency.HOST and seg.home == "nvme" and not seg.pins)):
                 out.append(seg)
         out.sort(key=lambda s: (-self.trace.next_use(s.name), s.last_use))
         return out
 
-    def _evict_from(self, seg: Segment, tier: Tier, blocking: bool) -> Handle | _Wait | bool | None:
+    def _evict_from(self, seg: Segment, tier: Tier, blocking: bool,
+                    keep: tuple[Segment, ...] = ()) -> Handle | _Wait | bool | None:
         """Free `seg`'s copy in `tier`: None if dropped at once, a Handle for the write-back begun, a _Wait or
         False if room below must be made first (see `_room`)."""
-        if seg.prefetched:
-            seg.prefetched = False
-            self._prefetched_bytes -= seg.nbytes
+        self._unprefetch(seg)
         if tier == "host" and seg.state == Residency.DEVICE:
             self._drop_host(seg)  # a cache under the device copy
             return None
-        return self._evict_step(seg, blocking)
+        return self._evict_step(seg, blocking, keep)
 
-    def _evict_step(self, seg: Segment, blocking: bool) -> Handle | _Wait | bool | None:
+    def _evict_step(self, seg: Segment, blocking: bool, keep: tuple[Segment, ...] = ()) -> Handle | _Wait | bool | None:
         """Move `seg` one tier down toward home. None: nothing to do or done at once; a Handle: the move
-        started; a _Wait (blocking) or False (not blocking): room on host must be made first."""
+        started; a _Wait (blocking) or False (not blocking): room on host must be made first (never by
+        evicting `keep`)."""
         if seg.state == Residency.DEVICE and seg.home != "device":
             if seg.host_current:
                 seg.to("drop_device_to_host")
@@ -449,7 +477,7 @@ class SwapManager:
                 self._drop_device(seg)
                 return None
             if seg.host is None:
-                room = self._room("host", seg.nbytes, seg, blocking=blocking)
+                room = self._room("host", seg, blocking=blocking, keep=keep)
                 if room is not True:
                     return room
                 seg.host = self.pool.acquire(seg.nbytes, seg.name)
@@ -542,9 +570,14 @@ class SwapManager:
         except KeyError:
             raise KeyError(f"no segment named {name!r}") from None
 
+    def _unprefetch(self, seg: Segment) -> None:
+        if seg.prefetched:
+            seg.prefetched = False
+            self._prefetched_bytes -= seg.nbytes
+
     def _drop_device(self, seg: Segment) -> None:
         if seg.device is not None:
-            self.device_tier.free(seg.device, seg.nbytes)
+            self.device_tier.free(seg.device)
             seg.device = None
 
     def _drop_host(self, seg: Segment) -> None:

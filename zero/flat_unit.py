@@ -23,8 +23,10 @@ class ParamSlot(NamedTuple):
 
 
 class FlatUnit:
-    def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], world_size: int, rank: int):
+    def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], world_size: int, rank: int,
+                 group: int = 0):
         self.name = name
+        self.group = group  # index of the param group (hyperparameters) all its parameters belong to
         self.slots: list[ParamSlot] = []
         offset = 0
         for pname, param in params:

@@ -1,0 +1,128 @@
+"""AdamDriver: steps sub-groups whose fp32 master weights, Adam moments and gradients live in the swap
+manager's tiers (device, host or nvme).
+
+Each step fetches every sub-group's four segments in the same order, so from the second step on the
+manager's trace reads the next sub-group's state ahead while the current one is updated, and releasing the
+updated state dirty lets it be written back while later ones compute. The arithmetic is `adam_step`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import math
+
+import torch
+
+from tiering import SwapManager, Tier
+
+from .adam_math import adam_step
+
+STATE = ("master", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(eq=False)
+class SubGroup:
+    """A slice of fp32 optimizer state updated at once; its segments are named `<name>/<part>`."""
+
+    name: str
+    numel: int
+    group: int
+    """Index of its param group (the hyperparameters it is stepped with)."""
+    grad_fresh: bool = True
+    """No gradient accumulated since the last step: the next accumulation overwrites instead of adding."""
+    owner: object = None
+    """The client's note of where the sub-group's weights live (the engine: unit index and offset)."""
+
+    def segment(self, part: str) -> str:
+        return f"{self.name}/{part}"
+
+
+class AdamDriver:
+    def __init__(self, manager: SwapManager, *, state_home: Tier, grad_home: Tier, work_tier: Tier):
+        self.manager = manager
+        self.state_home, self.grad_home, self.work_tier = state_home, grad_home, work_tier
+        self.sub_groups: list[SubGroup] = []
+
+    def add(self, name: str, master: torch.Tensor, group: int) -> SubGroup:
+        """Register a sub-group holding `master` (fp32, flat); moments and gradient start at zero."""
+        sg = SubGroup(name, master.numel(), group)
+        shape = (sg.numel,)
+        handles = [self.manager.register(sg.segment("master"), dtype=torch.float32, shape=shape,
+                                         home=self.state_home, data=master.reshape(-1))]
+        for part in ("exp_avg", "exp_avg_sq"):
+            handles.append(self.manager.register(sg.segment(part), dtype=torch.float32, shape=shape, home=self.state_home))
+        handles.append(self.manager.register(sg.segment("grad"), dtype=torch.float32, shape=shape, home=self.grad_home))
+        for handle in handles:
+            handle.wait()
+        self.sub_groups.append(sg)
+        return sg
+
+    def accumulate(self, sg: SubGroup, grad: torch.Tensor) -> None:
+        """Add `grad` (this sub-group's slice of the reduced fp32 gradient) to its accumulated gradient."""
+        acc = self.manager.acquire(sg.segment("grad"), self.work_tier)
+        try:
+            if sg.grad_fresh:
+                acc.copy_(grad)
+                sg.grad_fresh = False
+            else:
+                acc.add_(grad)
+        finally:
+            self.manager.release(sg.segment("grad"), dirty=True)
+
+    def grad_norms(self, pieces: Callable[[SubGroup], list[tuple[int, int, int]]]) -> list[tuple[int, torch.Tensor]]:
+        """fp32 2-norms of the accumulated gradient's pieces: `pieces(sg)` gives (start, length, key) in the
+        sub-group, and each norm comes back with its key. The engine passes one piece per parameter keyed
+        by the parameter's place in the model, so the norms are those torch's clipping computes."""
+        norms = []
+        for sg in self.sub_groups:
+            if sg.grad_fresh:
+                continue
+            acc = self.manager.acquire(sg.segment("grad"), self.work_tier)
+            norms.extend((key, torch.linalg.vector_norm(acc.narrow(0, start, length))) for start, length, key in pieces(sg))
+            self.manager.release(sg.segment("grad"))
+        return norms
+
+    def zero_grad(self) -> None:
+        for sg in self.sub_groups:
+            sg.grad_fresh = True
+
+    def step(self, groups: list[dict], step: int, grad_scale: float, clip: torch.Tensor | None,
+             output: Callable[[SubGroup], torch.Tensor | None]) -> None:
+        """One Adam step of every sub-group, with `groups[sg.group]`'s hyperparameters; `output(sg)` is where
+        the updated weights go in the compute dtype (a bf16/fp16 tensor is written in the same pass, an fp32
+        one by a copy), or None. Sub-groups that got no gradient since the last step step with zeros, as
+        torch's AdamW does for a parameter whose grad is zero. `clip` (an fp32 scalar below 1, or None)
+        multiplies the gradient first, as torch.nn.utils.clip_grad_norm_ does, so clipping rounds alike;
+        `grad_scale` (1 / loss scale) is folded into the Adam pass."""
+        manager, tier = self.manager, self.work_tier
+        for sg in self.sub_groups:
+            hyper = groups[sg.group]
+            tensors = [manager.acquire(sg.segment(part), tier) for part in ("master", "grad", "exp_avg", "exp_avg_sq")]
+            try:
+                if sg.grad_fresh:
+                    tensors[1].zero_()
+                elif clip is not None:
+                    tensors[1].mul_(clip.to(tensors[1].device))
+                out = output(sg)
+                low = out if out is not None and out.dtype in (torch.bfloat16, torch.float16) else None
+                beta1, beta2 = hyper["betas"]
+                options = dict(lr=hyper["lr"], beta1=beta1, beta2=beta2, eps=hyper["eps"],
+                               weight_decay=hyper["weight_decay"])
+                if tensors[0].is_cuda:  # optimizer state kept on the GPU (offload_optimizer none)
+                    kernel = torch._fused_adamw_ if hyper["decoupled"] else torch._fused_adam_
+                    scale = None if grad_scale == 1.0 else torch.tensor(1.0 / grad_scale, device=tensors[0].device)
+                    kernel(*([t] for t in tensors), [], [torch.tensor(float(step), device=tensors[0].device)],
+                           amsgrad=False, maximize=False, grad_scale=scale, **options)
+                    if low is not None:
+                        low.copy_(tensors[0])
+                else:
+                    adam_step(*tensors, step=step, decoupled=hyper["decoupled"], grad_scale=grad_scale, out=low,
+                              **options)
+                if out is not None and low is None:
+                    out.copy_(tensors[0])
+            finally:
+                for part in ("master", "exp_avg", "exp_avg_sq"):
+                    manager.release(sg.segment(part), dirty=True)
+                manager.release(sg.segment("grad"))  # spent: the next accumulation overwrites it
+            sg.grad_fresh = True

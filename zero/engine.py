@@ -1,0 +1,185 @@
+"""ZeroEngine: the object a training script talks to (forward, backward, step), for ZeRO stages 0-2.
+
+Parameters are grouped into units and flattened (one buffer per unit, the parameters views into it). After
+backward, each unit's gradient is reduced across ranks (all-reduce for stages 0-1, reduce-scatter for stage
+2), cast to fp32 once and accumulated into this rank's shard in its tier. At the accumulation boundary the
+AdamDriver steps the shard's sub-groups (fp32 master + moments in the tier `offload_optimizer` names),
+writes the updated weights back into the unit's buffer in the compute dtype, and the shards are all-gathered.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiering import SwapManager
+
+from .adam_driver import AdamDriver, SubGroup
+from .comm import DataParallel
+from .config import Config
+from .flat_unit import FlatUnit
+from .loss_scaler import LossScaler
+
+
+class ZeroEngine(nn.Module):
+    def __init__(self, *, module: nn.Module, config: Config, units: list[FlatUnit], flats: list[torch.Tensor],
+                 driver: AdamDriver, optimizer, lr_scheduler, dp: DataParallel, manager: SwapManager,
+                 loss_scaler: LossScaler | None, compute_dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.module = module
+        self.config = config
+        self.units, self.flats = units, flats
+        self.driver = driver
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.dp = dp
+        self.swap = manager
+        self.loss_scaler = loss_scaler
+        self.compute_dtype = compute_dtype
+        self.device = device
+        self.stage = config.zero_optimization.stage
+        self.gradient_accumulation_steps = config.gradient_accumulation_steps
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self._param_order = {id(p): i for i, p in enumerate(module.parameters())}
+        self._unit_sub_groups: list[list[tuple[SubGroup, int]]] = [[] for _ in units]
+        for sg in driver.sub_groups:
+            unit_index, start = sg.owner
+            self._unit_sub_groups[unit_index].append((sg, start))
+
+    # -- the training loop's calls ---------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward of `loss` averaged over the accumulation steps (and scaled for fp16), then each unit's
+        gradient reduced across ranks and accumulated in fp32 into this rank's shard."""
+        scaled = loss.float() / self.gradient_accumulation_steps
+        if self.loss_scaler is not None:
+            scaled = scaled * self.loss_scaler.scale
+        scaled.backward()
+        for index, (unit, flat) in enumerate(zip(self.units, self.flats)):
+            self._reduce_unit(index, unit, flat)
+        return loss
+
+    def _reduce_unit(self, index: int, unit: FlatUnit, flat: torch.Tensor) -> None:
+        """Flatten the unit's gradients, reduce them over ranks, add this rank's fp32 shard to the
+        accumulated gradient."""
+        grads = unit.flatten_grads(torch.empty(unit.padded_numel, dtype=flat.dtype, device=flat.device))
+        world = self.dp.world_size
+        if world > 1:
+            grads.div_(world)
+        if self.stage >= 2:
+            shard = torch.empty(unit.shard_numel, dtype=grads.dtype, device=grads.device)
+            self.dp.reduce_scatter_sum(grads, shard)
+        else:
+            self.dp.all_reduce_sum(grads)
+            shard = grads.narrow(0, self._shard_start(unit), self._shard_numel(unit))
+        shard = shard.to(device="cpu" if self.driver.work_tier == "host" else shard.device, dtype=torch.float32)
+        for sg, start in self._unit_sub_groups[index]:
+            self.driver.accumulate(sg, shard.narrow(0, start, sg.numel))
+
+    def _shard_start(self, unit: FlatUnit) -> int:
+        return unit.shard_start if self.stage >= 1 else 0
+
+    def _shard_numel(self, unit: FlatUnit) -> int:
+        return unit.shard_numel if self.stage >= 1 else unit.padded_numel
+
+    def step(self) -> None:
+        """Called every micro-batch; the optimizer runs at the accumulation boundary."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        grad_norm = self._grad_norm()
+        overflow = self.loss_scaler is not None and not torch.isfinite(grad_norm).item()
+        self.global_steps += 1
+        if overflow:
+            self.skipped_steps += 1
+            self.loss_scaler.update(overflow=True)
+            self.driver.zero_grad()
+            return
+        loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        self._last_grad_norm = grad_norm.item() / loss_scale
+        clip = None
+        if self.config.gradient_clipping > 0:
+            # torch.nn.utils.clip_grad_norm_'s arithmetic, in fp32, on the unscaled norm.
+            coefficient = self.config.gradient_clipping / (grad_norm / loss_scale + 1e-6)
+            if coefficient.item() < 1.0:
+                clip = coefficient
+        self.optimizer.step_count += 1
+        self.driver.step(self.optimizer.param_groups, self.optimizer.step_count, 1.0 / loss_scale, clip, self._output)
+        self._gather_params()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=False)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+
+    def _grad_norm(self) -> torch.Tensor:
+        """The global 2-norm of the accumulated (still loss-scaled) gradient, fp32, computed as torch's
+        clipping does: the norm of the per-parameter norms (per parameter piece on this rank's shard)."""
+        norms = [norm for _, norm in sorted(self.driver.grad_norms(self._param_pieces), key=lambda kn: kn[0])]
+        local = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), dtype=torch.float32)
+        if self.dp.world_size == 1:
+            return local
+        square = local.double().square().reshape(1)
+        self.dp.all_reduce_sum(square)
+        if not self._sharded_optimizer():
+            square /= self.dp.world_size  # every rank holds every gradient: counted world_size times
+        return square.sqrt().float().reshape(())
+
+    def _param_pieces(self, sg: SubGroup) -> list[tuple[int, int, int]]:
+        """(start, length, key) within `sg` of each parameter's part in it: the pieces whose norms torch takes,
+        keyed by the parameter's place in the model so they are summed in torch's order."""
+        unit_index, offset = sg.owner
+        unit = self.units[unit_index]
+        lo = self._shard_start(unit) + offset
+        hi = lo + sg.numel
+        pieces = []
+        for slot in unit.slots:
+            start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if start < end:
+                pieces.append((start - lo, end - start, self._param_order[id(slot.param)]))
+        return pieces
+
+    def _sharded_optimizer(self) -> bool:
+        return self.stage >= 1 and self.dp.world_size > 1
+
+    def _output(self, sg: SubGroup) -> torch.Tensor:
+        """Where sub-group `sg`'s updated weights go: its slice of the unit's flat buffer (this rank's part)."""
+        unit_index, start = sg.owner
+        flat = self.flats[unit_index]
+        return flat.narrow(0, self._shard_start(self.units[unit_index]) + start, sg.numel)
+
+    def _gather_params(self) -> None:
+        if not self._sharded_optimizer():
+            return
+        for unit, flat in zip(self.units, self.flats):
+            shard = flat.narrow(0, unit.shard_start, unit.shard_numel).clone()
+            self.dp.all_gather(shard, flat)
+
+    # -- what DeepSpeed's engine also answers ----------------------------------------------------------------
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return getattr(self, "_last_grad_norm", None)
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def zero_grad(self) -> None:
+        self.module.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        """Free every tier's buffers and remove the nvme store's file."""
+        self.swap.close()

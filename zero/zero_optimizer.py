@@ -1,0 +1,76 @@
+"""ZeroOptimizer: the optimizer object `initialize` hands back. It holds the param groups and their
+hyperparameters (what LR schedulers change); the arithmetic runs in the engine's AdamDriver."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from .config import Config, ConfigError
+
+ADAM_KINDS = (torch.optim.Adam, torch.optim.AdamW)
+
+
+class ZeroOptimizer:
+    """Param groups in torch's shape (`params`, `lr`, `betas`, `eps`, `weight_decay`, plus `decoupled`)."""
+
+    def __init__(self, param_groups: list[dict]):
+        self.param_groups = param_groups
+        self.step_count = 0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer({len(self.param_groups)} groups, step {self.step_count})"
+
+
+def param_groups_from(model: nn.Module, model_parameters: Iterable | None, optimizer, cfg: Config) -> list[dict]:
+    """The param groups to train, with hyperparameters from the user's optimizer or else the config.
+
+    `model_parameters` may be parameters or param-group dicts (as deepspeed.initialize takes, e.g. the
+    Hugging Face Trainer's weight-decay / no-decay split); a group's own keys override the defaults.
+    """
+    if optimizer is not None:
+        defaults, raw = _from_optimizer(optimizer)
+    else:
+        params = cfg.optimizer.params if cfg.optimizer is not None else None
+        if params is not None and not params.bias_correction:
+            raise ConfigError("optimizer.params.bias_correction", "Adam without bias correction is not supported",
+                              value=False)
+        defaults = {  # with no optimizer section: DeepSpeed's Adam defaults
+            "lr": params.lr if params else 1e-3,
+            "betas": tuple(params.betas) if params else (0.9, 0.999),
+            "eps": params.eps if params else 1e-8,
+            "weight_decay": params.weight_decay if params else 0.0,
+            "decoupled": cfg.optimizer.decoupled_weight_decay if cfg.optimizer else True,
+        }
+        raw = list(model_parameters) if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
+        if raw and not isinstance(raw[0], dict):
+            raw = [{"params": raw}]
+    groups = []
+    for group in raw:
+        merged = {**defaults, **{k: v for k, v in group.items() if k != "params"}}
+        merged["betas"] = tuple(merged["betas"])
+        merged["params"] = [p for p in group["params"] if p.requires_grad]
+        groups.append(merged)
+    return groups
+
+
+def _from_optimizer(optimizer) -> tuple[dict, list[dict]]:
+    from .cpu_adam import CPUAdam
+
+    if not isinstance(optimizer, (*ADAM_KINDS, CPUAdam)):
+        raise ConfigError("optimizer", "zero-tiering steps Adam/AdamW only: pass torch.optim.Adam, "
+                          "torch.optim.AdamW or zero.CPUAdam, or set the config's optimizer section",
+                          value=type(optimizer).__name__)
+    for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
+        if optimizer.defaults.get(flag):
+            raise ConfigError(f"optimizer.{flag}", "not supported by zero-tiering's Adam", value=True)
+    decoupled = optimizer.defaults.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
+    defaults = {k: optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
+    defaults["decoupled"] = decoupled
+    return defaults, optimizer.param_groups
