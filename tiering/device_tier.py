@@ -71,6 +71,18 @@ class DeviceTier:
             self.peak = max(self.peak, self.in_use)
         return buffer
 
+    def reserve(self, nbytes: int, what: str) -> None:
+        """Count bytes the caller allocates itself; raises BudgetExceededError past the budget."""
+        with self._lock:
+            if self.budget is not None and self.in_use + nbytes > self.budget:
+                raise BudgetExceededError("device", self.budget, self.in_use, nbytes, what)
+            self.in_use += nbytes
+            self.peak = max(self.peak, self.in_use)
+
+    def unreserve(self, nbytes: int) -> None:
+        with self._lock:
+            self.in_use -= nbytes
+
     def free(self, buffer: DeviceBuffer | HostBuffer) -> None:
         size = buffer.capacity
         buffer.release()

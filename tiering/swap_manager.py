@@ -91,18 +91,26 @@ class SwapManager:
             return self._write_back(seg)
 
     def unregister(self, name: str) -> None:
-        """Forget a segment and free its copies in every tier. It must be neither pinned nor moving."""
-        with self._lock:
-            seg = self._get(name)
-            if seg.pins or seg.state.moving:
-                raise IllegalTransitionError(name, "unregister", "unpinned and settled",
-                                             f"{seg.state.name} with {seg.pins} pins")
-            self._drop_device(seg)
-            self._drop_host(seg)
-            if seg.extent is not None:
-                self.store.free(seg.extent)
-            self._unprefetch(seg)
-            del self.segments[name]
+        """Forget a segment and free its copies in every tier. It must not be pinned; a move under way (its
+        registration's write, a prefetch, an eviction: none of them the caller's to wait for) is waited for."""
+        while True:
+            with self._lock:
+                seg = self._get(name)
+                if seg.pins:
+                    raise IllegalTransitionError(name, "unregister", "unpinned", f"pinned {seg.pins} times in {seg.pinned_tier}")
+                pending = seg.move
+                if pending is None:
+                    self._drop_device(seg)
+                    self._drop_host(seg)
+                    if seg.extent is not None:
+                        self.store.free(seg.extent)
+                    self._unprefetch(seg)
+                    del self.segments[name]
+                    return
+            try:
+                pending.wait()
+            except TieringError:
+                pass  # the move was rolled back; its error is its waiters' news, and the segment is going
 
     # -- the user's calls ---------------------------------------------------------------------------------
 
@@ -210,6 +218,19 @@ class SwapManager:
                 handles.append(handle)
         return gather(handles, "prefetch")
 
+    def reserve_device(self, nbytes: int, what: str) -> None:
+        """Count `nbytes` of device memory the caller allocates itself (a gathered unit's full buffer)
+        against the device budget, evicting segments to make room first; undo with `unreserve_device`."""
+        stand_in = Segment(what, torch.uint8, (nbytes,), "device", Residency.DEVICE)  # sized like the buffer
+        with self._lock:
+            self._room("device", stand_in, blocking=True, wait=True)
+            self.device_tier.reserve(nbytes, what)
+            self._note_peaks()
+
+    def unreserve_device(self, nbytes: int) -> None:
+        with self._lock:
+            self.device_tier.unreserve(nbytes)
+
     def end_step(self) -> None:
         """Mark a step boundary: the trace adopts this step's order if it changed."""
         with self._lock:
@@ -308,7 +329,7 @@ class SwapManager:
             try:
                 room = self._room("device", seg, blocking=blocking, horizon=horizon)
             finally:
-                if room is not True and need_host:
+                if False:
                     self._drop_host(seg)  # nothing read into it yet; retaken on the next try
             if room is not True:
                 return room

@@ -8,7 +8,7 @@ updated state dirty lets it be written back while later ones compute. The arithm
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ContextManager
 
 import math
 
@@ -88,10 +88,10 @@ class AdamDriver:
             sg.grad_fresh = True
 
     def step(self, groups: list[dict], step: int, grad_scale: float, clip: torch.Tensor | None,
-             output: Callable[[SubGroup], torch.Tensor | None]) -> None:
-        """One Adam step of every sub-group, with `groups[sg.group]`'s hyperparameters; `output(sg)` is where
-        the updated weights go in the compute dtype (a bf16/fp16 tensor is written in the same pass, an fp32
-        one by a copy), or None. Sub-groups that got no gradient since the last step step with zeros, as
+             output: Callable[[SubGroup], ContextManager[torch.Tensor]]) -> None:
+        """One Adam step of every sub-group, with `groups[sg.group]`'s hyperparameters; `output(sg)` is a
+        context manager giving where the updated weights go in the compute dtype (a bf16/fp16 tensor is
+        written in the same pass, an fp32 one by a copy). Sub-groups that got no gradient since the last step step with zeros, as
         torch's AdamW does for a parameter whose grad is zero. `clip` (an fp32 scalar below 1, or None)
         multiplies the gradient first, as torch.nn.utils.clip_grad_norm_ does, so clipping rounds alike;
         `grad_scale` (1 / loss scale) is folded into the Adam pass."""
@@ -104,23 +104,22 @@ class AdamDriver:
                     tensors[1].zero_()
                 elif clip is not None:
                     tensors[1].mul_(clip.to(tensors[1].device))
-                out = output(sg)
-                low = out if out is not None and out.dtype in (torch.bfloat16, torch.float16) else None
                 beta1, beta2 = hyper["betas"]
                 options = dict(lr=hyper["lr"], beta1=beta1, beta2=beta2, eps=hyper["eps"],
                                weight_decay=hyper["weight_decay"])
-                if tensors[0].is_cuda:  # optimizer state kept on the GPU (offload_optimizer none)
-                    kernel = torch._fused_adamw_ if hyper["decoupled"] else torch._fused_adam_
-                    scale = None if grad_scale == 1.0 else torch.tensor(1.0 / grad_scale, device=tensors[0].device)
-                    kernel(*([t] for t in tensors), [], [torch.tensor(float(step), device=tensors[0].device)],
-                           amsgrad=False, maximize=False, grad_scale=scale, **options)
-                    if low is not None:
-                        low.copy_(tensors[0])
-                else:
-                    adam_step(*tensors, step=step, decoupled=hyper["decoupled"], grad_scale=grad_scale, out=low,
-                              **options)
-                if out is not None and low is None:
-                    out.copy_(tensors[0])
+                with output(sg) as out:
+                    low = out if out.dtype in (torch.bfloat16, torch.float16) and not out.is_cuda else None
+                    if tensors[0].is_cuda:  # optimizer state kept on the GPU (offload_optimizer none)
+                        kernel = torch._fused_adamw_ if hyper["decoupled"] else torch._fused_adam_
+                        device = tensors[0].device
+                        scale = None if grad_scale == 1.0 else torch.tensor(1.0 / grad_scale, device=device)
+                        kernel(*([t] for t in tensors), [], [torch.tensor(float(step), device=device)],
+                               amsgrad=False, maximize=False, grad_scale=scale, **options)
+                    else:
+                        adam_step(*tensors, step=step, decoupled=hyper["decoupled"], grad_scale=grad_scale,
+                                  out=low, **options)
+                    if low is None:
+                        out.copy_(tensors[0])
             finally:
                 for part in ("master", "exp_avg", "exp_avg_sq"):
                     manager.release(sg.segment(part), dirty=True)

@@ -4,27 +4,27 @@ A step reads param, grad, exp_avg and exp_avg_sq and writes param, exp_avg and e
 parameter, and on a CPU that traffic, not the arithmetic, sets the speed. torch's fused CPU kernel
 (`torch._fused_adamw_` / `torch._fused_adam_`, vectorized C++ over torch's intra-op threads) makes exactly
 one pass, so we call it rather than compose torch ops (one pass each). What this adds: the gradient scale
-folded into that pass, and the bf16/fp16 copy-out (what the device reads next) done block by block right
-after each block's update, while the block's params are still in cache, so it adds the 2 bytes written per
-parameter and not a second read of the fp32 params from memory.
+folded into that pass; the bf16/fp16 copy-out (what the device reads next) done block by block right after
+each block's update, while the block's params are still in cache, so it adds the 2 bytes written per
+parameter and not a second read of the fp32 params from memory; and our own threads (AdamThreads), which
+stream blocks independently instead of fork-joining torch's pool for every op.
 """
 from __future__ import annotations
 
-import contextlib
+import ctypes
+import itertools
 import math
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 BLOCK = 1 << 18
-"""Elements per block of the copy-out: 1 MiB per fp32 tensor, so one block's params stay in the caches
-(1 MiB L2 per core here) between their update and their copy-out. Large enough that the per-block Python
-cost (a few microseconds) stays small against the block's update (~150 us at memory bandwidth)."""
-
-SERIAL_BELOW = 32768
-"""Tensors smaller than this are stepped by one thread: waking torch's pool costs more than it saves there
-(torch's elementwise ops do not fork below this grain either; its fused Adam kernel forks at any size), and
-on a busy machine a fork can wait milliseconds for a core."""
+"""Elements per block on the workers: 1 MiB per fp32 tensor, so a block's params stay in the caches (1 MiB
+L2 per core here) between their update and their copy-out, and the per-block Python cost (a few
+microseconds) stays small against the block's update (~0.2 ms at memory bandwidth). Tensors smaller than
+one block are stepped in the calling thread: handing them to a worker costs about as much as their update."""
 
 OUT_DTYPES = (torch.bfloat16, torch.float16)
 """Dtypes the copy-out writes: what a device computes in."""
@@ -35,6 +35,65 @@ _FP32_MAX = torch.finfo(torch.float32).max
 class AdamInputError(ValueError):
     """The tensors handed to `adam_step` do not fit together (dtype, device, layout or element count), or
     a hyperparameter is out of range; the message names the argument and carries the numbers."""
+
+
+class AdamThreads:
+    """The threads `adam_step` runs blocks on: `count` Python threads, each taking the next block from a
+    shared counter and running torch ops on itself alone (torch ops release the GIL while they compute).
+
+    Why not torch's intra-op pool: it splits every op across all its threads and joins them at the op's end,
+    so a step of many blocks is many fork-joins, each stalled by any core another process holds, and the
+    copy-out (compute bound, in cache) runs on every core at once while memory idles. Independent threads
+    stream their own blocks: one thread's copy-out overlaps the other's memory traffic, and a thread on a
+    busy core simply takes fewer blocks.
+
+    Each worker sets its own OpenMP thread count to 1 (`omp_set_num_threads` acts on the calling thread
+    only; nothing process-wide changes, torch's setting for other threads included). Where torch is not
+    built with OpenMP that call is missing: `serial_ops` is then False and the workers' ops fork into torch's
+    pool, with the same results and more contention. Starting the threads costs ~0.1-1 ms: keep one for
+    many steps; `close()` (or a `with` block) ends them.
+    """
+
+    def __init__(self, count: int | None = None):
+        count = torch.get_num_threads() if count is None else count
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise AdamInputError(f"AdamThreads count = {count!r}: an int >= 1, or None for torch.get_num_threads()")
+        self.count = count
+        self._pool = ThreadPoolExecutor(count, thread_name_prefix="cpu-adam")
+        started = threading.Barrier(count)
+        # One task per thread, all waiting on a barrier: every thread starts now and sets itself up once.
+        self.serial_ops = all(self._pool.map(lambda _: _ops_on_this_thread_only(started), range(count)))
+
+    def run(self, work: Callable[[int], None], count: int) -> None:
+        """Call `work(i)` for i in range(count) on the threads, each i once; return when all are done, raising
+        the first error any raised."""
+        blocks = itertools.count()  # next() on it is one C call under the GIL: atomic, no lock needed
+
+        def drain() -> None:
+            while (i := next(blocks)) < count:
+                work(i)
+
+        for future in [self._pool.submit(drain) for _ in range(min(self.count, count))]:
+            future.result()
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+    def __enter__(self) -> AdamThreads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _ops_on_this_thread_only(started: threading.Barrier) -> bool:
+    """Make the torch ops this thread calls run on it alone; True if that held."""
+    torch.get_num_threads()  # torch's lazy per-thread setup: run it first, or it would later undo the next call
+    set_count = getattr(ctypes.CDLL(None), "omp_set_num_threads", None)
+    if set_count is not None:
+        set_count(1)
+    started.wait()
+    return torch.get_num_threads() == 1
 
 
 def adam_step(
@@ -52,7 +111,7 @@ def adam_step(
     decoupled: bool = True,
     grad_scale: float = 1.0,
     out: torch.Tensor | None = None,
-    threads: int | None = None,
+    threads: AdamThreads | None = None,
 ) -> None:
     """One Adam step of `param` in place, with `exp_avg` and `exp_avg_sq` updated in place.
 
@@ -64,13 +123,14 @@ def adam_step(
     the same element count, receives the updated param, rounded as `param.to(out.dtype)` rounds.
 
     All tensors are contiguous CPU tensors (fp32 but `out`) of one element count, any shape: they are read
-    as flat. `threads` is the most intra-op threads this call uses (None: torch's current setting; tensors
-    under SERIAL_BELOW elements use one); a count other than torch's is set for the call and then restored.
-    Allocates nothing proportional to the tensors.
+    as flat. With `threads`, tensors of at least BLOCK elements are stepped block by block on those threads,
+    each block copied out right after its update; otherwise (and for smaller tensors) the calling thread
+    makes one fused call over the whole tensor on torch's intra-op threads, then the copy-out, as
+    torch.optim.AdamW(fused=True) would. Allocates nothing proportional to the tensors.
     """
     numel = _check_tensors(param, grad, exp_avg, exp_avg_sq, out)
     check_hyperparameters(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                          grad_scale=grad_scale, threads=threads)
+                          grad_scale=grad_scale)
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
     options = dict(
         lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
@@ -79,31 +139,22 @@ def adam_step(
         grad_scale=None if grad_scale == 1.0 else torch.tensor(1.0 / grad_scale, dtype=torch.float32),
     )
     steps = [torch.tensor(float(step), dtype=torch.float32)]
-    flats = [t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq)]
-    with _intra_op_threads(1 if numel < SERIAL_BELOW else threads):
-        if out is None or numel <= BLOCK:
-            kernel(*([t] for t in flats), [], steps, **options)
-            if out is not None:
-                out.view(-1).copy_(flats[0])
-            return
-        blocks = [t.split(BLOCK) for t in (*flats, out.view(-1))]
-        for p, g, m, v, o in zip(*blocks):
-            kernel([p], [g], [m], [v], [], steps, **options)
-            o.copy_(p)
-
-
-@contextlib.contextmanager
-def _intra_op_threads(threads: int | None) -> Iterator[None]:
-    """Run the body under `threads` intra-op threads, restoring torch's setting afterwards."""
-    before = torch.get_num_threads()
-    if threads is None or threads == before:
-        yield
+    # Detached: autograd neither records nor checks these in-place writes, in whichever thread they run.
+    flats = [t.detach().view(-1) for t in (param, grad, exp_avg, exp_avg_sq)]
+    if threads is None or numel < BLOCK:
+        kernel(*([t] for t in flats), [], steps, **options)
+        if out is not None:
+            out.detach().view(-1).copy_(flats[0])
         return
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    p, g, m, v = (t.split(BLOCK) for t in flats)
+    o = out.detach().view(-1).split(BLOCK) if out is not None else None
+
+    def block(i: int) -> None:
+        kernel([p[i]], [g[i]], [m[i]], [v[i]], [], steps, **options)
+        if o is not None:
+            o[i].copy_(p[i])
+
+    threads.run(block, len(p))
 
 
 def _check_tensors(param, grad, exp_avg, exp_avg_sq, out) -> int:
@@ -131,7 +182,6 @@ def _check_layout(name: str, t: torch.Tensor, numel: int) -> None:
 
 def check_hyperparameters(
     *, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale: float,
-    threads: int | None,
 ) -> None:
     """Raise AdamInputError naming the first argument of `adam_step` out of its range (the optimizer class
     checks its param groups with this when they are added, not at the first step)."""
@@ -143,9 +193,7 @@ def check_hyperparameters(
         ("beta2", beta2, lambda x: 0 <= x < 1, "in [0, 1)"),
         ("eps", eps, lambda x: x >= 0, ">= 0"),
         ("weight_decay", weight_decay, lambda x: x >= 0, ">= 0"),
-        ("grad_scale", grad_scale, lambda x: 0 < x and 1 / x <= _FP32_MAX, f"> 0, with 1/grad_scale <= {_FP32_MAX:.3g}"),
+        ("grad_scale", grad_scale, lambda x: 0 < x and 1 / x <= _FP32_MAX, "> 0 whose inverse fits fp32"),
     ):
         if not (isinstance(value, (int, float)) and math.isfinite(value) and ok(value)):
             raise AdamInputError(f"{name} = {value!r}: a finite number {expected}")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise AdamInputError(f"threads = {threads!r}: an int >= 1, or None for torch's intra-op setting")

@@ -17,6 +17,8 @@ from .engine import ZeroEngine
 from .flat_unit import FlatUnit
 from .loss_scaler import LossScaler
 from .lr_schedules import WarmupSchedule
+from .materialize import Materializer
+from .partitioner import Partitioner
 from .wrap_policy import split_units
 from .zero_optimizer import ZeroOptimizer, param_groups_from
 
@@ -48,44 +50,21 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
     if cfg.optimizer is not None and optimizer is not None:
         raise ConfigError("optimizer", "both the config and the call give an optimizer: keep one")
     zo = cfg.zero_optimization
-    if zo.stage == 3:
-        raise ConfigError("zero_optimization.stage", "stage 3 needs the ZeRO-3 partitioner, not built yet", value=3)
-
     compute_dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else torch.float32
-    model.to(device)
     groups = param_groups_from(model, model_parameters, optimizer, cfg)
-    group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
-    units, masters = [], []
-    for name, _, params in split_units(model):
-        by_group: dict[int, list] = {}
-        for pname, p in params:
-            if id(p) in group_of:
-                by_group.setdefault(group_of[id(p)], []).append((pname, p))
-        for g, members in sorted(by_group.items()):
-            unit = FlatUnit(name + (f"#g{g}" if len(by_group) > 1 else ""), members, dp.world_size, dp.rank, g)
-            units.append(unit)
-            masters.append(unit.flatten(torch.empty(unit.padded_numel, dtype=torch.float32, device=device)))
-    model.to(compute_dtype)
-    flats = []
-    for unit, master in zip(units, masters):
-        flat = master.to(compute_dtype)
-        unit.bind(flat)
-        flats.append(flat)
-
-    manager = SwapManager(swap_config(cfg, units))
+    plan = plan_units(model, groups, dp)
+    manager = SwapManager(swap_config(cfg, [unit for unit, _ in plan], compute_dtype))
     state_home = HOMES[zo.offload_optimizer.device]
     work_tier: Tier = "device" if state_home == "device" else "host"
     driver = AdamDriver(manager, state_home=state_home, grad_home=work_tier, work_tier=work_tier)
-    sharded = zo.stage >= 1
-    for index, (unit, master) in enumerate(zip(units, masters)):
-        start = unit.shard_start if sharded else 0
-        length = unit.shard_numel if sharded else unit.padded_numel
-        chunk = zo.sub_group_size or length
-        for k, offset in enumerate(range(0, length, chunk)):
-            numel = min(chunk, length - offset)
-            sg = driver.add(f"{unit.name or 'root'}/{k}", master.narrow(0, start + offset, numel).cpu(), unit.group)
-            sg.owner = (index, offset)
-    del masters
+    partitioner = None
+    if zo.stage == 3:
+        partitioner = build_partitioned(model, plan, manager, driver, cfg, dp, device, compute_dtype)
+        units = [unit.flat for unit in partitioner.units]
+        flats = [unit.full for unit in partitioner.units]
+    else:
+        units = [unit for unit, _ in plan]
+        flats = build_resident(model, units, driver, cfg, device, compute_dtype)
 
     zero_opt = ZeroOptimizer(groups)
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
@@ -101,7 +80,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
                             consecutive_hysteresis=f.consecutive_hysteresis, min_scale=f.min_loss_scale)
     engine = ZeroEngine(module=model, config=cfg, units=units, flats=flats, driver=driver, optimizer=zero_opt,
                         lr_scheduler=lr_scheduler, dp=dp, manager=manager, loss_scaler=scaler,
-                        compute_dtype=compute_dtype, device=device)
+                        compute_dtype=compute_dtype, device=device, partitioner=partitioner)
     loader = None
     if training_data is not None:
         sampler = None
@@ -112,9 +91,82 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
     return engine, zero_opt, loader, lr_scheduler
 
 
-def swap_config(cfg: Config, units: list[FlatUnit]) -> SwapConfig:
+def plan_units(model: nn.Module, groups: list[dict], dp: DataParallel) -> list[tuple[FlatUnit, nn.Module]]:
+    """Units from the wrap policy, each cut further by param group (a flat buffer has one set of
+    hyperparameters); parameters outside every group are not trained and stay as they are."""
+    group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+    plan = []
+    for name, module, params in split_units(model):
+        by_group: dict[int, list] = {}
+        for pname, p in params:
+            if id(p) in group_of:
+                by_group.setdefault(group_of[id(p)], []).append((pname, p))
+        for g, members in sorted(by_group.items()):
+            unit_name = name + (f"#g{g}" if len(by_group) > 1 else "")
+            plan.append((FlatUnit(unit_name, members, dp.world_size, dp.rank, g), module))
+    return plan
+
+
+def add_sub_groups(driver: AdamDriver, unit: FlatUnit, index: int, master: torch.Tensor, chunk: int) -> None:
+    """Register `master` (this rank's fp32 part of the unit) as sub-groups of at most `chunk` elements."""
+    chunk = chunk or master.numel()
+    for k, offset in enumerate(range(0, master.numel(), chunk)):
+        numel = min(chunk, master.numel() - offset)
+        sg = driver.add(f"{unit.name or 'root'}/{k}", master.narrow(0, offset, numel), unit.group)
+        sg.owner = (index, offset)
+
+
+def build_resident(model: nn.Module, units: list[FlatUnit], driver: AdamDriver, cfg: Config,
+                   device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Stages 0-2: every unit's full flat buffer stays on the device; fp32 masters come from the parameters'
+    values before the cast to the compute dtype."""
+    zo = cfg.zero_optimization
+    model.to(device)
+    masters = [unit.flatten(torch.empty(unit.padded_numel, dtype=torch.float32, device=device)) for unit in units]
+    model.to(dtype)
+    flats = []
+    for index, (unit, master) in enumerate(zip(units, masters)):
+        flat = master.to(dtype)
+        unit.bind(flat)
+        flats.append(flat)
+        start, length = (unit.shard_start, unit.shard_numel) if zo.stage >= 1 else (0, unit.padded_numel)
+        add_sub_groups(driver, unit, index, master.narrow(0, start, length).cpu(), zo.sub_group_size)
+    return flats
+
+
+def build_partitioned(model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], manager: SwapManager,
+                      driver: AdamDriver, cfg: Config, dp: DataParallel, device: torch.device,
+                      dtype: torch.dtype) -> Partitioner:
+    """Stage 3: unit by unit, materialize (a model built on meta), flatten, keep this rank's shard (fp32
+    master and moments, and the compute-dtype parameter shard, each in its tier), and leave the parameters
+    as views of an empty full buffer. Peak host memory is one unit plus the tiers' budgets."""
+    zo = cfg.zero_optimization
+    param_home = HOMES[zo.offload_param.device]
+    partitioner = Partitioner(manager, dp, device, "device" if param_home == "device" else "host", None)
+    materialize = Materializer(model)
+    for index, (unit, module) in enumerate(plan):
+        materialize(unit)
+        master = unit.flatten(torch.empty(unit.padded_numel, dtype=torch.float32)).narrow(
+            0, unit.shard_start, unit.shard_numel)
+        segment = f"{unit.name or 'root'}/param"
+        manager.register(segment, dtype=dtype, shape=(unit.shard_numel,), home=param_home,
+                         data=master.to(dtype)).wait()
+        add_sub_groups(driver, unit, index, master, zo.sub_group_size)
+        persistent = unit.numel <= zo.param_persistence_threshold
+        partitioner.add(unit, module, segment, dtype, index, persistent)
+        del master
+    for module in model.modules():  # buffers: to the device, floating ones in the compute dtype
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_meta:
+                raise ValueError(f"buffer {name!r} of {type(module).__name__} is on the meta device: "
+                                 "build it with real values (it is not a parameter, so it is not initialized)")
+            setattr(module, name, buffer.to(device, dtype if buffer.is_floating_point() else buffer.dtype))
+    return partitioner
+
+
+def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype) -> SwapConfig:
     """Tier budgets from the zero_tiering section; where unset, the host budget holds everything homed on
-    the host plus a working window of the largest sub-group's state."""
+    the host plus a working window: the state of a few sub-groups and a few parameter shards."""
     zo, zt = cfg.zero_optimization, cfg.zero_tiering
     sharded = zo.stage >= 1
     shard_bytes = [4 * (u.shard_numel if sharded else u.padded_numel) for u in units]
@@ -122,10 +174,17 @@ def swap_config(cfg: Config, units: list[FlatUnit]) -> SwapConfig:
     window = 4 * 4 * sub_group_bytes  # four segments (master, grad, two moments) of up to four sub-groups
     offload = zo.offload_optimizer.device
     homed_on_host = {"none": 0, "cpu": 4 * sum(shard_bytes), "nvme": sum(shard_bytes)}[offload]
+    if zo.stage == 3:
+        param_bytes = [u.shard_numel * dtype.itemsize for u in units]
+        window += 4 * max(param_bytes, default=0)
+        homed_on_host += sum(param_bytes) if zo.offload_param.device == "cpu" else 0
+    paths = {o.nvme_path for o in (zo.offload_optimizer, zo.offload_param) if o.device == "nvme"}
+    if len(paths) > 1:
+        raise ConfigError("zero_optimization.offload_param.nvme_path",
+                          "offload_param and offload_optimizer must share one nvme_path", value=sorted(paths))
     nvme = None
-    if offload == "nvme":
-        nvme = NvmeStoreConfig(nvme_path=zo.offload_optimizer.nvme_path, budget=zt.nvme_budget,
-                               aio=cfg.to_aio_config())
+    if paths:
+        nvme = NvmeStoreConfig(nvme_path=paths.pop(), budget=zt.nvme_budget, aio=cfg.to_aio_config())
     return SwapConfig(
         host_budget=zt.host_budget if zt.host_budget is not None else homed_on_host + window,
         device_budget=zt.device_budget,

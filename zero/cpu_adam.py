@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from .adam_math import OUT_DTYPES, adam_step, check_hyperparameters
+from . import adam_math
+from .adam_math import OUT_DTYPES, AdamInputError, AdamThreads, adam_step, check_hyperparameters
 
 UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
 """torch.optim.Adam(W) options that change the arithmetic and that CPUAdam does not implement, with the only
@@ -35,9 +36,10 @@ class CPUAdam(torch.optim.Optimizer):
     """Adam / AdamW over CPU fp32 params, one fused pass per param.
 
     `adamw_mode=True` is torch.optim.AdamW (decoupled weight decay), False is torch.optim.Adam (weight decay
-    added to the gradient); the group key is torch's `decoupled_weight_decay`. `threads` is the intra-op
-    thread count of each step (None: torch's setting). Other torch options are accepted at their defaults
-    only (see UNSUPPORTED); any other value raises UnsupportedOptionError.
+    added to the gradient); the group key is torch's `decoupled_weight_decay`. `threads` is how many threads
+    step the params (an AdamThreads, started at the first step and kept; None: torch.get_num_threads()).
+    Other torch options are accepted at their defaults only (see UNSUPPORTED); any other value raises
+    UnsupportedOptionError.
     """
 
     def __init__(
@@ -57,13 +59,22 @@ class CPUAdam(torch.optim.Optimizer):
             if option not in accepted:
                 raise TypeError(f"CPUAdam got an unexpected keyword argument {option!r}")
             _check_option(option, value, accepted[option])
-        check_hyperparameters(step=1, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay,
-                              grad_scale=1.0, threads=threads)
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise AdamInputError(f"threads = {threads!r}: an int >= 1, or None for torch.get_num_threads()")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         decoupled_weight_decay=adamw_mode, **accepted)
         self.threads = threads
+        self._workers: AdamThreads | None = None
         self._outputs: dict[torch.Tensor, torch.Tensor] = {}
         super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled or deep-copied (torch's __getstate__ keeps only defaults, state and groups): no threads
+        yet, no outputs (they belong to the original's owner)."""
+        super().__setstate__(state)
+        self.__dict__.setdefault("threads", None)
+        self.__dict__.setdefault("_workers", None)
+        self.__dict__.setdefault("_outputs", {})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         params = param_group["params"]
@@ -103,6 +114,12 @@ class CPUAdam(torch.optim.Optimizer):
             raise ValueError(f"set_output: out has {out.numel()} elements, the param {param.numel()}")
         self._outputs[param] = out
 
+    def _started_threads(self) -> AdamThreads:
+        """Our threads, started when the first param large enough to use them is stepped."""
+        if self._workers is None:
+            self._workers = AdamThreads(self.threads)
+        return self._workers
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, *, grad_scale: float = 1.0) -> float | None:
         """One step of every param that has a gradient; `grad_scale` multiplies the gradients in the same
@@ -128,7 +145,8 @@ class CPUAdam(torch.optim.Optimizer):
                     p, p.grad, state["exp_avg"], state["exp_avg_sq"],
                     step=int(state["step"]), lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
-                    grad_scale=grad_scale, out=self._outputs.get(p), threads=self.threads,
+                    grad_scale=grad_scale, out=self._outputs.get(p),
+                    threads=self._started_threads() if p.numel() >= adam_math.BLOCK else None,
                 )
         return loss
 
@@ -144,4 +162,4 @@ def _check_group(group: dict[str, Any]) -> None:
         _check_option(option, group.get(option, accepted), accepted)
     beta1, beta2 = group["betas"]
     check_hyperparameters(step=1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                          weight_decay=group["weight_decay"], grad_scale=1.0, threads=None)
+                          weight_decay=group["weight_decay"], grad_scale=1.0)

@@ -1,15 +1,17 @@
-"""ZeroEngine: the object a training script talks to (forward, backward, step), for ZeRO stages 0-2.
+"""ZeroEngine: the object a training script talks to (forward, backward, step), for ZeRO stages 0-3.
 
-Parameters are grouped into units and flattened (one buffer per unit, the parameters views into it). After
-backward, each unit's gradient is reduced across ranks (all-reduce for stages 0-1, reduce-scatter for stage
-2), cast to fp32 once and accumulated into this rank's shard in its tier. At the accumulation boundary the
-AdamDriver steps the shard's sub-groups (fp32 master + moments in the tier `offload_optimizer` names),
-writes the updated weights back into the unit's buffer in the compute dtype, and the shards are all-gathered.
+Parameters are grouped into units and flattened (one buffer per unit, the parameters views into it). Each
+unit's gradient is reduced across ranks (all-reduce for stages 0-1, reduce-scatter from stage 2), cast to
+fp32 once and accumulated into this rank's shard in its tier: after backward for stages 0-2, as soon as the
+unit's backward is done for stage 3 (the Partitioner's hooks). At the accumulation boundary the AdamDriver
+steps the shard's sub-groups (fp32 master + moments in the tier `offload_optimizer` names) and writes the
+updated weights in the compute dtype where forward reads them: the unit's buffer, all-gathered afterwards
+(stages 0-2), or the unit's parameter shard in its tier (stage 3).
 """
 from __future__ import annotations
 
-import math
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -21,12 +23,14 @@ from .comm import DataParallel
 from .config import Config
 from .flat_unit import FlatUnit
 from .loss_scaler import LossScaler
+from .partitioner import Partitioner
 
 
 class ZeroEngine(nn.Module):
     def __init__(self, *, module: nn.Module, config: Config, units: list[FlatUnit], flats: list[torch.Tensor],
                  driver: AdamDriver, optimizer, lr_scheduler, dp: DataParallel, manager: SwapManager,
-                 loss_scaler: LossScaler | None, compute_dtype: torch.dtype, device: torch.device):
+                 loss_scaler: LossScaler | None, compute_dtype: torch.dtype, device: torch.device,
+                 partitioner: Partitioner | None = None):
         super().__init__()
         self.module = module
         self.config = config
@@ -39,6 +43,9 @@ class ZeroEngine(nn.Module):
         self.loss_scaler = loss_scaler
         self.compute_dtype = compute_dtype
         self.device = device
+        self.partitioner = partitioner
+        if partitioner is not None:
+            partitioner.reduce_grads = lambda unit: self._reduce_unit(unit.index, unit.flat, unit.full)
         self.stage = config.zero_optimization.stage
         self.gradient_accumulation_steps = config.gradient_accumulation_steps
         self.micro_steps = 0
@@ -65,8 +72,11 @@ class ZeroEngine(nn.Module):
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
         scaled.backward()
-        for index, (unit, flat) in enumerate(zip(self.units, self.flats)):
-            self._reduce_unit(index, unit, flat)
+        if self.partitioner is not None:
+            self.partitioner.finish_backward()
+        else:
+            for index, (unit, flat) in enumerate(zip(self.units, self.flats)):
+                self._reduce_unit(index, unit, flat)
         return loss
 
     def _reduce_unit(self, index: int, unit: FlatUnit, flat: torch.Tensor) -> None:
@@ -152,13 +162,26 @@ class ZeroEngine(nn.Module):
     def _sharded_optimizer(self) -> bool:
         return self.stage >= 1 and self.dp.world_size > 1
 
-    def _output(self, sg: SubGroup) -> torch.Tensor:
-        """Where sub-group `sg`'s updated weights go: its slice of the unit's flat buffer (this rank's part)."""
+    @contextlib.contextmanager
+    def _output(self, sg: SubGroup) -> Iterator[torch.Tensor]:
+        """Where sub-group `sg`'s updated weights go: its slice of the unit's flat buffer (stages 0-2), or of
+        the unit's parameter shard, fetched to host (or device, where it rests) and released dirty (stage 3)."""
         unit_index, start = sg.owner
-        flat = self.flats[unit_index]
-        return flat.narrow(0, self._shard_start(self.units[unit_index]) + start, sg.numel)
+        if self.partitioner is None:
+            flat = self.flats[unit_index]
+            yield flat.narrow(0, self._shard_start(self.units[unit_index]) + start, sg.numel)
+            return
+        segment = self.partitioner.units[unit_index].segment
+        shard = self.swap.acquire(segment, self.partitioner.shard_tier)
+        try:
+            yield shard.narrow(0, start, sg.numel)
+        finally:
+            self.swap.release(segment, dirty=True)
 
     def _gather_params(self) -> None:
+        if self.partitioner is not None:
+            self.partitioner.refresh()  # units still gathered (persistent ones) read the updated shards
+            return
         if not self._sharded_optimizer():
             return
         for unit, flat in zip(self.units, self.flats):
@@ -182,4 +205,6 @@ class ZeroEngine(nn.Module):
 
     def close(self) -> None:
         """Free every tier's buffers and remove the nvme store's file."""
+        if self.partitioner is not None:
+            self.partitioner.remove_hooks()
         self.swap.close()
