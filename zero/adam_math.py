@@ -15,16 +15,15 @@ import ctypes
 import itertools
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 BLOCK = 1 << 18
-"""Elements per block on the workers: 1 MiB per fp32 tensor, so a block's params stay in the caches (1 MiB
+"""Elements per block on our threads: 1 MiB per fp32 tensor, so a block's params stay in the caches (1 MiB
 L2 per core here) between their update and their copy-out, and the per-block Python cost (a few
-microseconds) stays small against the block's update (~0.2 ms at memory bandwidth). Tensors smaller than
-one block are stepped in the calling thread: handing them to a worker costs about as much as their update."""
+microseconds) stays small against the block's update (~0.2 ms at memory bandwidth)."""
 
 OUT_DTYPES = (torch.bfloat16, torch.float16)
 """Dtypes the copy-out writes: what a device computes in."""
@@ -38,8 +37,8 @@ class AdamInputError(ValueError):
 
 
 class AdamThreads:
-    """The threads `adam_step` runs blocks on: `count` Python threads, each taking the next block from a
-    shared counter and running torch ops on itself alone (torch ops release the GIL while they compute).
+    """The threads `adam_step` runs on: `count` Python threads, each taking the next undone block and running
+    its torch ops on itself alone (torch ops release the GIL while they compute).
 
     Why not torch's intra-op pool: it splits every op across all its threads and joins them at the op's end,
     so a step of many blocks is many fork-joins, each stalled by any core another process holds, and the
@@ -64,16 +63,16 @@ class AdamThreads:
         # One task per thread, all waiting on a barrier: every thread starts now and sets itself up once.
         self.serial_ops = all(self._pool.map(lambda _: _ops_on_this_thread_only(started), range(count)))
 
-    def run(self, work: Callable[[int], None], count: int) -> None:
-        """Call `work(i)` for i in range(count) on the threads, each i once; return when all are done, raising
-        the first error any raised."""
-        blocks = itertools.count()  # next() on it is one C call under the GIL: atomic, no lock needed
+    def run(self, work: Sequence[Callable[[], None]]) -> None:
+        """Call each of `work` once, on the threads, each thread taking the next undone one; return when all
+        are done, raising the first error any raised."""
+        pending = iter(work)  # next() on a list iterator is one C call under the GIL: atomic, no lock needed
 
         def drain() -> None:
-            while (i := next(blocks)) < count:
-                work(i)
+            for item in pending:
+                item()
 
-        for future in [self._pool.submit(drain) for _ in range(min(self.count, count))]:
+        for future in [self._pool.submit(drain) for _ in range(min(self.count, len(work)))]:
             future.result()
 
     def close(self) -> None:
@@ -123,41 +122,78 @@ def adam_step(
     the same element count, receives the updated param, rounded as `param.to(out.dtype)` rounds.
 
     All tensors are contiguous CPU tensors (fp32 but `out`) of one element count, any shape: they are read
-    as flat. With `threads`, tensors of at least BLOCK elements are stepped block by block on those threads,
-    each block copied out right after its update; otherwise (and for smaller tensors) the calling thread
-    makes one fused call over the whole tensor on torch's intra-op threads, then the copy-out, as
-    torch.optim.AdamW(fused=True) would. Allocates nothing proportional to the tensors.
+    as flat. With `threads`, the step runs on those threads, block by block (`adam_blocks`). Without, the
+    calling thread makes one fused call over the whole tensor on torch's intra-op threads, then the
+    copy-out, as torch.optim.AdamW(fused=True) would. Allocates nothing proportional to the tensors.
     """
-    numel = _check_tensors(param, grad, exp_avg, exp_avg_sq, out)
+    hyper = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                 decoupled=decoupled, grad_scale=grad_scale)
+    if threads is not None:
+        threads.run(adam_blocks(param, grad, exp_avg, exp_avg_sq, out=out, **hyper))
+        return
+    kernel, options, flats, flat_out = _prepare(param, grad, exp_avg, exp_avg_sq, out, **hyper)
+    kernel(*([t] for t in flats), **options)
+    if flat_out is not None:
+        flat_out.copy_(flats[0])
+
+
+def adam_blocks(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float = 0.0,
+    decoupled: bool = True,
+    grad_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+) -> list[Callable[[], None]]:
+    """`adam_step` (same arguments, checked now) as independent pieces of work, one per BLOCK elements:
+    each updates its block and then copies it out, while it is in cache. Run them in any order, on any
+    threads, each once (`AdamThreads.run`); an optimizer with many params runs all its params' blocks in
+    one go, so small params do not each pay a hand-off to the threads."""
+    kernel, options, flats, flat_out = _prepare(param, grad, exp_avg, exp_avg_sq, out, step=step, lr=lr,
+                                                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                                                decoupled=decoupled, grad_scale=grad_scale)
+    p, g, m, v = (t.split(BLOCK) for t in flats)
+    o = flat_out.split(BLOCK) if flat_out is not None else [None] * len(p)
+
+    def block(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, o: torch.Tensor | None):
+        def run() -> None:
+            kernel([p], [g], [m], [v], **options)
+            if o is not None:
+                o.copy_(p)
+        return run
+
+    return [block(*views) for views in zip(p, g, m, v, o)]
+
+
+def _prepare(param, grad, exp_avg, exp_avg_sq, out, *, step, lr, beta1, beta2, eps, weight_decay, decoupled,
+             grad_scale):
+    """Check the arguments; return the fused kernel, its keyword arguments, the four fp32 tensors and `out`
+    as flat views (or None)."""
+    _check_tensors(param, grad, exp_avg, exp_avg_sq, out)
     check_hyperparameters(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                           grad_scale=grad_scale)
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
     options = dict(
+        max_exp_avg_sqs=[], state_steps=[torch.tensor(float(step), dtype=torch.float32)],
         lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
         # The kernel divides by grad_scale: multiplying by the factor is dividing by its inverse. At 1.0 no
         # scale is passed, so the unscaled path is exactly torch's and grad is not written.
         grad_scale=None if grad_scale == 1.0 else torch.tensor(1.0 / grad_scale, dtype=torch.float32),
     )
-    steps = [torch.tensor(float(step), dtype=torch.float32)]
     # Detached: autograd neither records nor checks these in-place writes, in whichever thread they run.
     flats = [t.detach().view(-1) for t in (param, grad, exp_avg, exp_avg_sq)]
-    if threads is None or numel < BLOCK:
-        kernel(*([t] for t in flats), [], steps, **options)
-        if out is not None:
-            out.detach().view(-1).copy_(flats[0])
-        return
-    p, g, m, v = (t.split(BLOCK) for t in flats)
-    o = out.detach().view(-1).split(BLOCK) if out is not None else None
-
-    def block(i: int) -> None:
-        kernel([p[i]], [g[i]], [m[i]], [v[i]], [], steps, **options)
-        if o is not None:
-            o[i].copy_(p[i])
-
-    threads.run(block, len(p))
+    return kernel, options, flats, out.detach().view(-1) if out is not None else None
 
 
-def _check_tensors(param, grad, exp_avg, exp_avg_sq, out) -> int:
+def _check_tensors(param, grad, exp_avg, exp_avg_sq, out) -> None:
     numel = param.numel()
     for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         if t.dtype != torch.float32:
@@ -167,7 +203,6 @@ def _check_tensors(param, grad, exp_avg, exp_avg_sq, out) -> int:
         if out.dtype not in OUT_DTYPES:
             raise AdamInputError(f"out is {out.dtype}: the copy-out writes one of {OUT_DTYPES}")
         _check_layout("out", out, numel)
-    return numel
 
 
 def _check_layout(name: str, t: torch.Tensor, numel: int) -> None:

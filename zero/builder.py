@@ -155,6 +155,7 @@ def build_partitioned(model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], 
         persistent = unit.numel <= zo.param_persistence_threshold
         partitioner.add(unit, module, segment, dtype, index, persistent)
         del master
+    partitioner.model_hooks.append(model._register_state_dict_hook(partitioner.state_dict_hook(model)))
     for module in model.modules():  # buffers: to the device, floating ones in the compute dtype
         for name, buffer in module.named_buffers(recurse=False):
             if buffer.is_meta:

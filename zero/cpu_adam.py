@@ -12,8 +12,7 @@ from typing import Any
 
 import torch
 
-from . import adam_math
-from .adam_math import OUT_DTYPES, AdamInputError, AdamThreads, adam_step, check_hyperparameters
+from .adam_math import OUT_DTYPES, AdamInputError, AdamThreads, adam_blocks, check_hyperparameters
 
 UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
 """torch.optim.Adam(W) options that change the arithmetic and that CPUAdam does not implement, with the only
@@ -38,6 +37,7 @@ class CPUAdam(torch.optim.Optimizer):
     `adamw_mode=True` is torch.optim.AdamW (decoupled weight decay), False is torch.optim.Adam (weight decay
     added to the gradient); the group key is torch's `decoupled_weight_decay`. `threads` is how many threads
     step the params (an AdamThreads, started at the first step and kept; None: torch.get_num_threads()).
+    Its threads end when the optimizer is garbage-collected, or at `close()`.
     Other torch options are accepted at their defaults only (see UNSUPPORTED); any other value raises
     UnsupportedOptionError.
     """
@@ -86,6 +86,12 @@ class CPUAdam(torch.optim.Optimizer):
                                  f"(shape {tuple(p.shape)})")
         super().add_param_group({**param_group, "params": params})
 
+    def close(self) -> None:
+        """End the threads now (a later step starts new ones)."""
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state_dict of ours or of torch.optim.Adam(W); groups using options we lack raise."""
         for group in state_dict["param_groups"]:
@@ -114,20 +120,16 @@ class CPUAdam(torch.optim.Optimizer):
             raise ValueError(f"set_output: out has {out.numel()} elements, the param {param.numel()}")
         self._outputs[param] = out
 
-    def _started_threads(self) -> AdamThreads:
-        """Our threads, started when the first param large enough to use them is stepped."""
-        if self._workers is None:
-            self._workers = AdamThreads(self.threads)
-        return self._workers
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, *, grad_scale: float = 1.0) -> float | None:
         """One step of every param that has a gradient; `grad_scale` multiplies the gradients in the same
-        pass (when it is not 1 they are left holding the scaled values)."""
+        pass (when it is not 1 they are left holding the scaled values). All params' blocks go to the
+        threads at once, so small params cost no hand-off each."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        work = []
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -140,14 +142,17 @@ class CPUAdam(torch.optim.Optimizer):
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                state["step"] += 1
-                adam_step(
+                work += adam_blocks(
                     p, p.grad, state["exp_avg"], state["exp_avg_sq"],
-                    step=int(state["step"]), lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                    step=int(state["step"]) + 1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
                     grad_scale=grad_scale, out=self._outputs.get(p),
-                    threads=self._started_threads() if p.numel() >= adam_math.BLOCK else None,
                 )
+                state["step"] += 1
+        if work:
+            if self._workers is None:
+                self._workers = AdamThreads(self.threads)
+            self._workers.run(work)
         return loss
 
 

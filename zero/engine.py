@@ -188,6 +188,48 @@ class ZeroEngine(nn.Module):
             shard = flat.narrow(0, unit.shard_start, unit.shard_numel).clone()
             self.dp.all_gather(shard, flat)
 
+    # -- full parameters on demand ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, params: list[nn.Parameter] | None = None, modify: bool = False):
+        """Inside the block the given parameters (default: all) hold their full values, as DeepSpeed's
+        GatheredParameters gives them. With `modify=True` the values they hold on exit become the model's:
+        the fp32 masters (and, for stage 3, the parameter shards) are rewritten; every rank must make the same
+        change. Moments are kept."""
+        wanted = None if params is None else {id(p) for p in params}
+        chosen = [i for i, unit in enumerate(self.units)
+                  if wanted is None or any(id(slot.param) in wanted for slot in unit.slots)]
+        if self.partitioner is not None:
+            for i in chosen:
+                self.partitioner.gather(self.partitioner.units[i])
+        try:
+            yield
+            if modify:
+                for i in chosen:
+                    self._adopt_full_values(i)
+        finally:
+            if self.partitioner is not None:
+                for i in chosen:
+                    self.partitioner.release(self.partitioner.units[i])
+
+    def _adopt_full_values(self, index: int) -> None:
+        """Make unit `index`'s full buffer the truth: copy this rank's part into the masters and shard."""
+        unit, flat = self.units[index], self.flats[index]
+        shard = flat.narrow(0, self._shard_start(unit), self._shard_numel(unit))
+        for sg, start in self._unit_sub_groups[index]:
+            master = self.swap.acquire(sg.segment("master"), self.driver.work_tier)
+            master.copy_(shard.narrow(0, start, sg.numel))
+            self.swap.release(sg.segment("master"), dirty=True)
+        if self.partitioner is not None:
+            segment = self.partitioner.units[index].segment
+            self.swap.acquire(segment, self.partitioner.shard_tier).copy_(shard)
+            self.swap.release(segment, dirty=True)
+
+    def module_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state_dict with real tensors (gathered unit by unit under stage 3); tied parameters
+        appear under every name, as torch's state_dict lists them."""
+        return self.module.state_dict()
+
     # -- what DeepSpeed's engine also answers ----------------------------------------------------------------
 
     def get_lr(self) -> list[float]:

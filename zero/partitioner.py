@@ -62,6 +62,7 @@ class Partitioner:
         self.reduce_grads = reduce_grads
         """engine callback: (unit, flat gradient in the compute dtype) -> accumulate this rank's shard."""
         self.units: list[PartitionedUnit] = []
+        self.model_hooks: list = []
 
     def add(self, flat: FlatUnit, module: nn.Module, segment: str, dtype: torch.dtype, index: int,
             persistent: bool) -> PartitionedUnit:
@@ -163,7 +164,29 @@ class Partitioner:
             if unit.backward_armed:
                 self._finish_backward(unit)
 
+    def state_dict_hook(self, model: nn.Module):
+        """A state_dict hook for `model` that fills the entries of partitioned parameters with their full
+        values, one unit gathered at a time (the entries torch put there are views of empty storage)."""
+        def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+            keys: dict[int, list[str]] = {}
+            for name, p in model.named_parameters(remove_duplicate=False):
+                keys.setdefault(id(p), []).append(prefix + name)
+            for unit in self.units:
+                self.gather(unit)
+                try:
+                    for slot in unit.flat.slots:
+                        value = slot.param.detach().clone()
+                        for key in keys.get(id(slot.param), ()):
+                            if key in state_dict:
+                                state_dict[key] = value
+                finally:
+                    self.release(unit)
+        return hook
+
     def remove_hooks(self) -> None:
+        for hook in self.model_hooks:
+            hook.remove()
+        self.model_hooks.clear()
         for unit in self.units:
             for hook in unit.hooks:
                 hook.remove()
