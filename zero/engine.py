@@ -249,4 +249,6 @@ class ZeroEngine(nn.Module):
         """Free every tier's buffers and remove the nvme store's file."""
         if self.partitioner is not None:
             self.partitioner.remove_hooks()
+        if self.config.zero_tiering.trace_path:
+            self.swap.write_chrome_trace(self.config.zero_tiering.trace_path)
         self.swap.close()

@@ -1,0 +1,55 @@
+"""Training data for the command: the user's text files, or by default the bytes of this Python's standard
+library sources (present on every machine with Python), read as byte-level tokens."""
+from __future__ import annotations
+
+import os
+import sysconfig
+
+import torch
+
+
+def default_corpus(limit: int = 64 << 20) -> torch.Tensor:
+    """Up to `limit` bytes of the standard library's .py files, in a fixed order, as uint8 tokens."""
+    root = sysconfig.get_paths()["stdlib"]
+    chunks, total = [], 0
+    for directory, subdirs, files in sorted(os.walk(root)):
+        subdirs[:] = sorted(d for d in subdirs if d not in ("site-packages", "test", "tests", "__pycache__"))
+        for name in sorted(files):
+            if name.endswith(".py"):
+                with open(os.path.join(directory, name), "rb") as f:
+                    data = f.read()
+                chunks.append(data)
+                total += len(data)
+                if total >= limit:
+                    return _tokens(chunks)[:limit]
+    return _tokens(chunks)
+
+
+def text_files(paths: list[str]) -> torch.Tensor:
+    chunks = []
+    for path in paths:
+        with open(path, "rb") as f:
+            chunks.append(f.read())
+    tokens = _tokens(chunks)
+    if tokens.numel() < 2:
+        raise ValueError(f"the data files {paths} hold {tokens.numel()} bytes: need at least 2")
+    return tokens
+
+
+def _tokens(chunks: list[bytes]) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+
+
+class Batches:
+    """Random windows of seq_len + 1 tokens (inputs and next-token targets), from a seeded generator."""
+
+    def __init__(self, tokens: torch.Tensor, batch: int, seq_len: int, seed: int = 0):
+        if tokens.numel() <= seq_len + 1:
+            raise ValueError(f"corpus of {tokens.numel()} tokens is shorter than seq_len + 2 = {seq_len + 2}")
+        self.tokens, self.batch, self.seq_len = tokens, batch, seq_len
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(0, self.tokens.numel() - self.seq_len - 1, (self.batch,), generator=self.generator)
+        windows = torch.stack([self.tokens[s : s + self.seq_len + 1] for s in starts.tolist()]).long()
+        return windows[:, :-1], windows[:, 1:]
