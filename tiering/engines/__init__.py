@@ -40,4 +40,9 @@ def choose_engine(config: AioConfig, path: str, direct_io: bool, direct_io_detai
             ThreadsEngine(config), f"auto: no O_DIRECT on {path} ({direct_io_detail}); using threads, buffered"
         )
     why = "requested" if config.engine == "libaio" else "auto: libaio loads and O_DIRECT works"
-    return EngineChoice(LibaioEngine(config), f"libaio ({why})")
+    try:
+        return EngineChoice(LibaioEngine(config), f"libaio ({why})")
+    except EngineUnavailableError as exc:
+        if config.engine == "libaio":
+            raise
+        return EngineChoice(ThreadsEngine(config), f"auto: {exc}; using threads")

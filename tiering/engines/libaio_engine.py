@@ -10,7 +10,7 @@ import threading
 from collections import deque
 
 from ..aio_config import AioConfig
-from ..errors import EngineUnavailableError
+from ..errors import EngineUnavailableError, IOFailedError
 from ..handle import Handle
 from .base import IOEngine, Op, block_result
 
@@ -40,7 +40,12 @@ class LibaioEngine(IOEngine):
         self._single_submit = config.single_submit
         self._overlap_events = config.overlap_events
         self._ctx = raw.io_context_t()
-        raw.io_setup(self._depth, ctypes.byref(self._ctx))
+        try:
+            raw.io_setup(self._depth, ctypes.byref(self._ctx))
+        except OSError as exc:
+            raise EngineUnavailableError(
+                f"engine 'libaio': io_setup({self._depth}) failed: {exc.strerror} (is fs.aio-max-nr exhausted? "
+                "see /proc/sys/fs/aio-nr; lower aio.queue_depth or use engine 'threads')") from exc
         self._iocbs = (raw.iocb * self._depth)()
         self._iocb_ptrs = (raw.iocb_p * self._depth)(*[ctypes.pointer(c) for c in self._iocbs])
         self._events = (raw.io_event * self._depth)()
@@ -131,6 +136,9 @@ class LibaioEngine(IOEngine):
                 n = raw.io_getevents(self._ctx, 1, self._depth, self._events, None)
             except InterruptedError:
                 continue
+            except OSError as exc:
+                self._fail_all(exc)
+                return
             finished = []
             with self._cond:
                 for i in range(n):
@@ -143,6 +151,18 @@ class LibaioEngine(IOEngine):
                 finished += self._pump()
                 self._cond.notify_all()
             self._finish(finished)
+
+    def _fail_all(self, exc: OSError) -> None:
+        """io_getevents itself failed: the engine is broken. Every request owed a completion fails (the
+        kernel may still touch their buffers, so callers must not reuse them), and so does every later one."""
+        with self._cond:
+            self._closing = True
+            owed = [slot for slot in self._slots if slot is not None] + [
+                (h, op, path, offset, nbytes) for h, op, _, path, _, nbytes, offset in self._pending]
+            self._pending.clear()
+            self._in_flight = 0
+        self._finish([(h, IOFailedError(path, op, offset, nbytes, f"libaio engine broken: io_getevents: {exc}",
+                                        exc.errno or 0)) for h, op, path, offset, nbytes in owed])
 
     def close(self) -> None:
         with self._cond:

@@ -39,6 +39,8 @@ class ThreadsEngine(IOEngine):
             error = block_result(op, path, offset, nbytes, moved)
         except OSError as exc:
             error = block_result(op, path, offset, nbytes, -(exc.errno or 5))
+        except BaseException as exc:  # never leave the handle pending
+            error = exc
         handle.part_done(error)
 
     def close(self) -> None:

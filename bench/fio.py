@@ -1,0 +1,61 @@
+"""fio as the yardstick for the NVMe engines: one sequential O_DIRECT libaio job at a time, its bandwidth read
+from fio's JSON output, on a file that fio lays out (writes once) before anything is timed."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+
+
+def fio_binary() -> str | None:
+    return shutil.which("fio")
+
+
+class FioFile:
+    """A file of `size` bytes in `directory` that fio reads and writes sequentially with O_DIRECT.
+
+    Creating it runs one untimed write job, so every timed job (read or write) meets a fully written file,
+    the state our store's extents are in when they are timed. `close()` removes the file.
+    """
+
+    name = "fio"
+
+    def __init__(self, directory: str, size: int, block_size: int, queue_depth: int):
+        self.binary = fio_binary()
+        if self.binary is None:
+            raise FileNotFoundError("fio is not installed (apt-get install fio)")
+        self.size, self.block_size, self.queue_depth = size, block_size, queue_depth
+        self.path = os.path.join(directory, f"zt-bench-{os.getpid()}-{secrets.token_hex(4)}.fio")
+        try:
+            self.run("write")
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, direction: str) -> tuple[float, float]:
+        """Run one job; the seconds fio measured for its bytes (its own start-up not included) and the CPU
+        seconds fio reports it spent in them."""
+        args = [
+            self.binary, "--name=zt-bench", f"--filename={self.path}", f"--size={self.size}",
+            f"--bs={self.block_size}", f"--iodepth={self.queue_depth}", "--ioengine=libaio", "--direct=1",
+            f"--rw={direction}", "--numjobs=1", "--output-format=json",
+        ]
+        done = subprocess.run(args, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"fio exited {done.returncode}: {done.stderr.strip() or done.stdout.strip()}")
+        # fio may print notes before the JSON document on stdout.
+        report = json.loads(done.stdout[done.stdout.index("{"):])
+        job = report["jobs"][0]
+        moved, rate = job[direction]["io_bytes"], job[direction]["bw_bytes"]
+        if moved != self.size or rate <= 0:
+            raise RuntimeError(f"fio moved {moved} of {self.size} bytes at {rate} B/s ({direction} {self.path})")
+        seconds = moved / rate
+        return seconds, seconds * (job["usr_cpu"] + job["sys_cpu"]) / 100
+
+    def close(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
