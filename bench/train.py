@@ -1,0 +1,246 @@
+"""End-to-end training, side by side: plain PyTorch + AdamW (in memory), ours with cpu offload, ours with nvme
+offload, and DeepSpeed with the same ds_config when deepspeed is installed (a comparison only, never a
+dependency). Same model (zero.gpt), same data, same batches; each system runs in its own process so its peak
+RSS is its own.
+
+    python bench/train.py [--quick] [--preset 124m] [--steps 5] [--json PATH] [--png PATH]
+
+Per system: median step time over the measured steps (after warm-up), tokens/s, peak RSS, peak device memory
+(the device tier's accounting; torch.cuda.max_memory_allocated under CUDA), compute and I/O seconds per
+step, and bytes moved per tier pair.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import resource
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+
+def ds_config(offload: str, nvme_path: str, micro_batch: int, lr: float = 1e-4) -> dict:
+    """The ds_config every system reads: ZeRO-3 with params and optimizer offloaded to `offload`."""
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": offload},
+            "offload_optimizer": {"device": offload},
+            "stage3_param_persistence_threshold": 0,
+            "sub_group_size": 10_000_000,
+        },
+    }
+    if offload == "nvme":
+        for section in ("offload_param", "offload_optimizer"):
+            config["zero_optimization"][section]["nvme_path"] = nvme_path
+        config["aio"] = {"block_size": 8 << 20, "queue_depth": 8, "single_submit": False, "overlap_events": True}
+    return config
+
+
+def child(args: argparse.Namespace) -> dict:
+    """Run one system in this process and return its record."""
+    import torch
+
+    from zero.corpus import Batches, default_corpus
+    from zero.gpt import GPT, PRESETS
+    from dataclasses import replace
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    gpt = replace(PRESETS[args.preset], seq_len=args.seq_len)
+    batches = Batches(default_corpus(8 << 20), args.micro_batch, gpt.seq_len, seed=0)
+    config = json.loads(args.config_json)
+    system = args.child
+    moved: dict = {}
+    io_s = []
+    if system == "torch":
+        model = GPT(gpt)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+
+        def step() -> None:
+            inputs, targets = batches.next()
+            model(inputs, targets).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        device_peak = lambda: 0  # noqa: E731 (all in host memory)
+    elif system.startswith("ours"):
+        import zero
+
+        with torch.device("meta"):
+            model = GPT(gpt)
+        config.setdefault("zero_tiering", {})["device_budget"] = args.device_budget
+        engine, _, _, _ = zero.initialize(model=model, config=config)
+        swap = engine.swap
+
+        def step() -> None:
+            inputs, targets = batches.next()
+            start = time.perf_counter()
+            engine.backward(engine(inputs, targets))
+            engine.step()
+            swap.end_step()
+            io_s.append(sum(swap.timeline.busy_seconds(lane, since=start) for lane in ("nvme->host", "host->nvme")))
+        device_peak = lambda: swap.device_tier.peak  # noqa: E731
+    else:
+        import deepspeed
+
+        config.pop("zero_tiering", None)
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = GPT(gpt)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+        def step() -> None:
+            inputs, targets = batches.next()
+            engine.backward(engine(inputs, targets))
+            engine.step()
+        device_peak = lambda: 0  # noqa: E731 (CPU accelerator: all host memory)
+
+    times = []
+    for i in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        step()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    if system.startswith("ours"):
+        moved = dict(engine.swap.stats.bytes_moved)
+        stall = engine.swap.stats.stall_seconds
+        engine.close()
+    step_s = statistics.median(times)
+    io = statistics.median(io_s[args.warmup:]) if io_s[args.warmup:] else 0.0
+    return {
+        "system": system,
+        "params": gpt.params,
+        "step_s": step_s,
+        "tokens_per_s": args.micro_batch * gpt.seq_len / step_s,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_device_bytes": device_peak(),
+        "compute_s": step_s - (stall / (args.warmup + args.steps) if system.startswith("ours") else 0.0),
+        "io_s": io,
+        "bytes_moved": moved,
+        "steps": times,
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny model, two steps, no DeepSpeed")
+    parser.add_argument("--preset", default="124m")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--systems", default="torch,ours-cpu,ours-nvme,deepspeed-cpu,deepspeed-nvme")
+    parser.add_argument("--device-budget", default="256MiB", help="our device budget (below the model's size)")
+    parser.add_argument("--dir", default=None, help="nvme_path (default: a temporary directory)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--png", default=None)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--config-json", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print("RECORD " + json.dumps(child(args)))
+        return []
+    if args.quick:
+        args.preset, args.steps, args.warmup, args.seq_len = "tiny", 2, 1, 64
+        args.systems = "torch,ours-cpu,ours-nvme"
+        args.device_budget = "1MiB"
+    try:
+        import deepspeed  # noqa: F401
+        have_deepspeed = True
+    except ImportError:
+        have_deepspeed = False
+    records = []
+    with tempfile.TemporaryDirectory(dir=args.dir) as nvme_path:
+        for system in args.systems.split(","):
+            if system.startswith("deepspeed") and not have_deepspeed:
+                print(f"{system}: skipped (deepspeed is not installed)")
+                continue
+            offload = "nvme" if system.endswith("nvme") else "cpu"
+            config = ds_config(offload, nvme_path, args.micro_batch)
+            record = run_child(args, system, config)
+            if record is not None:
+                records.append(record)
+                print(format_record(record))
+    print_table(records)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    if args.png and records:
+        plot(records, args.png)
+    return records
+
+
+def run_child(args: argparse.Namespace, system: str, config: dict) -> dict | None:
+    command = [sys.executable, os.path.abspath(__file__), "--child", system, "--config-json", json.dumps(config),
+               "--preset", args.preset, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
+               "--device-budget", args.device_budget]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if system.startswith("deepspeed"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                   LOCAL_RANK="0")
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    for line in result.stdout.splitlines():
+        if line.startswith("RECORD "):
+            return json.loads(line[len("RECORD "):])
+    tail = "\n".join((result.stdout + result.stderr).splitlines()[-15:])
+    print(f"{system}: failed (exit {result.returncode})\n{tail}")
+    return None
+
+
+def format_record(r: dict) -> str:
+    return (f"{r['system']:<16} {r['params'] / 1e6:7.1f}M params  step {r['step_s']:7.2f} s  "
+            f"{r['tokens_per_s']:8.1f} tok/s  peak RSS {r['peak_rss_bytes'] / 2**30:6.2f} GiB")
+
+
+def print_table(records: list[dict]) -> None:
+    if not records:
+        return
+    base = {r["system"]: r["step_s"] for r in records}
+    print("\n| system | params | step s | tokens/s | peak RSS GiB | compute s | I/O s | step vs deepspeed |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in records:
+        ds = base.get("deepspeed-" + r["system"].split("-")[-1]) if r["system"].startswith("ours") else None
+        ratio = f"{r['step_s'] / ds:.2f}x" if ds else ""
+        print(f"| {r['system']} | {r['params'] / 1e6:.1f}M | {r['step_s']:.2f} | {r['tokens_per_s']:.1f} | "
+              f"{r['peak_rss_bytes'] / 2**30:.2f} | {r['compute_s']:.2f} | {r['io_s']:.2f} | {ratio} |")
+
+
+def plot(records: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    names = [r["system"] for r in records]
+    a.bar(names, [r["step_s"] for r in records])
+    a.set_ylabel("seconds per step")
+    b.bar(names, [r["peak_rss_bytes"] / 2**30 for r in records])
+    b.set_ylabel("peak RSS (GiB)")
+    for axis in (a, b):
+        axis.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
