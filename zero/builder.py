@@ -56,7 +56,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
     manager = SwapManager(swap_config(cfg, [unit for unit, _ in plan], compute_dtype))
     state_home = HOMES[zo.offload_optimizer.device]
     work_tier: Tier = "device" if state_home == "device" else "host"
-    driver = AdamDriver(manager, state_home=state_home, grad_home=work_tier, work_tier=work_tier)
+    grad_home: Tier = "nvme" if state_home == "nvme" else work_tier  # host holds no per-parameter bytes
+    driver = AdamDriver(manager, state_home=state_home, grad_home=grad_home, work_tier=work_tier)
     partitioner = None
     if zo.stage == 3:
         partitioner = build_partitioned(model, plan, manager, driver, cfg, dp, device, compute_dtype)
@@ -156,6 +157,7 @@ def build_partitioned(model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], 
         partitioner.add(unit, module, segment, dtype, index, persistent)
         del master
     partitioner.model_hooks.append(model._register_state_dict_hook(partitioner.state_dict_hook(model)))
+    materialize.buffers()
     for module in model.modules():  # buffers: to the device, floating ones in the compute dtype
         for name, buffer in module.named_buffers(recurse=False):
             if buffer.is_meta:

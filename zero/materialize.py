@@ -43,3 +43,20 @@ class Materializer:
             else:
                 raise ValueError(f"{type(module).__name__} was built on meta and has no reset_parameters(): "
                                  "zero-tiering cannot initialize its parameters")
+
+    def buffers(self) -> None:
+        """Floating meta buffers of modules without parameters (a rotary embedding's `inv_freq`) get their
+        values from the same initialization; one it leaves unset (NaN) is an error naming it."""
+        if self.init_weights is None:
+            return
+        for module in self.model.modules():
+            names = [n for n, b in module.named_buffers(recurse=False) if b.is_meta and b.is_floating_point()]
+            if not names or next(module.parameters(recurse=False), None) is not None:
+                continue
+            for n in names:
+                module._buffers[n] = torch.full_like(module._buffers[n], float("nan"), device="cpu")
+            self._initialize(module)
+            for n in names:
+                if module._buffers[n].isnan().any():
+                    raise ValueError(f"buffer {n!r} of {type(module).__name__} was built on meta and its "
+                                     "model's _init_weights does not set it: give it real values")

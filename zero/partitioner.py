@@ -69,6 +69,7 @@ class Partitioner:
         full = torch.empty(flat.padded_numel, dtype=dtype, device=self.device)
         flat.bind(full)
         full.untyped_storage().resize_(0)
+        flat.unbind()  # released parameters hold no bytes a stray read could reach (they are 0-element)
         unit = PartitionedUnit(flat, module, segment, full, index, persistent)
         self.units.append(unit)
         unit.hooks.append(module.register_forward_pre_hook(lambda m, args: self._pre_forward(unit)))
@@ -84,6 +85,7 @@ class Partitioner:
         if not unit.gathered:
             self.manager.reserve_device(unit.nbytes, unit.flat.name)
             unit.full.untyped_storage().resize_(unit.nbytes)
+            unit.flat.bind(unit.full)
             self._fill(unit)
 
     def _fill(self, unit: PartitionedUnit) -> None:
@@ -104,12 +106,19 @@ class Partitioner:
         if unit.full.is_cuda:
             unit.full.record_stream(torch.cuda.current_stream())
         unit.full.untyped_storage().resize_(0)
+        unit.flat.unbind()
         self.manager.unreserve_device(unit.nbytes)
 
     # -- hooks --------------------------------------------------------------------------------------------
 
     def _pre_forward(self, unit: PartitionedUnit) -> None:
         self.gather(unit)
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+            # Forward run inside backward (activation checkpointing's recomputation): the saved tensors it
+            # makes are used right away, and non-reentrant checkpointing stops the recomputation as soon as
+            # it has them, so the forward hook may never run: this gather is backward's to drop.
+            unit.backward_refs += 1
+            self._arm(unit)
 
     def _post_forward(self, unit: PartitionedUnit, output: object) -> None:
         if torch.is_grad_enabled():
@@ -124,11 +133,7 @@ class Partitioner:
             for t in tensors:
                 t.register_hook(pre_backward)
             if torch._C._current_graph_task_id() != -1:
-                # Forward run inside backward (activation checkpointing's recomputation): the saved tensors
-                # it just made are used right away, so keep the bytes until this unit's backward is done.
-                unit.backward_refs += 1
-                self._arm(unit)
-                return
+                return  # recomputation inside backward: _pre_forward handed its gather to backward
         self.release(unit)
 
     def _pre_backward(self, unit: PartitionedUnit) -> None:

@@ -1,7 +1,7 @@
 """Wrap policy: which modules become units. By default the model's repeated blocks (the elements of its
 largest nn.ModuleList of same-class modules, e.g. transformer layers); every parameter not inside a block
-goes to one root unit. A parameter shared by several modules (tied embeddings) belongs to the first block
-that holds it, or to the root unit when no block does."""
+goes to one root unit. A parameter shared by several modules (tied embeddings) belongs to the block that
+holds it when only one block does, else to the root unit."""
 from __future__ import annotations
 
 from typing import Callable
@@ -34,12 +34,18 @@ def split_units(model: nn.Module, policy: Policy | None = None) -> list[tuple[st
     for name, module in model.named_modules():
         if name and policy(name, module) and not any(name.startswith(b + ".") for b, _ in blocks):
             blocks.append((name, module))
+    holders: dict[int, int] = {}
+    for _, module in blocks:
+        for p in module.parameters():
+            holders[id(p)] = holders.get(id(p), 0) + 1
     seen: set[int] = set()
     units = []
     for name, module in blocks:
         params = []
         for pname, p in module.named_parameters(prefix=name):
-            if id(p) not in seen and p.requires_grad:
+            # One held by several blocks is used while the block owning it is released: the root unit,
+            # gathered for the whole forward and backward, takes it.
+            if id(p) not in seen and p.requires_grad and holders[id(p)] == 1:
                 seen.add(id(p))
                 params.append((pname, p))
         units.append((name, module, params))

@@ -1,0 +1,115 @@
+"""ZeRO-3 on two ranks (spawned here: gloo on CPU, torchrun's environment) trains as one rank does on the whole
+batch.
+
+Every optimizer step sees a global batch of 2 sequences x 2 micro-batches (gradient accumulation 2, clipping
+1.0); each rank trains on its own sequence of every micro-batch (micro batch 1), the one-rank run on both
+(micro batch 2). Each rank keeps half of every unit (the shards), gathers the other half from its peer for
+forward and backward, and reduce-scatters gradients; the gradient sums are the same sums in another order,
+so the final parameters (full, gathered through the engine's state_dict on each rank) agree with the
+one-rank run within 1e-5 relative, and the two ranks hold bitwise the same parameters.
+
+The model is the tiny Llama. Adam magnifies a gradient that is almost all rounding (its update is
+g / (|g| + eps)), so a change of summation order moves such an element by far more than 1e-5: GPT-2's
+attention key bias is all such elements, and our GPT (zero.gpt, seed 0) has one (blocks.0.attn.weight[168, 57]:
+gradient -1.7e-8 at step 1, against a median of 6e-4, ends 1.5e-4 relative off). The tiny Llama has none.
+Tiers: params and optimizer state on cpu; on nvme with both ranks' stores in one directory; on nvme with a
+directory per rank.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import zero
+
+from stage3_models import batches, engine_train, free_port, full_state, one_thread, own_gpt, stage3_config, tiny_llama
+
+WORLD = 2
+STEPS, ACCUM, CLIP = 6, 2, 1.0
+
+CASES = {  # name: (model, offload device for params and optimizer, nvme directory per rank)
+    "llama-cpu": ("llama", "cpu", False),
+    "llama-nvme-shared-dir": ("llama", "nvme", False),
+    "llama-nvme-dir-per-rank": ("llama", "nvme", True),
+}
+
+
+def nvme_dir(root: str, name: str, rank: int) -> str:
+    per_rank = CASES[name][2]
+    path = os.path.join(root, name, f"rank{rank}" if per_rank else "shared")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def train_case(name: str, micro: int, rank: int, root: str) -> dict:
+    """Rank r of a two-rank run trains on row r of every global batch; a one-rank run (rank 0, micro 2) on both."""
+    model_name, device, _ = CASES[name]
+    model = tiny_llama(0) if model_name == "llama" else own_gpt(0)
+    config = stage3_config(device, device, nvme_path=nvme_dir(root, name, rank), accum=ACCUM, clip=CLIP, micro=micro)
+    engine, *_ = zero.initialize(model=model, config=config)
+    try:
+        data = [ids[rank * micro:(rank + 1) * micro] for ids in batches(STEPS * ACCUM)]
+        losses = engine_train(engine, data)
+        shards = [(u.flat.shard_numel, u.flat.padded_numel) for u in engine.partitioner.units]
+        return dict(state=full_state(engine), losses=losses, world=engine.dp.world_size, shards=shards,
+                    steps=engine.global_steps, norm=engine.get_global_grad_norm())
+    finally:
+        engine.close()
+
+
+def _worker(rank: int, port: int, root: str) -> None:
+    os.environ.update(WORLD_SIZE=str(WORLD), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    results = {name: train_case(name, 1, rank, root) for name in CASES}
+    torch.save(results, os.path.join(root, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """{rank: {case: result}} from two spawned ranks."""
+    root = str(tmp_path_factory.mktemp("stage3_two_ranks"))
+    context = mp.start_processes(_worker, args=(free_port(), root), nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + 240
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise TimeoutError("two-rank stage-3 training did not finish in 240 s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    return {rank: torch.load(os.path.join(root, f"rank{rank}.pt")) for rank in range(WORLD)}
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("stage3_one_rank"))
+    with one_thread():
+        return {name: train_case(name, WORLD, 0, root) for name in CASES}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_ranks_equal_one_rank(name, two_ranks, one_rank):
+    single = one_rank[name]
+    ranks = [two_ranks[r][name] for r in range(WORLD)]
+    assert single["world"] == 1 and all(r["world"] == WORLD for r in ranks)
+    assert all(r["steps"] == single["steps"] == STEPS for r in ranks)
+    for shard, padded in ranks[0]["shards"]:
+        assert shard * WORLD == padded, "each rank must keep half of every unit"
+    # Both ranks gathered the same full values (state_dict all-gathers the shards).
+    assert ranks[0]["state"].keys() == ranks[1]["state"].keys() == single["state"].keys()
+    for key in single["state"]:
+        assert torch.equal(ranks[0]["state"][key], ranks[1]["state"][key]), f"ranks disagree on {key}"
+    # The per-rank losses average to the one-rank loss of the whole micro-batch (equal token counts).
+    mean = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"])]
+    torch.testing.assert_close(mean, single["losses"], rtol=1e-5, atol=0.0)
+    assert ranks[0]["norm"] == pytest.approx(single["norm"], rel=1e-5)
+    for key, expected in single["state"].items():
+        torch.testing.assert_close(ranks[0]["state"][key], expected, rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, key=key: f"{key}: {m}")
