@@ -176,11 +176,17 @@ def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype) -> SwapC
     sub_group_bytes = min(max(shard_bytes, default=0), 4 * zo.sub_group_size or max(shard_bytes, default=0))
     window = 4 * 4 * sub_group_bytes  # four segments (master, grad, two moments) of up to four sub-groups
     offload = zo.offload_optimizer.device
-    homed_on_host = {"none": 0, "cpu": 4 * sum(shard_bytes), "nvme": sum(shard_bytes)}[offload]
+    homed_on_host = 4 * sum(shard_bytes) if offload == "cpu" else 0  # master, moments and gradient
+    prefetch = 2 * 4 * sub_group_bytes  # read ahead the next sub-groups' state
+    max_live = reuse_distance = None
     if zo.stage == 3:
         param_bytes = [u.shard_numel * dtype.itemsize for u in units]
         window += 4 * max(param_bytes, default=0)
         homed_on_host += sum(param_bytes) if zo.offload_param.device == "cpu" else 0
+        # DeepSpeed counts these in parameters; the swap manager in bytes of the compute dtype.
+        prefetch += zo.prefetch_bucket_size * dtype.itemsize
+        max_live = zo.max_live_parameters * dtype.itemsize
+        reuse_distance = zo.max_reuse_distance * dtype.itemsize
     paths = {o.nvme_path for o in (zo.offload_optimizer, zo.offload_param) if o.device == "nvme"}
     if len(paths) > 1:
         raise ConfigError("zero_optimization.offload_param.nvme_path",
@@ -189,10 +195,12 @@ def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype) -> SwapC
     if paths:
         nvme = NvmeStoreConfig(nvme_path=paths.pop(), budget=zt.nvme_budget, aio=cfg.to_aio_config())
     return SwapConfig(
-        host_budget=zt.host_budget if zt.host_budget is not None else homed_on_host + window,
+        host_budget=zt.host_budget if zt.host_budget is not None else homed_on_host + window + prefetch,
         device_budget=zt.device_budget,
         nvme=nvme,
-        prefetch_bytes=2 * 3 * sub_group_bytes if zt.prefetch else 0,
+        prefetch_bytes=prefetch if zt.prefetch else 0,
+        max_live_bytes=max_live,
+        reuse_distance=reuse_distance,
         checksums=zt.checksums,
         pin=zo.offload_optimizer.pin_memory if torch.cuda.is_available() else False,
     )

@@ -108,6 +108,12 @@ class ZeroEngine(nn.Module):
         self.micro_steps += 1
         if not boundary:
             return
+        try:
+            self._optimizer_step()
+        finally:
+            self.swap.end_step()  # the trace of this step drives prefetch and eviction in the next
+
+    def _optimizer_step(self) -> None:
         grad_norm = self._grad_norm()
         overflow = self.loss_scaler is not None and not torch.isfinite(grad_norm).item()
         self.global_steps += 1
@@ -252,3 +258,20 @@ class ZeroEngine(nn.Module):
         if self.config.zero_tiering.trace_path:
             self.swap.write_chrome_trace(self.config.zero_tiering.trace_path)
         self.swap.close()
+
+    # -- checkpoints (zero/checkpoint.py) ----------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True) -> str:
+        """Save the whole training state under `save_dir/tag` (default `global_step<N>`), atomically, at a
+        gradient accumulation boundary; every rank calls it. Returns the tag directory."""
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True):
+        """Load a checkpoint (tag None: the one `latest` names), verified against its manifest first; every
+        rank calls it. Returns (tag directory, client_state), or (None, None) when there is no `latest`."""
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states)

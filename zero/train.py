@@ -176,7 +176,6 @@ def train_step(engine, batches: Batches, step: int) -> StepReport:
     middle = time.perf_counter()
     with swap.compute(f"optimizer {step}"):
         engine.step()
-    swap.end_step()
     end = time.perf_counter()
     io = sum(swap.timeline.busy_seconds(lane, since=start) for lane in ("nvme->host", "host->nvme"))
     moved = {pair: n - moved0.get(pair, 0) for pair, n in swap.stats.bytes_moved.items()}
