@@ -54,34 +54,38 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
     groups = param_groups_from(model, model_parameters, optimizer, cfg)
     plan = plan_units(model, groups, dp)
     manager = SwapManager(swap_config(cfg, [unit for unit, _ in plan], compute_dtype))
-    state_home = HOMES[zo.offload_optimizer.device]
-    work_tier: Tier = "device" if state_home == "device" else "host"
-    grad_home: Tier = "nvme" if state_home == "nvme" else work_tier  # host holds no per-parameter bytes
-    driver = AdamDriver(manager, state_home=state_home, grad_home=grad_home, work_tier=work_tier)
-    partitioner = None
-    if zo.stage == 3:
-        partitioner = build_partitioned(model, plan, manager, driver, cfg, dp, device, compute_dtype)
-        units = [unit.flat for unit in partitioner.units]
-        flats = [unit.full for unit in partitioner.units]
-    else:
-        units = [unit for unit, _ in plan]
-        flats = build_resident(model, units, driver, cfg, device, compute_dtype)
+    try:
+        state_home = HOMES[zo.offload_optimizer.device]
+        work_tier: Tier = "device" if state_home == "device" else "host"
+        grad_home: Tier = "nvme" if state_home == "nvme" else work_tier  # host holds no per-parameter bytes
+        driver = AdamDriver(manager, state_home=state_home, grad_home=grad_home, work_tier=work_tier)
+        partitioner = None
+        if zo.stage == 3:
+            partitioner = build_partitioned(model, plan, manager, driver, cfg, dp, device, compute_dtype)
+            units = [unit.flat for unit in partitioner.units]
+            flats = [unit.full for unit in partitioner.units]
+        else:
+            units = [unit for unit, _ in plan]
+            flats = build_resident(model, units, driver, cfg, device, compute_dtype)
 
-    zero_opt = ZeroOptimizer(groups)
-    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-        lr_scheduler = lr_scheduler(zero_opt)
-    elif lr_scheduler is None and cfg.scheduler is not None:
-        lr_scheduler = WarmupSchedule(zero_opt, cfg.scheduler)
-    scaler = None
-    if cfg.fp16.enabled:
-        f = cfg.fp16
-        dynamic = f.loss_scale == 0
-        scaler = LossScaler(scale=2.0**f.initial_scale_power if dynamic else f.loss_scale, dynamic=dynamic,
-                            window=f.loss_scale_window, hysteresis=f.hysteresis,
-                            consecutive_hysteresis=f.consecutive_hysteresis, min_scale=f.min_loss_scale)
-    engine = ZeroEngine(module=model, config=cfg, units=units, flats=flats, driver=driver, optimizer=zero_opt,
-                        lr_scheduler=lr_scheduler, dp=dp, manager=manager, loss_scaler=scaler,
-                        compute_dtype=compute_dtype, device=device, partitioner=partitioner)
+        zero_opt = ZeroOptimizer(groups)
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            lr_scheduler = lr_scheduler(zero_opt)
+        elif lr_scheduler is None and cfg.scheduler is not None:
+            lr_scheduler = WarmupSchedule(zero_opt, cfg.scheduler)
+        scaler = None
+        if cfg.fp16.enabled:
+            f = cfg.fp16
+            dynamic = f.loss_scale == 0
+            scaler = LossScaler(scale=2.0**f.initial_scale_power if dynamic else f.loss_scale, dynamic=dynamic,
+                                window=f.loss_scale_window, hysteresis=f.hysteresis,
+                                consecutive_hysteresis=f.consecutive_hysteresis, min_scale=f.min_loss_scale)
+        engine = ZeroEngine(module=model, config=cfg, units=units, flats=flats, driver=driver, optimizer=zero_opt,
+                            lr_scheduler=lr_scheduler, dp=dp, manager=manager, loss_scaler=scaler,
+                            compute_dtype=compute_dtype, device=device, partitioner=partitioner)
+    except BaseException:
+        manager.close()  # a failed initialize leaves no nvme file and no pinned buffers behind
+        raise
     loader = None
     if training_data is not None:
         sampler = None

@@ -60,6 +60,8 @@ class ZeroEngine(nn.Module):
     # -- the training loop's calls ---------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
         return self.module(*args, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -275,3 +277,16 @@ class ZeroEngine(nn.Module):
 
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states)
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """`value` with every floating-point tensor in it (through lists, tuples and dicts) cast to `dtype`, as
+    DeepSpeed's fp16.auto_cast casts the forward's inputs; other values as they are."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_cast_floating(v, dtype) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value

@@ -12,12 +12,19 @@ from .config import Config, ConfigError
 ADAM_KINDS = (torch.optim.Adam, torch.optim.AdamW)
 
 
-class ZeroOptimizer:
-    """Param groups in torch's shape (`params`, `lr`, `betas`, `eps`, `weight_decay`, plus `decoupled`)."""
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Param groups in torch's shape (`params`, `lr`, `betas`, `eps`, `weight_decay`, plus `decoupled`).
+
+    A torch.optim.Optimizer so that torch's LR schedulers (and the Hugging Face Trainer's, built on the
+    optimizer initialize hands them) accept it and steer the engine's lr. The arithmetic runs in the
+    engine at the accumulation boundary, so its own step() only says so."""
 
     def __init__(self, param_groups: list[dict]):
-        self.param_groups = param_groups
+        super().__init__(param_groups, defaults={})  # keeps the same group dicts: a scheduler's edits reach us
         self.step_count = 0
+
+    def step(self, closure=None):
+        raise RuntimeError("zero-tiering's optimizer steps inside engine.step(); call that every micro-batch")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.param_groups:
@@ -35,7 +42,12 @@ def param_groups_from(model: nn.Module, model_parameters: Iterable | None, optim
     Hugging Face Trainer's weight-decay / no-decay split); a group's own keys override the defaults.
     """
     if optimizer is not None:
-        defaults, raw = _from_optimizer(optimizer)
+        # The optimizer's own group dicts, not copies: an LR scheduler built on it keeps steering the lr.
+        defaults, groups = _from_optimizer(optimizer)
+        for group in groups:
+            group["decoupled"] = group.get("decoupled_weight_decay", defaults["decoupled"])
+            group["betas"] = tuple(group["betas"])
+        return groups
     else:
         params = cfg.optimizer.params if cfg.optimizer is not None else None
         if params is not None and not params.bias_correction:
