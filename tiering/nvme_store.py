@@ -24,6 +24,7 @@ from .errors import (
 )
 from .extents import Extent, ExtentAllocator
 from .handle import Handle
+from .stale import sweep as sweep_stale
 
 GiB = 1 << 30
 SWAP_SUFFIX = ".swap"
@@ -88,6 +89,9 @@ class NvmeStore:
         self.engine_name = self._engine.name
         self._extents = ExtentAllocator()
         self._lock = threading.Lock()
+        self.stale = sweep_stale(directory, self.path)
+        """Swap files of dead processes found in nvme_path as this store opened (its own file locked first):
+        the provably stale ones removed, all reported with a StaleSwapFileWarning (tiering/stale.py)."""
 
     @staticmethod
     def _open(path: str) -> tuple[int, bool, str]:

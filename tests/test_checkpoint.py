@@ -1,0 +1,583 @@
+"""Checkpoints: save and load of the whole training state, bitwise resume, verification, the fp32 export.
+
+- Resume: N optimizer steps, save, and a fresh process that builds the engine the same way, loads, and runs M
+  more steps ends bitwise equal to N + M steps straight: losses, full parameters, fp32 masters, both Adam
+  moments, counters, LR (stage 3 fp32 with dropout, so RNG states matter; stage 3 bf16; stage 2 bf16; params
+  and optimizer state on nvme; gradient accumulation 2, clipping, a warmup schedule cut in the middle).
+- Layout: per-rank files, a manifest whose sizes and checksums match the files, `latest` naming the tag, no
+  temporary file left; saving inside an accumulation window is refused and writes nothing.
+- Verification: a flipped byte in a data file, a state file or the manifest is refused, naming the file (and
+  the damaged record); a tag without manifest is incomplete; another model is a mismatch; none of these
+  changes the engine.
+- Export: `python -m zero.export` writes model.safetensors that plain PyTorch (`load_state_dict`, strict) and
+  transformers (`from_pretrained`) load, with tied weights written once, equal to the fp32 masters.
+- World size: saved with 2 ranks and loaded with 1, and the other way, the state is the same (resharded).
+
+Children run this file as a script (`python tests/test_checkpoint.py <command> ...`), so the code they run is
+the code here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import warnings
+
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO_ROOT, child_env  # noqa: E402
+
+import zero  # noqa: E402
+from zero.checkpoint_manifest import (  # noqa: E402
+    CheckpointBoundaryError,
+    CheckpointCorruptError,
+    CheckpointIncompleteError,
+    CheckpointMismatchError,
+    read_manifest,
+)
+
+THIS = os.path.abspath(__file__)
+VOCAB, BATCH, SEQ = 97, 2, 16
+GAS = 2
+"""Micro-batches per optimizer step in every test here."""
+
+
+# -- the model, the config, the data, the loop: the same in the test process and in its children -----------------
+
+
+Output = namedtuple("Output", "loss logits")
+
+
+class TinyBlock(nn.Module):
+    def __init__(self, dim: int, dropout: float):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(F.gelu(self.up(self.norm(x)))))
+
+
+class TinyLM(nn.Module):
+    """Embedding and positions, two residual MLP blocks with dropout (so resuming needs the RNG states), a
+    final norm, a head tied to the embedding, and a persistent buffer that forward changes (so resuming needs
+    the buffers). No transformers import: children start fast."""
+
+    def __init__(self, dropout: float = 0.0, dim: int = 32, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.pos = nn.Parameter(torch.randn(SEQ, dim) * 0.02)
+        self.blocks = nn.ModuleList(TinyBlock(dim, dropout) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+        if self.training:
+            self.tokens_seen += input_ids.numel()
+        x = self.embed(input_ids) + self.pos[: input_ids.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+        return Output(loss, logits)  # a namedtuple: the partitioner finds the tensors in it (pytree)
+
+
+def tiny_lm(seed: int = 0, dropout: float = 0.0) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM(dropout)
+
+
+def gpt2(seed: int = 0):
+    """A tiny transformers GPT-2 (for what needs transformers: the export's config.json, from_pretrained)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def ds_config(stage: int, dtype: str, offload: str, nvme_path: str, sub_group_size: int = 4096) -> dict:
+    """ZeRO `stage` with the optimizer state (and, for stage 3, the parameters) offloaded to `offload`."""
+    return {
+        "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": GAS, "gradient_clipping": 1.0,
+        "bf16": {"enabled": dtype == "bf16"},
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 2e-3,
+                                                     "warmup_num_steps": 5, "warmup_type": "linear"}},
+        "zero_optimization": {
+            "stage": stage, "stage3_param_persistence_threshold": 0, "sub_group_size": sub_group_size,
+            "offload_param": {"device": offload if stage == 3 else "none", "nvme_path": nvme_path},
+            "offload_optimizer": {"device": offload, "nvme_path": nvme_path},
+        },
+    }
+
+
+CONFIGS = {  # name: (stage, dtype, offload, dropout)
+    "stage3-fp32-nvme-dropout": (3, "fp32", "nvme", 0.1),
+    "stage3-bf16-nvme": (3, "bf16", "nvme", 0.0),
+    "stage2-bf16-nvme": (2, "bf16", "nvme", 0.0),
+}
+
+
+def build(name: str, nvme_path: str, tiering: dict | None = None, **overrides):
+    """The engine of a CONFIGS entry on a TinyLM; `overrides` go to zero_optimization, `tiering` is the
+    zero_tiering section."""
+    stage, dtype, offload, dropout = CONFIGS[name]
+    config = ds_config(stage, dtype, offload, nvme_path)
+    config["zero_optimization"].update(overrides)
+    if tiering:
+        config["zero_tiering"] = tiering
+    engine, *_ = zero.initialize(model=tiny_lm(dropout=dropout), config=config)
+    return engine
+
+
+def batch(micro_step: int) -> torch.Tensor:
+    """The micro-batch of a given micro step: the same whoever asks, whatever ran before."""
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(10_000 + micro_step))
+
+
+def train(engine, steps: int) -> list[torch.Tensor]:
+    """`steps` optimizer steps from where the engine stands; returns every micro-batch's loss."""
+    losses = []
+    for _ in range(steps * GAS):
+        ids = batch(engine.micro_steps)
+        loss = engine(ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().clone())
+    return losses
+
+
+def unit_pieces(engine, part: str) -> list[tuple[int, int, torch.Tensor]]:
+    """(unit index, start, values) of this rank's `part` ('param' or an optimizer state) in unit coordinates."""
+    from zero.checkpoint import held, param_range, param_tensor, sub_group_range
+
+    out = []
+    if part == "param":
+        for index in range(len(engine.units)):
+            with param_tensor(engine, index) as t:
+                out.append((index, param_range(engine, index)[0], t.detach().cpu().clone()))
+        return out
+    for sg in engine.driver.sub_groups:
+        index, start, _ = sub_group_range(engine, sg)
+        with held(engine, sg.segment(part), engine.driver.work_tier) as t:
+            out.append((index, start, t.detach().cpu().clone()))
+    return out
+
+
+def snapshot(engine) -> dict:
+    """Everything a resumed run must reproduce, as host tensors and numbers."""
+    state = {f"module/{k}": v.detach().cpu().clone() for k, v in engine.module_state_dict().items()}
+    for part in ("param", "master", "exp_avg", "exp_avg_sq"):
+        for index, start, values in unit_pieces(engine, part):
+            state[f"{part}/{index}/{start}"] = values
+    state["counters"] = (engine.global_steps, engine.micro_steps, engine.skipped_steps, engine.optimizer.step_count)
+    state["lr"] = engine.get_lr()
+    return state
+
+
+def full_units(pieces: list[tuple[int, int, torch.Tensor]], units) -> list[torch.Tensor]:
+    """Each unit's first `numel` elements assembled from (index, start, values) pieces of any ranks."""
+    out = [torch.full((unit.numel,), float("nan")) for unit in units]
+    for index, start, values in pieces:
+        end = min(start + values.numel(), units[index].numel)
+        if start < end:
+            out[index][start:end] = values[: end - start].float()
+    return out
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), f"{key} differs"
+        else:
+            assert a[key] == b[key], f"{key}: {a[key]} != {b[key]}"
+
+
+def run_child(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, THIS, *args], capture_output=True, text=True, timeout=timeout,
+                          env=child_env(), cwd=REPO_ROOT)
+    assert proc.returncode == 0, f"child {args[0]} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return proc
+
+
+# -- resume is bitwise -------------------------------------------------------------------------------------------
+
+N_STEPS, M_STEPS = 2, 2
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """For every config: a straight run of N + M steps here, a run of N steps saved here, and one fresh child
+    process that loads each checkpoint and runs M steps. Yields {config: (straight, resumed, checkpoint dir)}."""
+    root = tmp_path_factory.mktemp("resume")
+    straight, ckpts = {}, {}
+    for name in CONFIGS:
+        nvme = root / f"{name}-nvme"
+        nvme.mkdir()
+        engine = build(name, str(nvme))
+        losses = train(engine, N_STEPS + M_STEPS)
+        straight[name] = (losses[N_STEPS * GAS:], snapshot(engine))
+        engine.close()
+        engine = build(name, str(nvme))
+        train(engine, N_STEPS)
+        ckpts[name] = str(root / f"{name}-ckpt")
+        engine.save_checkpoint(ckpts[name], client_state={"config": name, "note": [1, 2, 3]})
+        engine.close()
+        assert os.listdir(nvme) == [], "the engine left swap files behind"
+    out = root / "resumed.pt"
+    run_child("resume", str(out), str(root), json.dumps(ckpts))
+    results = torch.load(out, weights_only=False)
+    yield {name: (straight[name], results[name], ckpts[name]) for name in CONFIGS}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_resume_in_a_fresh_process_is_bitwise_equal_to_a_straight_run(resumed, name):
+    (straight_losses, straight_state), result, _ = resumed[name]
+    assert result["client_state"] == {"config": name, "note": [1, 2, 3]}
+    assert result["loaded_counters"] == (N_STEPS, N_STEPS * GAS, 0, N_STEPS)
+    assert len(result["losses"]) == len(straight_losses) == M_STEPS * GAS
+    for step, (a, b) in enumerate(zip(straight_losses, result["losses"])):
+        assert torch.equal(a, b), f"micro step {N_STEPS * GAS + step}: loss {a.item()!r} != {b.item()!r}"
+    assert_same(straight_state, result["state"])
+
+
+def child_resume(out: str, root: str, ckpts_json: str) -> None:
+    results = {}
+    for name, ckpt in json.loads(ckpts_json).items():
+        nvme = os.path.join(root, f"{name}-nvme-child")
+        os.mkdir(nvme)
+        torch.manual_seed(12345)  # whatever the process did before, loading restores the RNG states
+        engine = build(name, nvme)
+        path, client_state = engine.load_checkpoint(ckpt)
+        assert path == os.path.join(ckpt, f"global_step{N_STEPS}"), path
+        counters = (engine.global_steps, engine.micro_steps, engine.skipped_steps, engine.optimizer.step_count)
+        losses = train(engine, M_STEPS)
+        results[name] = {"losses": losses, "state": snapshot(engine), "client_state": client_state,
+                         "loaded_counters": counters}
+        engine.close()
+    torch.save(results, out)
+
+
+# -- layout, boundary ---------------------------------------------------------------------------------------------
+
+
+def test_checkpoint_layout_and_manifest(resumed):
+    import xxhash
+
+    _, _, ckpt = resumed["stage3-bf16-nvme"]
+    tag = f"global_step{N_STEPS}"
+    with open(os.path.join(ckpt, "latest")) as f:
+        assert f.read() == tag
+    tag_dir = os.path.join(ckpt, tag)
+    names = sorted(os.listdir(tag_dir))
+    assert names == ["manifest.json", "rank00000-of-00001.data", "rank00000-of-00001.state.pt"]
+    manifest = read_manifest(tag_dir)
+    assert sorted(manifest["files"]) == [n for n in names if n != "manifest.json"]
+    for name, entry in manifest["files"].items():
+        with open(os.path.join(tag_dir, name), "rb") as f:
+            data = f.read()
+        assert entry == {"size": len(data), "xxh3_64": xxhash.xxh3_64_hexdigest(data)}
+    assert (manifest["world_size"], manifest["stage"], manifest["compute_dtype"]) == (1, 3, "bfloat16")
+    assert manifest["library_version"] == "0.1.0" and manifest["global_steps"] == N_STEPS
+    assert [u["name"] for u in manifest["units"]] == ["", "blocks.0", "blocks.1"]
+    assert manifest["aliases"] == {"head.weight": "embed.weight"}
+    assert manifest["model_config"] is None  # not a transformers model
+    parts = {(r["unit"], r["part"]) for r in manifest["ranks"][0]["records"] if r["kind"] == "unit"}
+    assert parts == {(u, p) for u in range(3) for p in ("param", "master", "exp_avg", "exp_avg_sq")}
+    extras = [r for r in manifest["ranks"][0]["records"] if r["kind"] == "extra"]
+    assert [(r["name"], r["dtype"], r["is_param"]) for r in extras] == [("tokens_seen", "int64", False)]
+
+
+def test_save_inside_an_accumulation_window_is_refused(tmp_path):
+    engine = build("stage3-bf16-nvme", str(tmp_path), sub_group_size=0)
+    try:
+        ids = batch(0)
+        engine.backward(engine(ids, labels=ids).loss)
+        engine.step()  # micro step 1 of 2: gradients accumulated, no optimizer step yet
+        with pytest.raises(CheckpointBoundaryError, match="inside a gradient accumulation window"):
+            engine.save_checkpoint(tmp_path / "ckpt")
+        assert not (tmp_path / "ckpt").exists() or os.listdir(tmp_path / "ckpt") == []
+        ids = batch(1)
+        engine.backward(engine(ids, labels=ids).loss)
+        engine.step()
+        assert engine.save_checkpoint(tmp_path / "ckpt") == str(tmp_path / "ckpt" / "global_step1")
+    finally:
+        engine.close()
+
+
+# -- verification ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A stage-3 bf16 checkpoint after 2 steps (optimizer and params on nvme), and the state it holds."""
+    root = tmp_path_factory.mktemp("saved")
+    engine = build("stage3-bf16-nvme", str(root))
+    train(engine, 2)
+    ckpt = root / "ckpt"
+    engine.save_checkpoint(ckpt, tag="two")
+    state = snapshot(engine)
+    engine.close()
+    return ckpt, state
+
+
+def flip(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("target", ["data", "state", "manifest"])
+def test_a_flipped_byte_in_a_checkpoint_file_is_refused_naming_the_file(saved, tmp_path, target):
+    import shutil
+
+    source, _ = saved
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(source, ckpt)
+    tag_dir = ckpt / "two"
+    manifest = read_manifest(str(tag_dir))
+    name = {"data": "rank00000-of-00001.data", "state": "rank00000-of-00001.state.pt", "manifest": "manifest.json"}[target]
+    if target == "data":  # a byte inside unit 1's exp_avg record
+        record = next(r for r in manifest["ranks"][0]["records"] if r.get("unit") == 1 and r["part"] == "exp_avg")
+        flip(tag_dir / name, record["offset"] + 5)
+    elif target == "manifest":
+        text = (tag_dir / name).read_bytes()
+        (tag_dir / name).write_bytes(text.replace(b'"global_steps": 2', b'"global_steps": 3'))
+    else:
+        flip(tag_dir / name, os.path.getsize(tag_dir / name) // 2)
+    engine = build("stage3-bf16-nvme", str(tmp_path))
+    try:
+        before = snapshot(engine)
+        with pytest.raises(CheckpointCorruptError) as info:
+            engine.load_checkpoint(ckpt)
+        assert info.value.path == str(tag_dir / name) and str(tag_dir / name) in str(info.value)
+        if target == "data":
+            assert "unit 1 exp_avg" in str(info.value)
+        assert_same(before, snapshot(engine))  # refused before anything changed
+    finally:
+        engine.close()
+
+
+def test_incomplete_mismatched_and_missing_checkpoints(saved, tmp_path):
+    import shutil
+
+    source, state = saved
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(source, ckpt)
+    engine = build("stage3-bf16-nvme", str(tmp_path))
+    try:
+        with pytest.warns(UserWarning, match="no `latest` file"):
+            assert engine.load_checkpoint(tmp_path / "empty-dir-that-is-not-there") == (None, None)
+        (ckpt / "incomplete").mkdir()
+        (ckpt / "incomplete" / "rank00000-of-00001.data").write_bytes(b"x")
+        with pytest.raises(CheckpointIncompleteError, match="incomplete.*no manifest.json"):
+            engine.load_checkpoint(ckpt, tag="incomplete")
+        path, client = engine.load_checkpoint(ckpt, tag="two")
+        assert client is None and path == str(ckpt / "two")
+        assert_same(state, snapshot(engine))
+    finally:
+        engine.close()
+    other = zero.initialize(model=tiny_lm(), config=ds_config(3, "fp32", "nvme", str(tmp_path)))[0]
+    try:
+        with pytest.raises(CheckpointMismatchError, match="bfloat16"):
+            other.load_checkpoint(ckpt, tag="two")
+    finally:
+        other.close()
+
+
+def test_load_without_optimizer_states_takes_the_weights_only(saved, tmp_path):
+    source, state = saved
+    engine = build("stage3-bf16-nvme", str(tmp_path))
+    try:
+        engine.load_checkpoint(source, tag="two", load_optimizer_states=False)
+        now = snapshot(engine)
+        for key in state:
+            if key.startswith(("param/", "master/", "module/")):
+                assert torch.equal(now[key], state[key]), key
+            elif key.startswith("exp_avg"):
+                assert not now[key].any(), key
+        assert now["counters"] == (2, 4, 0, 0)
+        assert now["lr"] == state["lr"]  # the schedule was loaded
+    finally:
+        engine.close()
+
+
+# -- export ------------------------------------------------------------------------------------------------------
+
+
+def masters_by_name(engine) -> dict[str, torch.Tensor]:
+    """The fp32 master of every trained parameter, from the engine's sub-groups (one rank)."""
+    full = full_units(unit_pieces(engine, "master"), engine.units)
+    return {slot.name: full[i][slot.offset:slot.offset + slot.numel].view(slot.shape)
+            for i, unit in enumerate(engine.units) for slot in unit.slots}
+
+
+def test_export_loads_in_plain_pytorch_and_transformers(tmp_path):
+    import safetensors.torch
+    from transformers import GPT2LMHeadModel
+
+    from zero.export import load_state_dict, main as export_main
+
+    engine = zero.initialize(model=gpt2(), config=ds_config(3, "bf16", "nvme", str(tmp_path)))[0]
+    train(engine, 2)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    masters = masters_by_name(engine)
+    engine.close()
+    with open(tmp_path / "ckpt" / "global_step2" / "model_config.json") as f:
+        assert json.load(f)["model_type"] == "gpt2"  # saved with the checkpoint, for the export
+    out = tmp_path / "export"
+    export_main([str(tmp_path / "ckpt"), str(out)])  # the command's code, in this process (the other test runs it)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+
+    written = safetensors.torch.load_file(out / "model.safetensors")
+    assert "lm_head.weight" not in written, "a tied weight is written once"
+    assert written.keys() == masters.keys()
+    for name, value in masters.items():
+        assert written[name].dtype == torch.float32 and torch.equal(written[name], value), name
+
+    model = gpt2(seed=7)
+    assert str(model.load_state_dict(load_state_dict(out / "model.safetensors"))) == "<All keys matched successfully>"
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    assert torch.equal(model.transformer.wte.weight, masters["transformer.wte.weight"])
+    plain = gpt2(seed=8)
+    missing, unexpected = safetensors.torch.load_model(plain, out / "model.safetensors")
+    assert (missing, unexpected) == (set(), []) or (not missing and not unexpected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = GPT2LMHeadModel.from_pretrained(out)
+    assert hf.dtype == torch.float32
+    for name, p in hf.named_parameters():
+        assert torch.equal(p, masters[name]), name
+    assert torch.equal(hf.lm_head.weight, masters["transformer.wte.weight"])
+
+
+def test_export_of_a_model_with_cross_unit_ties_and_frozen_parameters(tmp_path):
+    from models import tied_blocks
+
+    from zero.export import export_fp32, load_state_dict
+
+    config = ds_config(2, "fp32", "cpu", str(tmp_path))  # stage 2: the partitioner is not yet at ease with
+    config.pop("scheduler")                                # a parameter two units use (blocks.2.up is blocks.0.up)
+    engine = zero.initialize(model=tied_blocks(), config=config)[0]
+    for step in range(2 * GAS):
+        ids = batch(step) % 96
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    engine.save_checkpoint(tmp_path / "ckpt", tag="t")
+    masters = masters_by_name(engine)
+    reference = engine.module_state_dict()
+    engine.close()
+    # The command, in a process of its own that builds no engine; a tag directory works as well as a save_dir.
+    proc = subprocess.run([sys.executable, "-m", "zero.export", str(tmp_path / "ckpt" / "t"), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120, env=child_env(), cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    path = tmp_path / "out" / "model.safetensors"
+    assert str(path) in proc.stdout
+    assert os.listdir(tmp_path / "out") == ["model.safetensors"]  # not a transformers model: no config.json
+    again = export_fp32(tmp_path / "ckpt", tmp_path / "out2", tag="t")
+    assert Path(again).read_bytes() == path.read_bytes()
+    state = load_state_dict(path)
+    assert state.keys() == reference.keys()
+    assert torch.equal(state["frozen"], torch.ones(32))
+    assert state["blocks.2.up.weight"].data_ptr() == state["blocks.0.up.weight"].data_ptr()
+    for name, value in masters.items():
+        assert torch.equal(state[name], value), name
+    model = tied_blocks(seed=3)
+    model.load_state_dict(state)
+    for name, value in reference.items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+# -- world size -----------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_saved_with_two_ranks_loads_into_one_and_back(tmp_path):
+    """Two gloo ranks train and save; they also load a one-rank checkpoint saved here. One rank here loads
+    theirs. Each side's parameters and optimizer state, assembled per unit, equal the other's."""
+    one = build("stage3-bf16-nvme", str(tmp_path))
+    train(one, 2)
+    one.save_checkpoint(tmp_path / "one", tag="t")
+    mine = {part: full_units(unit_pieces(one, part), one.units) for part in ("param", "master", "exp_avg", "exp_avg_sq")}
+    one.close()
+
+    port = free_port()
+    children = []
+    for rank in range(2):
+        env = child_env() | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        children.append(subprocess.Popen([sys.executable, THIS, "two-ranks", str(tmp_path)], env=env,
+                                         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for child in children:
+        try:
+            _, err = child.communicate(timeout=240)
+        finally:
+            if child.poll() is None:
+                child.kill()
+        assert child.returncode == 0, err[-4000:]
+    dumps = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+    manifest = read_manifest(str(tmp_path / "two" / "t"))
+    assert manifest["world_size"] == 2 and len(manifest["ranks"]) == 2
+    fresh = build("stage3-bf16-nvme", str(tmp_path))
+    try:
+        with pytest.warns(UserWarning, match="saved with 2 ranks, loaded into 1"):
+            fresh.load_checkpoint(tmp_path / "two", tag="t")
+        for part in ("param", "master", "exp_avg", "exp_avg_sq"):
+            theirs = full_units([p for d in dumps for p in d["trained"][part]], fresh.units)
+            loaded = full_units(unit_pieces(fresh, part), fresh.units)
+            for index, (a, b) in enumerate(zip(theirs, loaded)):
+                assert torch.equal(a, b), f"2 -> 1 ranks: unit {index} {part}"
+            back = full_units([p for d in dumps for p in d["loaded"][part]], fresh.units)
+            for index, (a, b) in enumerate(zip(mine[part], back)):
+                assert torch.equal(a, b), f"1 -> 2 ranks: unit {index} {part}"
+        assert fresh.global_steps == 2 and fresh.optimizer.step_count == 2
+        assert all(d["loaded_counters"] == (2, 4, 0, 2) for d in dumps)
+    finally:
+        fresh.close()
+
+
+def child_two_ranks(root: str) -> None:
+    nvme = os.path.join(root, "nvme-two")
+    os.makedirs(nvme, exist_ok=True)
+    engine = build("stage3-bf16-nvme", nvme)
+    rank = engine.dp.rank
+    assert engine.dp.world_size == 2
+    train(engine, 2)
+    engine.save_checkpoint(os.path.join(root, "two"), tag="t")
+    parts = ("param", "master", "exp_avg", "exp_avg_sq")
+    trained = {part: unit_pieces(engine, part) for part in parts}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine.load_checkpoint(os.path.join(root, "one"), tag="t")
+    loaded = {part: unit_pieces(engine, part) for part in parts}
+    counters = (engine.global_steps, engine.micro_steps, engine.skipped_steps, engine.optimizer.step_count)
+    engine.close()
+    torch.save({"trained": trained, "loaded": loaded, "loaded_counters": counters}, os.path.join(root, f"rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    command, *arguments = sys.argv[1:]
+    {"resume": child_resume, "two-ranks": child_two_ranks}[command](*arguments)
