@@ -248,8 +248,6 @@ def child_swap_out_rlimit(directory: str) -> None:
     print(json.dumps(out))
 
 
-SWAP_OUT_BUG = ("known bug in tiering/swap_manager.py SwapManager._bring: a write-back it started to make room "
-                "fails, and it retries that write-back forever instead of raising its error")
 LIMIT = 64 << 10
 """RLIMIT_FSIZE in the child: no file of its may reach past 64 KiB (the swap file and the checkpoint's are larger)."""
 
@@ -283,7 +281,7 @@ def test_full_disk_during_a_training_swap_out_leaves_the_engine_consistent(under
     root, out = under_rlimit
     fault = out.get("fault", {"hung": True})
     if fault.get("hung"):
-        pytest.xfail(SWAP_OUT_BUG)
+        pytest.fail("the training step hung when a swap-out hit the full disk: the error must surface")
     assert fault["error"] in ("IOFailedError", "StoreFullError") and fault["errno"] == errno.EFBIG
     assert fault["path"].endswith(".swap") and fault["path"] in fault["message"] and "bytes" in fault["message"]
     before = torch.load(root / "before.pt", weights_only=False)

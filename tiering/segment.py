@@ -53,6 +53,30 @@ class Segment:
         """Apply a residency transition, raising IllegalTransitionError with expected vs actual state."""
         self.state = self.state.after(action, self.name)
 
+    def unpin(self) -> None:
+        self.pins -= 1
+        if not self.pins:
+            self.pinned_tier = None
+
+    @property
+    def lands_home(self) -> bool:
+        """Whether the move under way ends in the home tier."""
+        return self.state == Residency.WRITING or (self.state == Residency.TO_HOST and self.home == "host")
+
+    def evictable_from(self, tier: Tier) -> bool:
+        """Whether the copy in `tier` may be freed now. Never a pinned copy or one at home; a host copy under a
+        device copy is a cache, droppable even while the device copy is pinned."""
+        if self.state.moving:
+            return False
+        if tier == "device":
+            return self.state == Residency.DEVICE and self.home != "device" and not self.pins
+        return self.host is not None and (
+            self.state == Residency.DEVICE or (self.state == Residency.HOST and self.home == "nvme" and not self.pins))
+
+    def capacity(self, tier: Tier) -> int:
+        """Bytes the copy in `tier` holds (a reused buffer may be larger than the segment)."""
+        return (self.device if tier == "device" else self.host).capacity
+
     def storage(self, tier: Tier) -> torch.Tensor:
         """The uint8 bytes of the copy in `tier` (device or host)."""
         buffer = self.device if tier == "device" else self.host

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 
@@ -85,10 +85,13 @@ class SwapManager:
                 view.zero_()
             else:
                 view.copy_(data.reshape(seg.shape))
+            try:
+                handle = self._write_back(seg) if home == "nvme" else completed(name)
+            except BaseException:  # no room in the store: the segment was never registered
+                self._drop_host(seg)
+                raise
             self.segments[name] = seg
-            if home != "nvme":
-                return completed(name)
-            return self._write_back(seg)
+            return handle
 
     def unregister(self, name: str) -> None:
         """Forget a segment and free its copies in every tier. It must not be pinned; a move under way (its
@@ -162,10 +165,9 @@ class SwapManager:
                 seg.nvme_current = False
                 if seg.pinned_tier == "device":
                     seg.host_current = False
-            seg.pins -= 1
+            seg.unpin()
             if seg.pins:
                 return completed(name)
-            seg.pinned_tier = None
             distance = self.config.reuse_distance
             if distance is None or seg.state.tier == seg.home or self.trace.next_use_bytes(name) <= distance:
                 return completed(name)
@@ -186,16 +188,11 @@ class SwapManager:
                     step = self._evict_step(seg, blocking=True)
                     if step is None and seg.state.tier == seg.home:
                         return completed(name)
-                    if isinstance(step, Handle) and self._lands_home(seg):
+                    if isinstance(step, Handle) and seg.lands_home:
                         return step
                     pending = step.handle if isinstance(step, _Wait) else step
             if pending is not None:
                 pending.wait()
-
-    @staticmethod
-    def _lands_home(seg: Segment) -> bool:
-        """Whether the move under way ends in the segment's home tier."""
-        return seg.state == Residency.WRITING or (seg.state == Residency.TO_HOST and seg.home == "host")
 
     def prefetch(self, names: Iterable[str], tier: Tier = "device") -> Handle:
         """Start bringing segments to `tier` without pinning them, as far as room allows without waiting
@@ -278,10 +275,12 @@ class SwapManager:
         while True:
             with self._lock:
                 wait_on = seg.move if seg.state.moving else None
+                own = wait_on is not None  # waiting on a move of `seg` itself, not for room
                 if wait_on is None and seg.state == Residency.DEVICE and tier == "host":
                     step = self._evict_step(seg, blocking=blocking)  # down to host first
                     if step is False:
                         return None
+                    own = isinstance(step, Handle)
                     wait_on = step.handle if isinstance(step, _Wait) else step
                 if wait_on is None:
                     handle = self._start_up(seg, tier, blocking)
@@ -300,16 +299,14 @@ class SwapManager:
             try:
                 wait_on.wait()
             except TieringError:
-                if seg.state.moving:
-                    raise
-                # A failed move of this segment: its state was rolled back; try again from there.
+                if seg.state.moving or not own:
+                    raise  # making room failed (e.g. a write-back on a full disk): retrying would fail again
+                # A failed move of this segment (a prefetch): its state was rolled back; try again from there.
 
     def _unpin_on_failure(self, seg: Segment, handle: Handle) -> None:
         if handle.error is not None:
             with self._lock:
-                seg.pins -= 1
-                if not seg.pins:
-                    seg.pinned_tier = None
+                seg.unpin()
 
     def _start_up(self, seg: Segment, tier: Tier, blocking: bool) -> Handle | _Wait | bool:
         """With the lock held and `seg` settled: reserve the room `seg` needs and start its moves up to `tier`.
@@ -317,22 +314,14 @@ class SwapManager:
         need_host = seg.state == Residency.NVME and seg.host is None
         need_device = tier == "device" and seg.state != Residency.DEVICE
         horizon = None if blocking else self.trace.next_use(seg.name)
-        # Take the host buffer before making room on the device: that may move dirty device copies down to
-        # host, which must not take the room just made for `seg`.
+        for needed, t in ((need_host, "host"), (need_device, "device")):
+            if needed:
+                room = self._room(t, seg, blocking=blocking, horizon=horizon)
+                if room is not True:
+                    return room
         if need_host:
-            room = self._room("host", seg, blocking=blocking, horizon=horizon)
-            if room is not True:
-                return room
             seg.host = self.pool.acquire(seg.nbytes, seg.name)
         if need_device:
-            room = False
-            try:
-                room = self._room("device", seg, blocking=blocking, horizon=horizon)
-            finally:
-                if False:
-                    self._drop_host(seg)  # nothing read into it yet; retaken on the next try
-            if room is not True:
-                return room
             seg.device = self.device_tier.allocate(seg.nbytes, seg.name)
         self._note_peaks()
         if seg.state == Residency.NVME:
@@ -404,21 +393,14 @@ class SwapManager:
         budget = self.device_tier.budget if tier == "device" else self.pool.budget
         return math.inf if budget is None else budget
 
-    def _charge(self, tier: Tier, nbytes: int) -> int:
-        """Bytes a copy of `nbytes` takes from `tier`'s budget (host buffers are whole 4 KiB pages)."""
-        return self.device_tier.charge(nbytes) if tier == "device" else align_up(max(nbytes, 1))
-
-    def _held(self, seg: Segment, tier: Tier) -> int:
-        """Bytes `seg`'s copy in `tier` holds (a reused buffer may be larger than the segment)."""
-        return (seg.device if tier == "device" else seg.host).capacity
-
     def _room(self, tier: Tier, seg: Segment, *, blocking: bool, horizon: float | None = None, wait: bool = False,
               keep: tuple[Segment, ...] = ()) -> bool | _Wait:
         """Evict until a copy of `seg` fits in `tier`, never evicting `seg` or `keep` (segments being brought
         up, whose state must not change under them). True: it fits now. _Wait: write-backs were started, wait
         and retry (or, with `wait=True`, waited here). False: not blocking and only waiting would make room.
         Raises BudgetExceededError when even evicting everything evictable cannot make room."""
-        nbytes = self._charge(tier, seg.nbytes)
+        # What the copy takes from the budget: host buffers are whole 4 KiB pages.
+        nbytes = self.device_tier.charge(seg.nbytes) if tier == "device" else align_up(max(seg.nbytes, 1))
         keep = (seg, *keep)
         while True:
             short = self._used(tier) + nbytes - self._budget(tier)
@@ -429,7 +411,7 @@ class SwapManager:
             for victim in self._victims(tier, keep):
                 if horizon is not None and self.trace.next_use(victim.name) <= horizon:
                     break
-                freed = self._held(victim, tier)
+                freed = victim.capacity(tier)
                 try:
                     handle = self._evict_from(victim, tier, blocking, keep)
                 except BudgetExceededError as exc:
@@ -459,17 +441,8 @@ class SwapManager:
                 self._lock.acquire()
 
     def _victims(self, tier: Tier, keep: tuple[Segment, ...]) -> list[Segment]:
-        """Segments whose copy in `tier` may go, the one needed latest first (Belady), LRU before a trace.
-        A host copy under a device copy is a cache, droppable even while the device copy is pinned."""
-        out = []
-        for seg in self.segments.values():
-            if seg in keep or seg.state.moving:
-                continue
-            if tier == "device" and seg.state == Residency.DEVICE and seg.home != "device" and not seg.pins:
-                out.append(seg)
-            elif tier == "host" and seg.host is not None and (
-                    seg.state == Residency.DEVICE or (seg.state == Residency.HOST and seg.home == "nvme" and not seg.pins)):
-                out.append(seg)
+        """Segments whose copy in `tier` may go, the one needed latest first (Belady), LRU before a trace."""
+        out = [seg for seg in self.segments.values() if seg not in keep and seg.evictable_from(tier)]
         out.sort(key=lambda s: (-self.trace.next_use(s.name), s.last_use))
         return out
 
@@ -574,7 +547,8 @@ class SwapManager:
                     continue
                 if self._prefetched_bytes + seg.nbytes > self.config.prefetch_bytes:
                     break
-                if tier == "device" and live_cap is not None and self.device_tier.in_use + seg.nbytes > live_cap:
+                live = self.device_tier.in_use + self.device_tier.charge(seg.nbytes)
+                if tier == "device" and live_cap is not None and live > live_cap:
                     break
                 handle = self._bring(seg, tier, pin=False, blocking=False)
                 if handle is None:
@@ -618,10 +592,7 @@ class SwapManager:
         peaks["host"] = max(peaks["host"], self.pool.in_use)
 
 
-class _Wait:
+class _Wait(NamedTuple):
     """Room is being made: wait on `handle` (outside the lock), then try again."""
 
-    __slots__ = ("handle",)
-
-    def __init__(self, handle: Handle):
-        self.handle = handle
+    handle: Handle

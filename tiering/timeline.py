@@ -22,9 +22,9 @@ class SwapStats:
     stall_seconds: float = 0.0
     """Time callers spent blocked in `acquire` waiting for bytes."""
     hits: int = 0
-    """Fetches of a segment that a prefetch had already brought (or was bringing) to the tier."""
+    """Fetches of a segment already in the tier, or that a prefetch had brought (or was bringing) there."""
     misses: int = 0
-    """Fetches that had to start the move themselves, while a trace was being followed."""
+    """Fetches that had to start the move themselves (trace or not)."""
     prefetches: int = 0
     peak_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 

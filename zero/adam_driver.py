@@ -98,8 +98,12 @@ class AdamDriver:
         manager, tier = self.manager, self.work_tier
         for sg in self.sub_groups:
             hyper = groups[sg.group]
-            tensors = [manager.acquire(sg.segment(part), tier) for part in ("master", "grad", "exp_avg", "exp_avg_sq")]
+            held: list[str] = []
             try:
+                tensors = []
+                for part in ("master", "grad", "exp_avg", "exp_avg_sq"):
+                    tensors.append(manager.acquire(sg.segment(part), tier))
+                    held.append(part)
                 if sg.grad_fresh:
                     tensors[1].zero_()
                 elif clip is not None:
@@ -121,7 +125,6 @@ class AdamDriver:
                     if low is None:
                         out.copy_(tensors[0])
             finally:
-                for part in ("master", "exp_avg", "exp_avg_sq"):
-                    manager.release(sg.segment(part), dirty=True)
-                manager.release(sg.segment("grad"))  # spent: the next accumulation overwrites it
+                for part in held:  # the grad is spent: the next accumulation overwrites it
+                    manager.release(sg.segment(part), dirty=part != "grad")
             sg.grad_fresh = True

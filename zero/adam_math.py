@@ -6,24 +6,26 @@ parameter, and on a CPU that traffic, not the arithmetic, sets the speed. torch'
 one pass, so we call it rather than compose torch ops (one pass each). What this adds: the gradient scale
 folded into that pass; the bf16/fp16 copy-out (what the device reads next) done block by block right after
 each block's update, while the block's params are still in cache, so it adds the 2 bytes written per
-parameter and not a second read of the fp32 params from memory; and our own threads (AdamThreads), which
-stream blocks independently instead of fork-joining torch's pool for every op.
+parameter and not a second read of the fp32 params from memory; and a thread count per call
+(AdamThreads), whose threads stream those blocks independently, so one thread's copy-out overlaps
+another's memory traffic.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import itertools
 import math
 import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-BLOCK = 1 << 18
-"""Elements per block on our threads: 1 MiB per fp32 tensor, so a block's params stay in the caches (1 MiB
-L2 per core here) between their update and their copy-out, and the per-block Python cost (a few
-microseconds) stays small against the block's update (~0.2 ms at memory bandwidth)."""
+BLOCK = 1 << 20
+"""Elements per block on our threads: 4 MiB per fp32 tensor, so a block's params are still in the caches
+(32 MiB L3 here) when they are copied out right after their update, and the per-block Python cost (~10 us)
+is about 1% of the block's update. Measured on the development machine, 50M elements, 2 threads: 256K
+blocks lose ~10% to that cost, 512K to 4M are level within noise, 1M the best by a little."""
 
 OUT_DTYPES = (torch.bfloat16, torch.float16)
 """Dtypes the copy-out writes: what a device computes in."""
@@ -37,20 +39,25 @@ class AdamInputError(ValueError):
 
 
 class AdamThreads:
-    """The threads `adam_step` runs on: `count` Python threads, each taking the next undone block and running
-    its torch ops on itself alone (torch ops release the GIL while they compute).
+    """`count` threads for `adam_step`: the calling thread and `count - 1` helpers, run two ways.
 
-    Why not torch's intra-op pool: it splits every op across all its threads and joins them at the op's end,
-    so a step of many blocks is many fork-joins, each stalled by any core another process holds, and the
-    copy-out (compute bound, in cache) runs on every core at once while memory idles. Independent threads
-    stream their own blocks: one thread's copy-out overlaps the other's memory traffic, and a thread on a
-    busy core simply takes fewer blocks.
+    Blocks with a copy-out (`run`): each thread takes the next undone block and runs its torch ops on
+    itself alone (torch ops release the GIL while they compute). torch's intra-op pool would split every op
+    across all threads and join them at the op's end, so the copy-out (compute bound, in cache) would run
+    on every core at once while memory idles; independent threads overlap one's copy-out with the other's
+    memory traffic, and a thread on a busy core simply takes fewer blocks. The caller works too, rather
+    than wait for helpers to wake and then for itself to be woken (on a busy machine, each can take ms).
 
-    Each worker sets its own OpenMP thread count to 1 (`omp_set_num_threads` acts on the calling thread
-    only; nothing process-wide changes, torch's setting for other threads included). Where torch is not
-    built with OpenMP that call is missing: `serial_ops` is then False and the workers' ops fork into torch's
-    pool, with the same results and more contention. Starting the threads costs ~0.1-1 ms: keep one for
-    many steps; `close()` (or a `with` block) ends them.
+    Whole tensors without a copy-out (`run_split`): one after another on the caller, each op split over
+    `count` threads by torch's pool, exactly as torch's fused AdamW runs. There is nothing to overlap, and
+    our threads measured a few percent slower there on this busy machine: each block needs the GIL back,
+    and a sleeping thread must wait for a core, where the pool's threads spin.
+
+    Thread counts are set with `omp_set_num_threads`, which acts on the calling thread only: 1 for good on
+    the helpers, and on the caller for the duration of a run (then restored), so torch's setting,
+    process-wide and for every other thread, never changes. Where torch is not built with OpenMP that call
+    is missing: `serial_ops` is then False and our ops use torch's pool as configured, with the same results.
+    Starting helpers costs ~0.1-1 ms: keep one AdamThreads for many steps; `close()` (or `with`) ends them.
     """
 
     def __init__(self, count: int | None = None):
@@ -58,25 +65,43 @@ class AdamThreads:
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise AdamInputError(f"AdamThreads count = {count!r}: an int >= 1, or None for torch.get_num_threads()")
         self.count = count
-        self._pool = ThreadPoolExecutor(count, thread_name_prefix="cpu-adam")
-        started = threading.Barrier(count)
-        # One task per thread, all waiting on a barrier: every thread starts now and sets itself up once.
-        self.serial_ops = all(self._pool.map(lambda _: _ops_on_this_thread_only(started), range(count)))
+        # torch's OpenMP runtime is already loaded: CDLL(None) finds the symbol among loaded libraries.
+        self._set_omp_threads = getattr(ctypes.CDLL(None), "omp_set_num_threads", None)
+        self._helpers = ThreadPoolExecutor(count - 1, thread_name_prefix="cpu-adam") if count > 1 else None
+        self.serial_ops = self._set_omp_threads is not None
+        if self._helpers is not None:
+            started = threading.Barrier(count - 1)
+            # One task per helper, all waiting on a barrier: every helper starts now and sets itself up once.
+            self.serial_ops &= all(self._helpers.map(lambda _: self._serial_helper(started), range(count - 1)))
 
     def run(self, work: Sequence[Callable[[], None]]) -> None:
-        """Call each of `work` once, on the threads, each thread taking the next undone one; return when all
-        are done, raising the first error any raised."""
+        """Call each of `work` once, on the caller and the helpers, each taking the next undone one, its
+        torch ops on itself alone; return when all are done, raising the first error (the caller's, else a
+        helper's)."""
         pending = iter(work)  # next() on a list iterator is one C call under the GIL: atomic, no lock needed
 
         def drain() -> None:
             for item in pending:
                 item()
 
-        for future in [self._pool.submit(drain) for _ in range(min(self.count, len(work)))]:
+        helping = [self._helpers.submit(drain) for _ in range(min(self.count, len(work)) - 1)]
+        try:
+            with self._caller_threads(1):
+                drain()
+        finally:
+            wait(helping)
+        for future in helping:
             future.result()
 
+    def run_split(self, work: Sequence[Callable[[], None]]) -> None:
+        """Call each of `work` in turn on the caller, torch splitting each op over `count` threads."""
+        with self._caller_threads(self.count):
+            for item in work:
+                item()
+
     def close(self) -> None:
-        self._pool.shutdown()
+        if self._helpers is not None:
+            self._helpers.shutdown()
 
     def __enter__(self) -> AdamThreads:
         return self
@@ -84,15 +109,24 @@ class AdamThreads:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _serial_helper(self, started: threading.Barrier) -> bool:
+        torch.get_num_threads()  # torch's lazy per-thread setup: run it first, or it would later undo ours
+        if self._set_omp_threads is not None:
+            self._set_omp_threads(1)
+        started.wait()
+        return torch.get_num_threads() == 1
 
-def _ops_on_this_thread_only(started: threading.Barrier) -> bool:
-    """Make the torch ops this thread calls run on it alone; True if that held."""
-    torch.get_num_threads()  # torch's lazy per-thread setup: run it first, or it would later undo the next call
-    set_count = getattr(ctypes.CDLL(None), "omp_set_num_threads", None)
-    if set_count is not None:
-        set_count(1)
-    started.wait()
-    return torch.get_num_threads() == 1
+    @contextlib.contextmanager
+    def _caller_threads(self, count: int) -> Iterator[None]:
+        before = torch.get_num_threads()  # also torch's lazy per-thread setup, as above
+        if self._set_omp_threads is None or before == count:
+            yield
+            return
+        self._set_omp_threads(count)
+        try:
+            yield
+        finally:
+            self._set_omp_threads(before)
 
 
 def adam_step(
@@ -122,14 +156,17 @@ def adam_step(
     the same element count, receives the updated param, rounded as `param.to(out.dtype)` rounds.
 
     All tensors are contiguous CPU tensors (fp32 but `out`) of one element count, any shape: they are read
-    as flat. With `threads`, the step runs on those threads, block by block (`adam_blocks`). Without, the
-    calling thread makes one fused call over the whole tensor on torch's intra-op threads, then the
-    copy-out, as torch.optim.AdamW(fused=True) would. Allocates nothing proportional to the tensors.
+    as flat. With `threads`, the step runs on that many threads: with `out`, block by block, each block
+    copied out while in cache (`adam_blocks`, `AdamThreads.run`); without, as one fused call split by
+    torch's pool (`AdamThreads.run_split`). Without `threads`, the calling thread makes one fused call on
+    torch's intra-op threads as configured, then the copy-out, as torch.optim.AdamW(fused=True) would.
+    Allocates nothing proportional to the tensors.
     """
     hyper = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                  decoupled=decoupled, grad_scale=grad_scale)
     if threads is not None:
-        threads.run(adam_blocks(param, grad, exp_avg, exp_avg_sq, out=out, **hyper))
+        work = adam_blocks(param, grad, exp_avg, exp_avg_sq, out=out, **hyper)
+        (threads.run if out is not None else threads.run_split)(work)
         return
     kernel, options, flats, flat_out = _prepare(param, grad, exp_avg, exp_avg_sq, out, **hyper)
     kernel(*([t] for t in flats), **options)
@@ -153,24 +190,26 @@ def adam_blocks(
     grad_scale: float = 1.0,
     out: torch.Tensor | None = None,
 ) -> list[Callable[[], None]]:
-    """`adam_step` (same arguments, checked now) as independent pieces of work, one per BLOCK elements:
-    each updates its block and then copies it out, while it is in cache. Run them in any order, on any
-    threads, each once (`AdamThreads.run`); an optimizer with many params runs all its params' blocks in
-    one go, so small params do not each pay a hand-off to the threads."""
+    """`adam_step` (same arguments, checked now) as independent pieces of work. With `out`, one per BLOCK
+    elements, each updating its block and then copying it out while it is in cache: run them in any order,
+    on any threads, each once (`AdamThreads.run`). Without `out`, one piece, the whole tensor, for
+    `AdamThreads.run_split`. An optimizer with many params runs all its params' pieces in one go, so small
+    params do not each pay a hand-off to the threads."""
     kernel, options, flats, flat_out = _prepare(param, grad, exp_avg, exp_avg_sq, out, step=step, lr=lr,
                                                 beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                                                 decoupled=decoupled, grad_scale=grad_scale)
-    p, g, m, v = (t.split(BLOCK) for t in flats)
-    o = flat_out.split(BLOCK) if flat_out is not None else [None] * len(p)
+    block = BLOCK if flat_out is not None else max(flats[0].numel(), 1)
+    p, g, m, v = (t.split(block) for t in flats)
+    o = flat_out.split(block) if flat_out is not None else [None] * len(p)
 
-    def block(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, o: torch.Tensor | None):
+    def piece(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, o: torch.Tensor | None):
         def run() -> None:
             kernel([p], [g], [m], [v], **options)
             if o is not None:
                 o.copy_(p)
         return run
 
-    return [block(*views) for views in zip(p, g, m, v, o)]
+    return [piece(*views) for views in zip(p, g, m, v, o)]
 
 
 def _prepare(param, grad, exp_avg, exp_avg_sq, out, *, step, lr, beta1, beta2, eps, weight_decay, decoupled,

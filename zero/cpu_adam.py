@@ -32,7 +32,7 @@ class UnsupportedOptionError(ValueError):
 
 
 class CPUAdam(torch.optim.Optimizer):
-    """Adam / AdamW over CPU fp32 params, one fused pass per param.
+    """Adam / AdamW over CPU fp32 params: one fused pass over each param, block by block, on our threads.
 
     `adamw_mode=True` is torch.optim.AdamW (decoupled weight decay), False is torch.optim.Adam (weight decay
     added to the gradient); the group key is torch's `decoupled_weight_decay`. `threads` is how many threads
@@ -123,13 +123,16 @@ class CPUAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, *, grad_scale: float = 1.0) -> float | None:
         """One step of every param that has a gradient; `grad_scale` multiplies the gradients in the same
-        pass (when it is not 1 they are left holding the scaled values). All params' blocks go to the
-        threads at once, so small params cost no hand-off each."""
+        pass (when it is not 1 they are left holding the scaled values). All params with an output go to
+        the threads in one go (so small params cost no hand-off each), then the others, each split by torch
+        over as many threads (see AdamThreads)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = []
+        if self._workers is None:
+            self._workers = AdamThreads(self.threads)
+        blocks, wholes, stepped = [], [], []
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -142,17 +145,18 @@ class CPUAdam(torch.optim.Optimizer):
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                work += adam_blocks(
+                out = self._outputs.get(p)
+                (blocks if out is not None else wholes).extend(adam_blocks(
                     p, p.grad, state["exp_avg"], state["exp_avg_sq"],
                     step=int(state["step"]) + 1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
-                    grad_scale=grad_scale, out=self._outputs.get(p),
-                )
-                state["step"] += 1
-        if work:
-            if self._workers is None:
-                self._workers = AdamThreads(self.threads)
-            self._workers.run(work)
+                    grad_scale=grad_scale, out=out,
+                ))
+                stepped.append(state["step"])
+        self._workers.run(blocks)
+        self._workers.run_split(wholes)
+        for step in stepped:  # counted once every param's arguments passed their checks
+            step.add_(1)
         return loss
 
 

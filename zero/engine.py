@@ -263,17 +263,30 @@ class ZeroEngine(nn.Module):
 
     # -- checkpoints (zero/checkpoint.py) ----------------------------------------------------------------------
 
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True) -> str:
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False) -> str:
         """Save the whole training state under `save_dir/tag` (default `global_step<N>`), atomically, at a
         gradient accumulation boundary; every rank calls it. Returns the tag directory."""
         from .checkpoint import save_checkpoint
 
+        if exclude_frozen_parameters:
+            raise ValueError("save_checkpoint(exclude_frozen_parameters=True) is not supported: frozen "
+                             "parameters are always saved (they are small next to the optimizer state)")
+
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 
-    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True):
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False):
         """Load a checkpoint (tag None: the one `latest` names), verified against its manifest first; every
-        rank calls it. Returns (tag directory, client_state), or (None, None) when there is no `latest`."""
+        rank calls it. Returns (tag directory, client_state), or (None, None) when there is no `latest`.
+        `load_module_only` loads the weights alone (as load_optimizer_states=False with no scheduler)."""
         from .checkpoint import load_checkpoint
+
+        if not load_module_strict:
+            raise ValueError("load_checkpoint(load_module_strict=False) is not supported: a checkpoint loads "
+                             "into the same model, every parameter checked against its unit layout")
+        if load_module_only:
+            load_optimizer_states = load_lr_scheduler_states = False
 
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states)

@@ -81,12 +81,18 @@ class Partitioner:
     # -- gather and release ------------------------------------------------------------------------------
 
     def gather(self, unit: PartitionedUnit) -> None:
-        unit.refs += 1
         if not unit.gathered:
             self.manager.reserve_device(unit.nbytes, unit.flat.name)
             unit.full.untyped_storage().resize_(unit.nbytes)
             unit.flat.bind(unit.full)
-            self._fill(unit)
+            try:
+                self._fill(unit)
+            except BaseException:  # never leave a unit looking gathered with bytes that were not filled
+                unit.full.untyped_storage().resize_(0)
+                unit.flat.unbind()
+                self.manager.unreserve_device(unit.nbytes)
+                raise
+        unit.refs += 1
 
     def _fill(self, unit: PartitionedUnit) -> None:
         """Copy (one rank) or all-gather (several) the unit's shards into its full buffer."""

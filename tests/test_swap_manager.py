@@ -1,0 +1,452 @@
+"""Swap manager, call by call: the residency table, the trace (record, replay, departure), Belady and LRU
+eviction, prefetch within its byte budgets, hit rate, reuse distance, checksums on nvme, failed reads, the
+Chrome trace, and the corner cases of making room. Real components throughout (store, pool, engines)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tiering import (
+    AioConfig,
+    BudgetExceededError,
+    ChecksumMismatchError,
+    IllegalTransitionError,
+    IOFailedError,
+    NvmeStoreConfig,
+    Residency,
+    SwapConfig,
+    SwapManager,
+    TieringConfigError,
+    TieringError,
+)
+from tiering.residency import TRANSITIONS
+from tiering.trace import Trace
+
+PAGE = 4096
+R = Residency
+MOVE_TIMEOUT = 20.0
+"""Seconds any move may take here (a few pages on a local disk); longer means it will never end."""
+
+
+@pytest.fixture
+def make_manager(tmp_path):
+    """Factory for swap managers closed at teardown; `engine` adds an nvme store on tmp_path."""
+    managers: list[SwapManager] = []
+
+    def make(*, engine: str | None = None, nvme_budget: int | None = None, **config) -> SwapManager:
+        nvme = None
+        if engine is not None:
+            nvme = NvmeStoreConfig(nvme_path=str(tmp_path), budget=nvme_budget, grow_step=4 * PAGE,
+                                   aio=AioConfig(engine=engine))
+        config.setdefault("host_budget", 64 * PAGE)
+        config.setdefault("prefetch_bytes", 0)
+        mgr = SwapManager(SwapConfig(nvme=nvme, **config))
+        managers.append(mgr)
+        return mgr
+
+    yield make
+    for mgr in managers:
+        for seg in list(mgr.segments.values()):  # a move that never ends fails the test instead of hanging close()
+            if seg.move is not None:
+                try:
+                    seg.move.wait(MOVE_TIMEOUT)
+                except TieringError:
+                    pass  # its failure was the test's business
+        mgr.close()
+
+
+def page(value: int, dtype=torch.float32) -> torch.Tensor:
+    """One 4 KiB segment's worth of `value`."""
+    return torch.full((PAGE // dtype.itemsize,), value, dtype=dtype)
+
+
+def use(mgr: SwapManager, name: str, tier: str = "device", *, add: float | None = None) -> torch.Tensor:
+    """Fetch, read (and with `add`, change) and release: one use of a segment in a step."""
+    view = mgr.acquire(name, tier)
+    out = view.clone()
+    if add is not None:
+        view.add_(add)
+    mgr.release(name, dirty=add is not None)
+    return out
+
+
+def states(mgr: SwapManager, *names: str) -> list[Residency]:
+    with mgr._lock:
+        return [mgr.segments[n].state for n in names]
+
+
+# -- residency -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("action", sorted(TRANSITIONS))
+@pytest.mark.parametrize("state", list(Residency), ids=lambda s: s.name)
+def test_residency_table_allows_its_edges_and_names_expected_and_actual_otherwise(state, action):
+    sources, target = TRANSITIONS[action]
+    if state in sources:
+        assert state.after(action, "seg") is target
+        return
+    with pytest.raises(IllegalTransitionError) as info:
+        state.after(action, "seg")
+    err = info.value
+    assert err.what == "seg" and err.action == action and err.actual == state.name
+    for source in sources:
+        assert source.name in err.expected
+    assert f"expected state {err.expected}, actual {state.name}" in str(err) and "'seg'" in str(err)
+
+
+def test_residency_table_moves_one_tier_at_a_time_and_every_move_can_fail_back():
+    for action, (sources, target) in TRANSITIONS.items():
+        assert len(sources) == 1, action
+        if action.endswith("_failed"):
+            (moving,) = sources
+            start = next(s for a, (src, t) in TRANSITIONS.items() if t is moving for s in src)
+            assert moving.moving and target is start, action  # a failed move rolls back to where it began
+    settled = {s for s in Residency if not s.moving}
+    assert settled == {R.NVME, R.HOST, R.DEVICE}
+    for moving in set(Residency) - settled:
+        assert any(moving in src for src, _ in TRANSITIONS.values()), moving  # every move can end
+
+
+def test_bad_tiers_and_registrations_raise_typed_errors(make_manager):
+    mgr = make_manager(device_budget=4 * PAGE)
+    with pytest.raises(TieringConfigError, match="home"):
+        mgr.register("a", dtype=torch.float32, shape=(4,), home="disk")
+    with pytest.raises(TieringError, match="no nvme store"):
+        mgr.register("a", dtype=torch.float32, shape=(4,), home="nvme")
+    with pytest.raises(ValueError, match="expected torch.float32 x 4"):
+        mgr.register("a", dtype=torch.float32, shape=(4,), home="host", data=torch.zeros(5))
+    assert mgr.segments == {} and mgr.pool.in_use == 0
+    mgr.register("a", dtype=torch.float32, shape=(2, 2), home="host", data=torch.ones(4))
+    with pytest.raises(ValueError, match="already registered"):
+        mgr.register("a", dtype=torch.float32, shape=(4,), home="host")
+    with pytest.raises(TieringConfigError, match="tier"):
+        mgr.fetch("a", "nvme")
+    with pytest.raises(KeyError, match="'b'"):
+        mgr.fetch("b")
+    assert torch.equal(mgr.acquire("a", "host"), torch.ones(2, 2))
+
+
+# -- trace -------------------------------------------------------------------------------------------------
+
+def test_trace_records_replays_and_adopts_a_departing_order():
+    trace = Trace()
+    for name in "abc":
+        trace.record(name, "device", PAGE)
+    assert not trace.ready and trace.upcoming() == []
+    trace.end_step()
+    assert trace.ready and [n for n, _ in trace.upcoming()] == ["a", "b", "c"]
+    trace.record("a", "device", PAGE)
+    assert trace.next_use("b") == 0 and trace.next_use("c") == 1 and trace.next_use("a") == 2  # wraps
+    assert trace.next_use_bytes("c") == PAGE and trace.next_use_bytes("a") == 2 * PAGE
+    assert trace.next_use("zz") == float("inf")
+    trace.record("c", "device", PAGE)  # departs: b was next
+    assert trace.departures == 1 and not trace.ready and trace.upcoming() == []
+    assert trace.next_use("b") == float("inf")  # not trusted any more
+    trace.record("b", "device", PAGE)
+    trace.end_step()
+    assert trace.uses == [("a", "device"), ("c", "device"), ("b", "device")] and trace.ready
+    for name in "acb":  # the new order is followed without departing
+        trace.record(name, "device", PAGE)
+    trace.end_step()
+    assert trace.departures == 1
+
+
+def test_step_in_another_order_is_correct_counts_a_departure_and_is_adopted(make_manager, engine):
+    mgr = make_manager(engine=engine, device_budget=2 * PAGE, host_budget=2 * PAGE, prefetch_bytes=2 * PAGE)
+    for i in range(5):
+        mgr.register(f"s{i}", dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(i)).wait()
+    order = [f"s{i}" for i in range(5)]
+    expected = {f"s{i}": float(i) for i in range(5)}
+    for step, names in enumerate([order, order, order[::-1], order[::-1]]):
+        for name in names:
+            assert torch.equal(use(mgr, name, add=1.0), page(expected[name]))
+            expected[name] += 1
+        assert mgr.trace.departures == (1 if step >= 2 else 0)
+        mgr.end_step()
+        assert [n for n, _ in mgr.trace.uses] == names
+    for name in order:
+        mgr.evict(name).wait()
+        assert torch.equal(use(mgr, name, "host"), page(expected[name]))
+
+
+# -- eviction order ------------------------------------------------------------------------------------------
+
+def test_eviction_is_lru_before_a_trace_and_belady_once_one_exists(make_manager):
+    mgr = make_manager(device_budget=3 * PAGE)
+    for name in "abcd":
+        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="host")
+    for name in "abc":
+        use(mgr, name)
+    use(mgr, "d")  # no trace yet: the least recently used (a) goes
+    assert states(mgr, "a", "b", "c", "d") == [R.HOST, R.DEVICE, R.DEVICE, R.DEVICE]
+    for name in "abc":  # the recorded step: a b c d a b c
+        use(mgr, name)
+    mgr.end_step()
+    for name in "abc":  # replay; device holds a, b, c (d was evicted last)
+        use(mgr, name)
+    assert states(mgr, "a", "b", "c", "d") == [R.DEVICE, R.DEVICE, R.DEVICE, R.HOST]
+    use(mgr, "d")  # next uses: a in 0, b in 1, c in 2: Belady evicts c (LRU would evict a)
+    assert states(mgr, "a", "b", "c", "d") == [R.DEVICE, R.DEVICE, R.HOST, R.DEVICE]
+
+
+def test_reuse_distance_evicts_at_release_what_is_used_far_later(make_manager):
+    for distance, b_state in ((PAGE, R.HOST), (None, R.DEVICE)):
+        mgr = make_manager(device_budget=8 * PAGE, reuse_distance=distance)
+        for name in "abc":
+            mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="host")
+        for _ in range(2):  # step 1 records a b a c; step 2 replays it
+            for name in "abac":
+                use(mgr, name)
+            mgr.end_step()
+        use(mgr, "a")  # a is used again after one page (b): stays
+        assert states(mgr, "a") == [R.DEVICE]
+        use(mgr, "b")  # b is used again after 3 pages (a c, then a of the next step)
+        assert states(mgr, "a", "b") == [R.DEVICE, b_state]
+
+
+# -- prefetch and hit rate --------------------------------------------------------------------------------------
+
+ODD = 3000
+"""Bytes of each segment in the prefetch test: not a multiple of 4 KiB, so each copy takes a whole page."""
+
+
+@pytest.mark.parametrize("prefetch_bytes, max_live, ahead, hits", [
+    (3 * ODD, None, 3, 7),  # three ahead, topped up after each fetch: every later fetch finds its segment
+    (8 * ODD, 2 * PAGE + ODD, 1, 1),  # s0 and s1 take two pages; a third copy would pass max_live_bytes
+    (0, None, 0, 0),
+])
+def test_prefetch_follows_the_trace_within_prefetch_bytes_and_max_live_bytes(
+        make_manager, prefetch_bytes, max_live, ahead, hits):
+    mgr = make_manager(engine="threads", device_budget=16 * PAGE, prefetch_bytes=prefetch_bytes,
+                       max_live_bytes=max_live)
+    names = [f"s{i}" for i in range(8)]
+    for i, name in enumerate(names):
+        mgr.register(name, dtype=torch.uint8, shape=(ODD,), home="nvme", data=torch.full((ODD,), i, dtype=torch.uint8))
+    for name in names:
+        use(mgr, name)
+        assert mgr.stats.prefetches == 0  # nothing to follow while recording
+    mgr.end_step()
+    for name in names:
+        mgr.evict(name).wait()
+    assert mgr.stats.hits == 0 and mgr.stats.misses == 8
+
+    mgr.acquire("s0")
+    with mgr._lock:
+        on_the_way = [n for n in names[1:] if mgr.segments[n].state != R.NVME]
+    assert on_the_way == names[1:1 + ahead]  # the next uses, in order, and no more
+    assert mgr.stats.prefetches == ahead
+    assert max_live is None or mgr.device_tier.in_use <= max_live
+    mgr.release("s0")
+    for i, name in enumerate(names[1:], 1):
+        assert torch.equal(use(mgr, name), torch.full((ODD,), i, dtype=torch.uint8))
+        assert max_live is None or mgr.device_tier.in_use <= max(max_live, (i + 1) * PAGE)
+    assert (mgr.stats.hits, mgr.stats.misses) == (hits, 8 + 8 - hits)
+    assert mgr.stats.hit_rate == pytest.approx(hits / 16)
+
+
+def test_evicting_a_prefetched_segment_undoes_the_prefetch(make_manager):
+    mgr = make_manager(engine="threads", device_budget=4 * PAGE, prefetch_bytes=PAGE)
+    mgr.register("a", dtype=torch.float32, shape=(PAGE // 4,), home="nvme").wait()
+    mgr.prefetch(["a"]).wait()
+    assert states(mgr, "a") == [R.DEVICE] and mgr.stats.prefetches == 1
+    mgr.evict("a").wait()
+    assert states(mgr, "a") == [R.NVME]
+    use(mgr, "a")  # back from nvme: a miss, not a hit
+    assert (mgr.stats.hits, mgr.stats.misses) == (0, 1)
+
+
+def test_prefetch_checks_every_name_before_moving_any(make_manager):
+    mgr = make_manager(device_budget=4 * PAGE)
+    mgr.register("h", dtype=torch.float32, shape=(PAGE // 4,), home="host")
+    mgr.register("x", dtype=torch.float32, shape=(PAGE // 4,), home="host")
+    mgr.register("d", dtype=torch.float32, shape=(PAGE // 4,), home="device")
+    mgr.fetch("x", "host").wait()
+    with pytest.raises(IllegalTransitionError, match="'x'.*actual pinned in host"):
+        mgr.prefetch(["h", "x"], "device")
+    with pytest.raises(IllegalTransitionError, match="'d'.*at or above its home 'device'"):
+        mgr.prefetch(["h", "d"], "host")
+    with pytest.raises(KeyError, match="nope"):
+        mgr.prefetch(["h", "nope"], "device")
+    assert states(mgr, "h") == [R.HOST] and mgr.stats.prefetches == 0
+
+
+# -- integrity and failures ---------------------------------------------------------------------------------
+
+def flip_byte(path: str, offset: int) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        (old,) = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([old ^ 0xFF]), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def test_checksum_mismatch_names_the_segment_and_the_manager_stays_usable(make_manager, engine):
+    mgr = make_manager(engine=engine, device_budget=4 * PAGE)
+    data = torch.arange(3000, dtype=torch.int16)  # 6000 bytes: not a multiple of 4 KiB
+    mgr.register("w", dtype=torch.int16, shape=(3000,), home="nvme", data=data).wait()
+    mgr.register("other", dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(7)).wait()
+    offset = mgr.segments["w"].extent.offset + 5000
+    flip_byte(mgr.store.path, offset)
+    for tier in ("device", "host"):
+        with pytest.raises(ChecksumMismatchError, match="'w'") as info:
+            mgr.fetch("w", tier).wait()
+        assert info.value.what == "w" and info.value.path == mgr.store.path
+    with mgr._lock:
+        seg = mgr.segments["w"]
+        assert (seg.state, seg.pins, seg.host, seg.device) == (R.NVME, 0, None, None)
+    assert mgr.pool.in_use == 0 and mgr.device_tier.in_use == 0
+    with pytest.raises(IllegalTransitionError):
+        mgr.view("w")
+    assert torch.equal(use(mgr, "other"), page(7))
+    flip_byte(mgr.store.path, offset)  # repaired: the same segment reads again
+    assert torch.equal(use(mgr, "w", "host"), data)
+
+
+def test_without_checksums_a_flipped_byte_goes_unnoticed(make_manager):
+    mgr = make_manager(engine="threads", checksums=False)
+    mgr.register("w", dtype=torch.uint8, shape=(100,), home="nvme", data=torch.zeros(100, dtype=torch.uint8)).wait()
+    flip_byte(mgr.store.path, mgr.segments["w"].extent.offset + 3)
+    assert use(mgr, "w", "host")[3].item() == 0xFF
+
+
+def test_failed_nvme_read_raises_typed_error_and_leaves_the_segment_consistent(make_manager, engine):
+    mgr = make_manager(engine=engine, device_budget=4 * PAGE)
+    mgr.register("a", dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(3)).wait()
+    mgr.register("b", dtype=torch.float64, shape=(100,), home="host", data=torch.ones(100, dtype=torch.float64))
+    os.truncate(mgr.store.path, 0)  # the bytes under the store are gone
+    for tier in ("device", "host"):
+        with pytest.raises(IOFailedError) as info:
+            mgr.fetch("a", tier).wait(MOVE_TIMEOUT)
+        assert isinstance(info.value, TieringError) and info.value.path == mgr.store.path
+    with mgr._lock:
+        seg = mgr.segments["a"]
+        assert (seg.state, seg.pins, seg.pinned_tier, seg.move) == (R.NVME, 0, None, None)
+        assert seg.nvme_current and seg.host is None and seg.device is None
+    assert mgr.pool.in_use == mgr.segments["b"].host.capacity and mgr.device_tier.in_use == 0
+    assert torch.equal(use(mgr, "b"), torch.ones(100, dtype=torch.float64))  # the rest still works
+    mgr.unregister("a")
+    assert mgr.store.used_bytes == 0
+
+
+def test_registration_the_store_cannot_hold_leaves_nothing_behind(make_manager):
+    mgr = make_manager(engine="threads", nvme_budget=2 * PAGE)
+    mgr.register("a", dtype=torch.float32, shape=(PAGE // 4,), home="nvme").wait()
+    mgr.register("b", dtype=torch.float32, shape=(PAGE // 4,), home="nvme").wait()
+    with pytest.raises(BudgetExceededError) as info:
+        mgr.register("c", dtype=torch.float32, shape=(PAGE // 4,), home="nvme")
+    assert info.value.tier == "nvme" and info.value.budget == 2 * PAGE
+    assert "c" not in mgr.segments and mgr.pool.in_use == 0
+    mgr.unregister("a")
+    mgr.register("c", dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(5)).wait()
+    assert torch.equal(use(mgr, "c", "host"), page(5))
+
+
+def test_unregister_waits_for_a_move_in_flight(make_manager, engine):
+    mgr = make_manager(engine=engine)
+    for i in range(4):
+        mgr.register(f"s{i}", dtype=torch.float32, shape=(PAGE,), home="nvme")  # writes left in flight
+        mgr.unregister(f"s{i}")
+    assert mgr.segments == {} and mgr.pool.in_use == 0 and mgr.store.used_bytes == 0
+
+
+# -- making room -------------------------------------------------------------------------------------------
+
+def test_room_on_device_passes_over_a_victim_with_no_room_below_and_keeps_the_segment_being_fetched(make_manager):
+    """Device full of v (dirty, no host copy) and w (clean on nvme); host full of s (clean on nvme, being
+    fetched) and host-homed segments. Fetching s to the device: v cannot go down (the only thing host could
+    free is s itself, which must stay), so w must go instead."""
+    mgr = make_manager(engine="threads", host_budget=4 * PAGE, device_budget=3 * PAGE)
+    mgr.register("v", dtype=torch.float32, shape=(2 * PAGE // 4,), home="host")
+    use(mgr, "v", add=1.0)  # dirty on the device; its host copy is stale
+    mgr.register("w", dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(2)).wait()
+    use(mgr, "w")
+    mgr.register("s", dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(3)).wait()
+    use(mgr, "s", "host")
+    mgr.register("z", dtype=torch.float32, shape=(2 * PAGE // 4,), home="host")  # drops v's host copy
+    mgr.register("z1", dtype=torch.float32, shape=(PAGE // 4,), home="host")  # drops w's host copy
+    with mgr._lock:
+        assert [(mgr.segments[n].state, mgr.segments[n].host is not None) for n in "vws"] == [
+            (R.DEVICE, False), (R.DEVICE, False), (R.HOST, True)]
+        assert mgr.segments["s"].host.capacity == PAGE
+    assert mgr.pool.in_use == 4 * PAGE and mgr.device_tier.in_use == 3 * PAGE
+    assert torch.equal(mgr.acquire("s"), page(3))
+    mgr.release("s")
+    assert states(mgr, "v", "w", "s") == [R.DEVICE, R.NVME, R.DEVICE]
+    assert torch.equal(use(mgr, "v"), torch.ones(2 * PAGE // 4))
+
+
+def test_host_copy_under_a_pinned_device_copy_is_a_cache_that_may_go(make_manager):
+    mgr = make_manager(engine="threads", host_budget=2 * PAGE, device_budget=4 * PAGE)
+    for name in "abc":
+        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(ord(name))).wait()
+    on_device = mgr.acquire("a")  # pinned on the device; its host copy stays behind as a cache
+    mgr.acquire("b", "host")
+    assert mgr.pool.in_use == 2 * PAGE
+    assert torch.equal(mgr.acquire("c", "host"), page(ord("c")))  # room made by dropping a's host copy
+    assert mgr.segments["a"].host is None and torch.equal(on_device, page(ord("a")))
+    on_device.add_(1)
+    mgr.release("a", dirty=True)
+    mgr.release("b")
+    mgr.release("c")
+    mgr.evict("a").wait()  # written back through host: the cache was not needed
+    assert torch.equal(use(mgr, "a", "host"), page(ord("a") + 1))
+
+
+def test_budget_error_carries_the_numbers_and_changes_nothing(make_manager):
+    mgr = make_manager(device_budget=2 * PAGE)
+    mgr.register("a", dtype=torch.float32, shape=(PAGE // 4,), home="device")
+    mgr.register("b", dtype=torch.int8, shape=(5000,), home="host")
+    with pytest.raises(BudgetExceededError) as info:
+        mgr.fetch("b")  # 5000 B take two pages; the device-homed a holds one of two
+    err = info.value
+    assert (err.tier, err.budget, err.in_use, err.requested, err.what) == ("device", 2 * PAGE, PAGE, 2 * PAGE, "b")
+    assert "device budget 8.0 KiB exhausted: 4.0 KiB in use, 8.0 KiB requested for 'b'" in str(err)
+    assert states(mgr, "a", "b") == [R.DEVICE, R.HOST] and mgr.segments["b"].pins == 0
+
+
+# -- stats and timeline ------------------------------------------------------------------------------------
+
+def test_stats_count_bytes_per_tier_pair_peaks_and_stalls(make_manager):
+    mgr = make_manager(engine="threads", device_budget=4 * PAGE)
+    mgr.register("a", dtype=torch.int8, shape=(5000,), home="nvme").wait()
+    use(mgr, "a", add=1)
+    mgr.evict("a").wait()
+    assert dict(mgr.stats.bytes_moved) == {"host->nvme": 10000, "nvme->host": 5000, "host->device": 5000,
+                                           "device->host": 5000}
+    assert mgr.stats.peak_bytes["host"] == 2 * PAGE and mgr.stats.peak_bytes["device"] == 2 * PAGE
+    assert mgr.stats.peak_bytes["nvme"] == 2 * PAGE
+    stalls = [s for s in mgr.timeline.spans if s[1] == "stall"]
+    assert mgr.stats.stall_seconds == pytest.approx(sum(end - start for _, _, start, end, _ in stalls))
+    assert mgr.stats.as_dict()["bytes_moved"]["host->nvme"] == 10000
+    use(mgr, "a", "host")  # back from nvme: a miss
+    use(mgr, "a", "host")  # still there: a hit
+    assert (mgr.stats.hits, mgr.stats.misses) == (1, 2) and mgr.stats.hit_rate == pytest.approx(1 / 3)
+
+
+def test_chrome_trace_is_valid_json_with_move_and_compute_events(make_manager, tmp_path):
+    mgr = make_manager(engine="threads", device_budget=4 * PAGE)
+    mgr.register("a", dtype=torch.float32, shape=(PAGE // 4,), home="nvme").wait()
+    view = mgr.acquire("a")
+    with mgr.compute("a"):
+        view.add_(1)
+    mgr.release("a", dirty=True)
+    mgr.evict("a").wait()
+    path = tmp_path / "trace.json"
+    mgr.write_chrome_trace(str(path))
+    doc = json.loads(path.read_text())
+    events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    lanes = {e["cat"] for e in events}
+    assert {"compute", "host->nvme", "nvme->host", "host->device", "device->host"} <= lanes
+    for e in events:
+        assert e["name"] == "a" and e["ts"] >= 0 and e["dur"] >= 0
+        if e["cat"] != "compute" and e["cat"] != "stall":
+            assert e["args"] == {"bytes": PAGE}
+    names = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M"}
+    assert {"compute", "nvme->host"} <= names
+    compute = next(e for e in events if e["cat"] == "compute")
+    read = next(e for e in events if e["cat"] == "nvme->host")
+    assert read["ts"] + read["dur"] <= compute["ts"] + 1  # the bytes arrived before they were used
