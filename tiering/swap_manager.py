@@ -531,6 +531,8 @@ class SwapManager:
                     seg.nvme_current = True
                     self._drop_host(seg)
             final.part_done(h.error)
+            if h.error is None:
+                self._prefetch_ahead()  # the room this write-back freed may be what a prefetch was waiting for
 
         self.store.write(seg.extent, seg.host.storage, seg.nbytes).add_done_callback(written)
         return final

@@ -91,8 +91,8 @@ class AdamDriver:
              output: Callable[[SubGroup], ContextManager[torch.Tensor]]) -> None:
         """One Adam step of every sub-group, with `groups[sg.group]`'s hyperparameters; `output(sg)` is a
         context manager giving where the updated weights go in the compute dtype (a bf16/fp16 tensor is
-        written in the same pass, an fp32 one by a copy). Sub-groups that got no gradient since the last step step with zeros, as
-        torch's AdamW does for a parameter whose grad is zero. `clip` (an fp32 scalar below 1, or None)
+        written in the same pass, an fp32 one by a copy). Sub-groups that got no gradient since the last
+        step step with zeros, as torch's AdamW does for a parameter whose grad is zero. `clip` (an fp32 scalar below 1, or None)
         multiplies the gradient first, as torch.nn.utils.clip_grad_norm_ does, so clipping rounds alike;
         `grad_scale` (1 / loss scale) is folded into the Adam pass."""
         manager, tier = self.manager, self.work_tier
