@@ -16,7 +16,7 @@ import torch
 
 from tiering import SwapManager, Tier
 
-from .adam_math import adam_step
+from .adam_math import AdamThreads, adam_step
 
 STATE = ("master", "exp_avg", "exp_avg_sq")
 
@@ -43,6 +43,7 @@ class AdamDriver:
         self.manager = manager
         self.state_home, self.grad_home, self.work_tier = state_home, grad_home, work_tier
         self.sub_groups: list[SubGroup] = []
+        self.threads = AdamThreads()  # overlaps one thread's copy-out with another's memory traffic
 
     def add(self, name: str, master: torch.Tensor, group: int) -> SubGroup:
         """Register a sub-group holding `master` (fp32, flat); moments and gradient start at zero."""
@@ -121,10 +122,13 @@ class AdamDriver:
                                amsgrad=False, maximize=False, grad_scale=scale, **options)
                     else:
                         adam_step(*tensors, step=step, decoupled=hyper["decoupled"], grad_scale=grad_scale,
-                                  out=low, **options)
+                                  out=low, threads=self.threads if low is not None else None, **options)
                     if low is None:
                         out.copy_(tensors[0])
             finally:
                 for part in held:  # the grad is spent: the next accumulation overwrites it
                     manager.release(sg.segment(part), dirty=part != "grad")
             sg.grad_fresh = True
+
+    def close(self) -> None:
+        self.threads.close()

@@ -54,6 +54,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
     groups = param_groups_from(model, model_parameters, optimizer, cfg)
     plan = plan_units(model, groups, dp)
     manager = SwapManager(swap_config(cfg, [unit for unit, _ in plan], compute_dtype))
+    driver = None
     try:
         state_home = HOMES[zo.offload_optimizer.device]
         work_tier: Tier = "device" if state_home == "device" else "host"
@@ -84,6 +85,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
                             lr_scheduler=lr_scheduler, dp=dp, manager=manager, loss_scaler=scaler,
                             compute_dtype=compute_dtype, device=device, partitioner=partitioner)
     except BaseException:
+        if driver is not None:
+            driver.close()
         manager.close()  # a failed initialize leaves no nvme file and no pinned buffers behind
         raise
     loader = None

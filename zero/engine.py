@@ -259,6 +259,7 @@ class ZeroEngine(nn.Module):
             self.partitioner.remove_hooks()
         if self.config.zero_tiering.trace_path:
             self.swap.write_chrome_trace(self.config.zero_tiering.trace_path)
+        self.driver.close()
         self.swap.close()
 
     # -- checkpoints (zero/checkpoint.py) ----------------------------------------------------------------------

@@ -86,6 +86,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host-budget", help="override zero_tiering.host_budget")
     parser.add_argument("--trace", help="write a Chrome trace (Perfetto) of the run here")
     parser.add_argument("--summary-json", help="write the per-step reports here")
+    parser.add_argument("--lr", type=float, help="peak learning rate (the optimizer's lr and the warmup's top)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -103,6 +104,11 @@ def load_ds_config(args: argparse.Namespace) -> dict:
             if args.nvme_path:
                 offload["nvme_path"] = args.nvme_path
             os.makedirs(offload["nvme_path"], exist_ok=True)
+    if args.lr is not None:
+        config.setdefault("optimizer", {"type": "AdamW"}).setdefault("params", {})["lr"] = args.lr
+        schedule = config.get("scheduler", {}).get("params", {})
+        if "warmup_max_lr" in schedule:
+            schedule["warmup_max_lr"] = args.lr
     tiering = config.setdefault("zero_tiering", {})
     if args.device_budget:
         tiering["device_budget"] = args.device_budget
