@@ -491,20 +491,12 @@ class SwapManager:
         seg.move = final
         start = time.perf_counter()
 
-        def copied(h: Handle) -> None:
-            with self._lock:
-                self._account("device->host", seg, start)
-                seg.move = None
-                if h.error is not None:
-                    seg.to("to_host_failed")
-                else:
-                    seg.to("to_host_done")
-                    seg.host_current = True
-                    self._drop_device(seg)
-            final.part_done(h.error)
+        def landed() -> None:
+            seg.host_current = True
+            self._drop_device(seg)
 
         copy = Handle(label=f"device->host {seg.name}")
-        copy.add_done_callback(copied)
+        copy.add_done_callback(lambda h: self._settle(seg, "device->host", start, "to_host", final, h.error, landed))
         self.device_tier.copy(seg.storage("host"), seg.storage("device"), copy)
         return final
 
@@ -520,22 +512,30 @@ class SwapManager:
         seg.move = final
         start = time.perf_counter()
 
+        def landed() -> None:
+            seg.nvme_current = True
+            self._drop_host(seg)
+
         def written(h: Handle) -> None:
-            with self._lock:
-                self._account("host->nvme", seg, start)
-                seg.move = None
-                if h.error is not None:
-                    seg.to("write_failed")
-                else:
-                    seg.to("write_done")
-                    seg.nvme_current = True
-                    self._drop_host(seg)
-            final.part_done(h.error)
+            self._settle(seg, "host->nvme", start, "write", final, h.error, landed)
             if h.error is None:
                 self._prefetch_ahead()  # the room this write-back freed may be what a prefetch was waiting for
 
         self.store.write(seg.extent, seg.host.storage, seg.nbytes).add_done_callback(written)
         return final
+
+    def _settle(self, seg: Segment, pair: str, start: float, action: str, final: Handle, error, landed) -> None:
+        """End a move of `seg` along `pair`: account it, apply `<action>_done` and `landed()` (or
+        `<action>_failed`), then complete `final`."""
+        with self._lock:
+            self._account(pair, seg, start)
+            seg.move = None
+            if error is not None:
+                seg.to(f"{action}_failed")
+            else:
+                seg.to(f"{action}_done")
+                landed()
+        final.part_done(error)
 
     # -- prefetch along the trace ----------------------------------------------------------------------------
 
