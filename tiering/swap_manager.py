@@ -3,6 +3,7 @@ asynchronously, keeps every tier within its budget, and follows the recorded tra
 it is needed before it is needed. It knows segments only: no modules, no optimizers."""
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -28,6 +29,9 @@ from .segment import Segment
 from .swap_config import SwapConfig
 from .timeline import SwapStats, Timeline
 from .trace import Trace
+
+STALL_THRESHOLD_S = 1e-4  # an acquire shorter than this only did bookkeeping (the bytes were there)
+
 
 class SwapManager:
     """Segments moved among tiers under hard budgets.
@@ -135,16 +139,15 @@ class SwapManager:
         return handle
 
     def acquire(self, name: str, tier: Tier = "device") -> torch.Tensor:
-        """Blocking fetch: the segment's tensor in `tier`, valid until `release`. Time spent waiting here is
-        counted as stall."""
+        """Blocking fetch: the segment's tensor in `tier`, valid until `release`. Time spent here beyond
+        bookkeeping (waiting for room or for the bytes) is counted as stall."""
+        start = time.perf_counter()
         handle = self.fetch(name, tier)
-        if not handle.done():
-            start = time.perf_counter()
-            handle.wait()
-            end = time.perf_counter()
+        handle.wait()
+        end = time.perf_counter()
+        if end - start > STALL_THRESHOLD_S:
             self.stats.stall_seconds += end - start
             self.timeline.add(name, "stall", start, end)
-        handle.wait()
         return self.view(name)
 
     def view(self, name: str) -> torch.Tensor:
@@ -242,12 +245,9 @@ class SwapManager:
 
     def close(self) -> None:
         """Wait for every move, free every buffer, remove the store's file."""
-        for seg in list(self.segments.values()):
-            if seg.move is not None:
-                try:
-                    seg.move.wait()
-                except TieringError:
-                    pass  # closing: the failure was reported to whoever waited on the move
+        for move in [seg.move for seg in self.segments.values() if seg.move is not None]:
+            with contextlib.suppress(TieringError):  # closing: whoever waited on the move was told
+                move.wait()
         self.device_tier.close()
         if self.store is not None:
             self.store.close()
