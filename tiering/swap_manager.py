@@ -57,6 +57,7 @@ class SwapManager:
         self._lock = threading.RLock()
         self._tick = 0
         self._prefetched_bytes = 0
+        self._closing = False  # no prefetch may start once close() began
 
     # -- registration -------------------------------------------------------------------------------------
 
@@ -245,6 +246,8 @@ class SwapManager:
 
     def close(self) -> None:
         """Wait for every move, free every buffer, remove the store's file."""
+        with self._lock:
+            self._closing = True
         for move in [seg.move for seg in self.segments.values() if seg.move is not None]:
             with contextlib.suppress(TieringError):  # closing: whoever waited on the move was told
                 move.wait()
@@ -543,7 +546,7 @@ class SwapManager:
         """Start moves for the uses the trace says come next, within the prefetch and live-byte budgets."""
         with self._lock:
             live_cap = self.config.max_live_bytes
-            for name, tier in self.trace.upcoming():
+            for name, tier in [] if self._closing else self.trace.upcoming():
                 seg = self.segments.get(name)
                 if seg is None or seg.pins or seg.state.moving or seg.state.tier == tier or seg.prefetched:
                     continue
@@ -562,10 +565,9 @@ class SwapManager:
     # -- bookkeeping ----------------------------------------------------------------------------------------
 
     def _get(self, name: str) -> Segment:
-        try:
-            return self.segments[name]
-        except KeyError:
-            raise KeyError(f"no segment named {name!r}") from None
+        if name not in self.segments:
+            raise KeyError(f"no segment named {name!r}")
+        return self.segments[name]
 
     def _unprefetch(self, seg: Segment) -> None:
         if seg.prefetched:
@@ -584,14 +586,12 @@ class SwapManager:
         seg.host_current = False
 
     def _account(self, pair: str, seg: Segment, start: float) -> None:
-        end = time.perf_counter()
         self.stats.bytes_moved[pair] += seg.nbytes
-        self.timeline.add(seg.name, pair, start, end, bytes=seg.nbytes)
+        self.timeline.add(seg.name, pair, start, time.perf_counter(), bytes=seg.nbytes)
 
     def _note_peaks(self) -> None:
-        peaks = self.stats.peak_bytes
-        peaks["device"] = max(peaks["device"], self.device_tier.in_use)
-        peaks["host"] = max(peaks["host"], self.pool.in_use)
+        for tier, used in (("device", self.device_tier.in_use), ("host", self.pool.in_use)):
+            self.stats.peak_bytes[tier] = max(self.stats.peak_bytes[tier], used)
 
 
 class _Wait(NamedTuple):
