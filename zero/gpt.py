@@ -77,6 +77,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)  # on meta a no-op: zero-tiering's materializer calls it unit by unit
 
     def _init_weights(self, module: nn.Module) -> None:
         """GPT-2's initialization, per module (what zero-tiering's materializer calls, unit by unit)."""
