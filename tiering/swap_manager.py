@@ -334,10 +334,7 @@ class SwapManager:
         return completed(seg.name)
 
     def _read(self, seg: Segment, then_device: bool) -> Handle:
-        seg.to("read")
-        final = Handle(label=f"fetch {seg.name}")
-        seg.move = final
-        start = time.perf_counter()
+        final, start = self._begin(seg, "read", "fetch", None)
         read = self.store.read(seg.extent, seg.host.storage, seg.nbytes)
 
         def read_done(h: Handle) -> None:
@@ -366,10 +363,7 @@ class SwapManager:
         return final
 
     def _to_device(self, seg: Segment, final: Handle | None = None) -> Handle:
-        seg.to("to_device")
-        final = final or Handle(label=f"fetch {seg.name}")
-        seg.move = final
-        start = time.perf_counter()
+        final, start = self._begin(seg, "to_device", "fetch", final)
         copy = Handle(label=f"host->device {seg.name}")
 
         def copied(h: Handle) -> None:
@@ -489,10 +483,7 @@ class SwapManager:
         return None
 
     def _to_host(self, seg: Segment) -> Handle:
-        seg.to("to_host")
-        final = Handle(label=f"evict {seg.name}")
-        seg.move = final
-        start = time.perf_counter()
+        final, start = self._begin(seg, "to_host", "evict", None)
 
         def landed() -> None:
             seg.host_current = True
@@ -510,10 +501,7 @@ class SwapManager:
             self.stats.peak_bytes["nvme"] = max(self.stats.peak_bytes["nvme"], self.store.used_bytes)
         if self.config.checksums:
             seg.checksum = checksum(seg.storage("host"))
-        seg.to("write")
-        final = Handle(label=f"write {seg.name}")
-        seg.move = final
-        start = time.perf_counter()
+        final, start = self._begin(seg, "write", "write", None)
 
         def landed() -> None:
             seg.nvme_current = True
@@ -526,6 +514,12 @@ class SwapManager:
 
         self.store.write(seg.extent, seg.host.storage, seg.nbytes).add_done_callback(written)
         return final
+
+    def _begin(self, seg: Segment, action: str, label: str, final: Handle | None) -> tuple[Handle, float]:
+        """Start a move of `seg`: apply `action`, and give the handle callers wait on and the start time."""
+        seg.to(action)
+        seg.move = final or Handle(label=f"{label} {seg.name}")
+        return seg.move, time.perf_counter()
 
     def _settle(self, seg: Segment, pair: str, start: float, action: str, final: Handle, error, landed) -> None:
         """End a move of `seg` along `pair`: account it, apply `<action>_done` and `landed()` (or

@@ -51,6 +51,7 @@ class ZeroEngine(nn.Module):
         self.micro_steps = 0
         self.global_steps = 0
         self.skipped_steps = 0
+        self._scratches: dict[str, torch.Tensor] = {}
         self._param_order = {id(p): i for i, p in enumerate(module.parameters())}
         self._unit_sub_groups: list[list[tuple[SubGroup, int]]] = [[] for _ in units]
         for sg in driver.sub_groups:
@@ -84,19 +85,30 @@ class ZeroEngine(nn.Module):
     def _reduce_unit(self, index: int, unit: FlatUnit, flat: torch.Tensor) -> None:
         """Flatten the unit's gradients, reduce them over ranks, add this rank's fp32 shard to the
         accumulated gradient."""
-        grads = unit.flatten_grads(torch.empty(unit.padded_numel, dtype=flat.dtype, device=flat.device))
+        grads = unit.flatten_grads(self._scratch("grads", unit.padded_numel, flat.dtype, flat.device))
         world = self.dp.world_size
         if world > 1:
             grads.div_(world)
         if self.stage >= 2:
-            shard = torch.empty(unit.shard_numel, dtype=grads.dtype, device=grads.device)
+            shard = self._scratch("shard", unit.shard_numel, grads.dtype, grads.device)
             self.dp.reduce_scatter_sum(grads, shard)
         else:
             self.dp.all_reduce_sum(grads)
             shard = grads.narrow(0, self._shard_start(unit), self._shard_numel(unit))
-        shard = shard.to(device="cpu" if self.driver.work_tier == "host" else shard.device, dtype=torch.float32)
+        device = torch.device("cpu") if self.driver.work_tier == "host" else shard.device
+        if shard.dtype != torch.float32 or shard.device != device:  # cast to fp32 once, into reused memory
+            shard = self._scratch("fp32", shard.numel(), torch.float32, device).copy_(shard)
         for sg, start in self._unit_sub_groups[index]:
             self.driver.accumulate(sg, shard.narrow(0, start, sg.numel))
+
+    def _scratch(self, role: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A reused buffer of at least `numel` elements for `role` (gradient reduction runs every micro-batch:
+        fresh memory each time would be page faults on every step)."""
+        buffer = self._scratches.get(role)
+        if buffer is None or buffer.numel() < numel:
+            largest = max(unit.padded_numel for unit in self.units)
+            buffer = self._scratches[role] = torch.empty(max(numel, largest), dtype=dtype, device=device)
+        return buffer[:numel]
 
     def _shard_start(self, unit: FlatUnit) -> int:
         return unit.shard_start if self.stage >= 1 else 0
