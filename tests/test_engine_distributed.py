@@ -26,19 +26,22 @@ from models import assert_params_equal, batches, engine_train, make_config, name
 WORLD = 2
 STEPS, ACCUM, CLIP = 6, 2, 1.0
 
-CASES = {  # name: (stage, offload, extra zero_optimization keys, use the no-decay param groups)
-    "stage0-cpu": (0, "cpu", {}, False),
-    "stage1-cpu": (1, "cpu", {}, False),
-    "stage2-cpu": (2, "cpu", {}, False),
+CASES = {  # name: (stage, offload, extra zero_optimization keys, use the no-decay param groups, extra keys)
+    "stage0-cpu": (0, "cpu", {}, False, {}),
+    "stage1-cpu": (1, "cpu", {}, False, {}),
+    "stage2-cpu": (2, "cpu", {}, False, {}),
     # Shared nvme_path (two store files in one directory), sub-groups cut inside parameters, two param groups.
-    "stage2-nvme-subgroups": (2, "nvme", {"sub_group_size": 3000}, True),
+    "stage2-nvme-subgroups": (2, "nvme", {"sub_group_size": 3000}, True, {}),
+    # DeepSpeed's gradient averaging variants: divided before the reduction, or by a factor before and after.
+    "stage1-prescale": (1, "cpu", {}, False, {"prescale_gradients": True}),
+    "stage2-predivide": (2, "cpu", {}, False, {"gradient_predivide_factor": 4.0, "communication_data_type": "fp32"}),
 }
 
 
 def case_config(name: str, micro: int, nvme_path: str) -> dict:
-    stage, offload, zero_extra, _ = CASES[name]
+    stage, offload, zero_extra, _, extra = CASES[name]
     return make_config(stage, offload, accum=ACCUM, clip=CLIP, micro=micro, nvme_path=nvme_path,
-                       zero_optimization=zero_extra)
+                       zero_optimization=zero_extra, **extra)
 
 
 def train_case(name: str, micro: int, rank: int, nvme_path: str):

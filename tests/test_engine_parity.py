@@ -105,6 +105,24 @@ def test_nvme_state_streamed_under_a_small_host_budget(tmp_path):
     assert_params_equal(named_params(model), named_params(reference), exact=exact(engine))
 
 
+def test_communication_data_type_rounds_each_gradient_for_the_reduction():
+    """fp32 training with bf16 communication (DeepSpeed's communication_data_type): each gradient is reduced
+    in bf16, so the engine equals a reference whose gradients a hook rounds to bf16, bit for bit."""
+    config = make_config(2, "cpu", clip=1.0, communication_data_type="bf16")
+
+    def rounding_adamw(model):
+        for p in model.parameters():
+            p.register_hook(lambda g: g.bfloat16().float())
+        return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+
+    engine, model, losses, reference, reference_losses = train_pair("llama", config, steps=6, clip=1.0,
+                                                                    make_reference_optimizer=rounding_adamw)
+    assert_losses_equal(losses, reference_losses, exact=exact(engine))
+    assert_params_equal(named_params(model), named_params(reference), exact=exact(engine))
+    _, fp32_model, *_ = train_pair("llama", make_config(2, "cpu", clip=1.0), steps=6, clip=1.0)
+    assert any(not torch.equal(a, b) for a, b in zip(named_params(model).values(), named_params(fp32_model).values()))
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_fp32_losses_match_default_adamw(name, tmp_path):
     """The default (foreach) AdamW rounds differently; losses still agree closely over 20 steps."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from tiering import (
     TieringConfigError,
     TieringError,
 )
-from tiering.residency import TRANSITIONS
+from tiering.residency import TIER_ORDER, TRANSITIONS
 from tiering.trace import Trace
 
 PAGE = 4096
@@ -99,6 +100,8 @@ def test_residency_table_allows_its_edges_and_names_expected_and_actual_otherwis
 def test_residency_table_moves_one_tier_at_a_time_and_every_move_can_fail_back():
     for action, (sources, target) in TRANSITIONS.items():
         assert len(sources) == 1, action
+        if action.startswith("claim"):  # a spent segment's buffer is allocated where it is wanted: no move
+            assert not target.moving and TIER_ORDER[target.tier] > TIER_ORDER[next(iter(sources)).tier], action
         if action.endswith("_failed"):
             (moving,) = sources
             start = next(s for a, (src, t) in TRANSITIONS.items() if t is moving for s in src)
@@ -204,6 +207,82 @@ def test_reuse_distance_evicts_at_release_what_is_used_far_later(make_manager):
         assert states(mgr, "a") == [R.DEVICE]
         use(mgr, "b")  # b is used again after 3 pages (a c, then a of the next step)
         assert states(mgr, "a", "b") == [R.DEVICE, b_state]
+
+
+def test_reuse_distance_evicts_nothing_before_a_trace_exists(make_manager):
+    """Without a trace no one knows when a segment comes back: evicting at every release would write a
+    segment released between sub-steps (a unit's shard, once per sub-group) again and again."""
+    mgr = make_manager(device_budget=8 * PAGE, reuse_distance=0)
+    for name in "ab":
+        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="host")
+    for name in "abab":
+        use(mgr, name, add=1.0)
+    assert states(mgr, "a", "b") == [R.DEVICE, R.DEVICE]
+    assert "device->host" not in mgr.stats.bytes_moved
+
+
+# -- spent bytes: discard and overwrite ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tier", ["host", "device"])
+def test_discarded_bytes_are_never_written_and_an_overwrite_reads_nothing(make_manager, engine, tier):
+    mgr = make_manager(engine=engine, device_budget=8 * PAGE)
+    mgr.register("g", dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=torch.full((PAGE // 4,), 3.0)).wait()
+    written = mgr.stats.bytes_moved["host->nvme"]
+    mgr.acquire("g", tier).fill_(7.0)
+    mgr.release("g", dirty=True)
+    mgr.acquire("g", tier)
+    moved = dict(mgr.stats.bytes_moved)
+    mgr.release("g", discard=True)  # spent: every copy above nvme is dropped, unwritten
+    with mgr._lock:
+        seg = mgr.segments["g"]
+        assert (seg.state, seg.host, seg.device, seg.spent) == (R.NVME, None, None, True)
+    assert mgr.pool.in_use == mgr.device_tier.in_use == 0
+    assert mgr.stats.bytes_moved == moved and moved["host->nvme"] == written
+    with pytest.raises(IllegalTransitionError, match="actual discarded"):
+        mgr.acquire("g", tier)  # its bytes are gone: only an overwrite may fetch it
+    mgr.acquire("g", tier, overwrite=True).fill_(5.0)
+    mgr.release("g", dirty=True)
+    assert mgr.stats.bytes_moved == moved
+    mgr.evict("g").wait()  # the overwritten bytes are the segment's: written back, read back
+    assert torch.equal(use(mgr, "g", tier), torch.full((PAGE // 4,), 5.0))
+    assert mgr.stats.bytes_moved["host->nvme"] == written + PAGE
+
+
+def test_overwrite_of_a_pinned_segment_and_dirty_discard_are_refused(make_manager):
+    mgr = make_manager(device_budget=8 * PAGE)
+    mgr.register("a", dtype=torch.float32, shape=(PAGE // 4,), home="host", data=torch.ones(PAGE // 4))
+    mgr.acquire("a", "host")
+    with pytest.raises(IllegalTransitionError, match="fetch to overwrite of 'a'.*pinned 1 times"):
+        mgr.acquire("a", "host", overwrite=True)
+    with pytest.raises(ValueError, match="dirty and discard"):
+        mgr.release("a", dirty=True, discard=True)
+    mgr.release("a")
+    assert torch.equal(use(mgr, "a", "host"), torch.ones(PAGE // 4))  # nothing was changed by the refusals
+
+
+def test_prefetch_skips_what_the_trace_overwrites_and_what_is_discarded(make_manager):
+    mgr = make_manager(engine="threads", device_budget=16 * PAGE, prefetch_bytes=8 * PAGE)
+    for name in "abc":
+        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme").wait()
+
+    def step() -> None:
+        use(mgr, "a", "host")
+        mgr.acquire("b", "host", overwrite=True).fill_(1.0)  # rewritten whole every step: never worth a read
+        mgr.release("b", dirty=True)
+        mgr.acquire("c", "host")
+        mgr.release("c", discard=True)
+
+    step()
+    mgr.end_step()
+    reads = mgr.stats.bytes_moved["nvme->host"]
+    mgr.evict("a").wait()
+    mgr.evict("b").wait()  # its write-back done, prefetch looks ahead along the trace: a, then b and c
+    mgr.acquire("a", "host")
+    time.sleep(0.2)  # a prefetch, had one started, would have landed
+    with mgr._lock:
+        assert [mgr.segments[n].state for n in "bc"] == [R.NVME, R.NVME]
+    assert mgr.stats.bytes_moved["nvme->host"] == reads + PAGE  # a's bytes, nothing else
+    mgr.release("a")
 
 
 # -- prefetch and hit rate --------------------------------------------------------------------------------------

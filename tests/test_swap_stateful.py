@@ -3,7 +3,9 @@
 The model keeps, per segment, its home, its pins and the bytes it must hold. After every step the machine
 checks that no tier is over its budget (now or at its peak), that the manager's buffers add up to exactly the
 bytes its tiers report in use (nothing leaked), and that every copy the manager calls current holds the
-model's bytes. Illegal calls must raise IllegalTransitionError (unknown names KeyError), and
+model's bytes. A segment released with `discard` holds no bytes the model knows until a fetch with
+`overwrite` writes it again: meanwhile it has no copy above its home and a plain fetch is refused. Illegal
+calls must raise IllegalTransitionError (unknown names KeyError), and
 BudgetExceededError is accepted only when the bytes that cannot leave the tier (pinned there, resting at home
 there, or with nowhere to go: `stuck_bytes`) leave no room for the request. Moves started by one rule are
 still in flight during the next ones; the `settle` rule and the teardown let them land.
@@ -59,6 +61,7 @@ class SwapMachine(RuleBasedStateMachine):
         self.home: dict[str, str] = {}
         self.pins: dict[str, int] = {}
         self.pinned_tier: dict[str, str | None] = {}
+        self.spent: set[str] = set()  # discarded: no bytes to check until overwritten
 
     # -- setup ---------------------------------------------------------------------------------------------
 
@@ -230,6 +233,10 @@ class SwapMachine(RuleBasedStateMachine):
             with pytest.raises(IllegalTransitionError, match=f"actual pinned in {self.pinned_tier[name]}"):
                 self.mgr.fetch(name, tier)
             return False
+        if name in self.spent:
+            with pytest.raises(IllegalTransitionError, match="actual discarded"):
+                self.mgr.fetch(name, tier)
+            return False
         try:
             if blocking:
                 view = self.mgr.acquire(name, tier)
@@ -247,6 +254,49 @@ class SwapMachine(RuleBasedStateMachine):
         assert torch.equal(as_bytes(view).cpu(), self.expected[name]), f"{name}: fetched bytes differ"
         return True
 
+    @precondition(lambda self: self.expected)
+    @rule(data=st.data(), tier=st.sampled_from(["device", "host"]), seed=st.integers(0, 2**31))
+    def overwrite_and_release(self, data, tier, seed):
+        """Fetch to overwrite (nothing is read: a discarded segment comes back this way), write, release."""
+        name = self.pick(data)
+        if self.unknown(name, lambda: self.mgr.fetch(name, tier, overwrite=True)):
+            return
+        if TIER_ORDER[tier] < TIER_ORDER[self.home[name]]:
+            with pytest.raises(IllegalTransitionError, match="expected state a tier at or above its home"):
+                self.mgr.fetch(name, tier, overwrite=True)
+            return
+        if self.pins[name]:
+            with pytest.raises(IllegalTransitionError, match="pinned"):
+                self.mgr.fetch(name, tier, overwrite=True)
+            return
+        try:
+            self.mgr.acquire(name, tier, overwrite=True)
+        except BudgetExceededError as err:
+            self.assert_budget_error_is_real(err, name, bringing=tier == "device")
+            assert self.mgr.segments[name].pins == 0, "a failed fetch left a pin behind"
+            self.spent.add(name)  # the fetch declared its bytes dead, whether or not it found room
+            return
+        self.pins[name] += 1
+        self.pinned_tier[name] = tier
+        self.write_and_release(name, seed)
+
+    @precondition(lambda self: any(self.pins.values()))
+    @rule(data=st.data())
+    def release_discard(self, data):
+        name = data.draw(st.sampled_from(sorted(n for n, p in self.pins.items() if p)), label="name")
+        self.mgr.release(name, discard=True)
+        self.pins[name] -= 1
+        if self.pins[name]:
+            return
+        self.pinned_tier[name] = None
+        self.spent.add(name)
+        seg = self.mgr.segments[name]
+        if seg.state.moving:  # a device copy whose home has no host buffer yet: moved down like any eviction
+            assert seg.state == Residency.TO_HOST and self.home[name] == "host", seg.state
+            return
+        assert seg.state.tier == self.home[name], f"{name} discarded but {seg.state}"
+        assert (seg.device is None or self.home[name] == "device") and (seg.host is None or self.home[name] != "nvme")
+
     @precondition(lambda self: any(self.pins.values()))
     @rule(data=st.data(), seed=st.integers(0, 2**31))
     def write_and_release_dirty(self, data, seed):
@@ -258,6 +308,7 @@ class SwapMachine(RuleBasedStateMachine):
                             generator=torch.Generator().manual_seed(seed))
         as_bytes(view).copy_(new.to(view.device))
         self.expected[name] = new
+        self.spent.discard(name)
         self.mgr.release(name, dirty=True)
         self.pins[name] -= 1
         if not self.pins[name]:
@@ -315,8 +366,9 @@ class SwapMachine(RuleBasedStateMachine):
         except BudgetExceededError as err:
             self.assert_budget_error_is_real(err, name)
             return
-        state = self.mgr.segments[name].state
-        assert state.tier == self.home[name] or state.moving, f"{name} not home after evict: {state}"
+        seg = self.mgr.segments[name]
+        # Home, unless the prefetch that a finished write-back resumes is already bringing it back.
+        assert seg.state.tier == self.home[name] or seg.state.moving or seg.prefetched, f"{name} not home: {seg.state}"
 
     @precondition(lambda self: len(self.expected) >= 3)  # keep a population to move around
     @rule(data=st.data())
@@ -331,6 +383,7 @@ class SwapMachine(RuleBasedStateMachine):
         self.mgr.unregister(name)
         for table in (self.expected, self.home, self.pins, self.pinned_tier):
             del table[name]
+        self.spent.discard(name)
         assert name not in self.mgr.segments
 
     @rule()
@@ -373,6 +426,9 @@ class SwapMachine(RuleBasedStateMachine):
                     continue  # its bytes are checked once it lands
                 if seg.pins:
                     assert seg.pinned_tier == self.pinned_tier[name] == seg.state.tier
+                assert seg.spent == (name in self.spent)
+                if seg.spent:
+                    continue  # no bytes to hold
                 want = self.expected[name]
                 if seg.state == Residency.DEVICE:
                     assert seg.device is not None

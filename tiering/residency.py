@@ -65,5 +65,9 @@ TRANSITIONS: dict[str, tuple[frozenset[Residency], Residency]] = {
     "write_done": (frozenset({R.WRITING}), R.NVME),
     "write_failed": (frozenset({R.WRITING}), R.HOST),
     "drop_host": (frozenset({R.HOST}), R.NVME),
+    # A spent segment is fetched by allocating its buffer: nothing to read or copy.
+    "claim_host": (frozenset({R.NVME}), R.HOST),
+    "claim_device": (frozenset({R.HOST}), R.DEVICE),
+    "claim_device_from_nvme": (frozenset({R.NVME}), R.DEVICE),
 }
 del R

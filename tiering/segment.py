@@ -34,6 +34,9 @@ class Segment:
     """The nvme copy holds the current bytes (dropping the host copy loses nothing)."""
     checksum: int | None = None
     """Checksum of the bytes last written to nvme, verified on read."""
+    spent: bool = False
+    """Its bytes are not needed (released with `discard`, or fetched to be overwritten): no copy of it is
+    read, copied or written back, and its next fetch must overwrite it."""
 
     pins: int = 0
     """Users holding a view; a pinned segment is never moved."""

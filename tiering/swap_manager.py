@@ -38,7 +38,9 @@ class SwapManager:
 
     The calls: `register` a segment with a home tier; `fetch` it to a tier (pins it there) or `acquire` it
     (fetch, wait, and return a tensor view); `release` it (with `dirty=True` when the view was written, which
-    makes those bytes the segment's); `evict` it to its home; `prefetch` a list. Each returns a Handle. When
+    makes those bytes the segment's); `evict` it to its home; `prefetch` a list. Each returns a Handle. A
+    segment whose bytes are spent (a gradient once stepped) is released with `discard=True` and fetched next
+    with `overwrite=True`: no I/O moves bytes nobody will read. When
     a tier is full the segment needed farthest in the future per the trace is evicted (Belady), or the least
     recently used one before a trace exists; if nothing can go, BudgetExceededError says by how much.
     `fetch` blocks only to wait for room or for a move of the same segment already under way; the move it
@@ -122,15 +124,24 @@ class SwapManager:
 
     # -- the user's calls ---------------------------------------------------------------------------------
 
-    def fetch(self, name: str, tier: Tier = "device") -> Handle:
-        """Bring the segment to `tier` and pin it there; the handle is done when `view(name)` is valid."""
+    def fetch(self, name: str, tier: Tier = "device", *, overwrite: bool = False) -> Handle:
+        """Bring the segment to `tier` and pin it there; the handle is done when `view(name)` is valid.
+        `overwrite=True`: the caller writes every byte before reading any and releases it dirty, so only room
+        is made (the stored bytes are not read); the bytes count as discarded from this call on, even if it
+        fails. A discarded segment must be fetched this way."""
         with self._lock:
             seg = self._get(name)
             self._check_target(seg, tier)
-            self.trace.record(name, tier, seg.nbytes)
+            if overwrite and seg.pins:
+                raise IllegalTransitionError(name, "fetch to overwrite", "unpinned", f"pinned {seg.pins} times")
+            if seg.spent and not overwrite:
+                raise IllegalTransitionError(name, "fetch", "bytes to read (fetch it with overwrite=True)",
+                                             "discarded")
+            seg.spent = overwrite
+            self.trace.record(name, tier, seg.nbytes, overwrite)
             self._tick += 1
             seg.last_use = self._tick
-            if seg.prefetched or seg.state.tier == tier:
+            if overwrite or seg.prefetched or seg.state.tier == tier:
                 self.stats.hits += 1
             else:
                 self.stats.misses += 1
@@ -139,11 +150,11 @@ class SwapManager:
         self._prefetch_ahead()
         return handle
 
-    def acquire(self, name: str, tier: Tier = "device") -> torch.Tensor:
+    def acquire(self, name: str, tier: Tier = "device", *, overwrite: bool = False) -> torch.Tensor:
         """Blocking fetch: the segment's tensor in `tier`, valid until `release`. Time spent here beyond
         bookkeeping (waiting for room or for the bytes) is counted as stall."""
         start = time.perf_counter()
-        handle = self.fetch(name, tier)
+        handle = self.fetch(name, tier, overwrite=overwrite)
         handle.wait()
         end = time.perf_counter()
         if end - start > STALL_THRESHOLD_S:
@@ -159,21 +170,36 @@ class SwapManager:
                 raise IllegalTransitionError(name, "view", "pinned and settled", f"{seg.state.name} with {seg.pins} pins")
             return seg.view(seg.pinned_tier)
 
-    def release(self, name: str, *, dirty: bool = False) -> Handle:
-        """Unpin one use. `dirty=True`: the view was written, so copies in lower tiers are now stale."""
+    def release(self, name: str, *, dirty: bool = False, discard: bool = False) -> Handle:
+        """Unpin one use. `dirty=True`: the view was written, so copies in lower tiers are now stale.
+        `discard=True`: nobody needs the bytes any more; once unpinned, the copies above home are dropped
+        unwritten and the next fetch must overwrite."""
+        if dirty and discard:
+            raise ValueError(f"release of {name!r}: dirty and discard contradict each other")
         with self._lock:
             seg = self._get(name)
             if not seg.pins:
                 raise IllegalTransitionError(name, "release", "pinned", "not pinned")
             if dirty:
+                seg.spent = False
                 seg.nvme_current = False
                 if seg.pinned_tier == "device":
                     seg.host_current = False
             seg.unpin()
             if seg.pins:
                 return completed(name)
+            if discard:
+                seg.spent = True
+                self._unprefetch(seg)
+                while seg.state.tier not in (None, seg.home):  # each step drops a copy unwritten
+                    if self._evict_step(seg, blocking=False) is not None:
+                        break  # a device copy needing a host buffer at home: moved, as any eviction
+                return completed(name)
             distance = self.config.reuse_distance
-            if distance is None or seg.state.tier == seg.home or self.trace.next_use_bytes(name) <= distance:
+            # Evict early only when the trace says the next use is far; without a trace nobody knows.
+            if distance is None or seg.state.tier == seg.home or not self.trace.ready:
+                return completed(name)
+            if self.trace.next_use_bytes(name) <= distance:
                 return completed(name)
             return self._evict_step(seg, blocking=False) or completed(name)
 
@@ -208,7 +234,7 @@ class SwapManager:
         handles = []
         for seg in segments:
             with self._lock:
-                if seg.state.moving or seg.state.tier == tier or seg.pins:
+                if seg.state.moving or seg.state.tier == tier or seg.pins or seg.spent:
                     continue
                 handle = self._bring(seg, tier, pin=False, blocking=False)
                 if handle is None:
@@ -314,8 +340,8 @@ class SwapManager:
     def _start_up(self, seg: Segment, tier: Tier, blocking: bool) -> Handle | _Wait | bool:
         """With the lock held and `seg` settled: reserve the room `seg` needs and start its moves up to `tier`.
         Returns the handle of the last move, a _Wait for room being made, or False (not blocking, no room)."""
-        need_host = seg.state == Residency.NVME and seg.host is None
         need_device = tier == "device" and seg.state != Residency.DEVICE
+        need_host = seg.state == Residency.NVME and seg.host is None and not (seg.spent and need_device)
         horizon = None if blocking else self.trace.next_use(seg.name)
         for needed, t in ((need_host, "host"), (need_device, "device")):
             if needed:
@@ -327,6 +353,14 @@ class SwapManager:
         if need_device:
             seg.device = self.device_tier.allocate(seg.nbytes, seg.name)
         self._note_peaks()
+        if seg.spent:  # its buffer is all the caller needs; the copy in `tier` becomes the one that counts
+            if need_device:
+                seg.to("claim_device" if seg.state == Residency.HOST else "claim_device_from_nvme")
+            elif seg.state == Residency.NVME:
+                seg.to("claim_host")
+            seg.host_current = tier == "host"
+            seg.nvme_current = False
+            return completed(seg.name)
         if seg.state == Residency.NVME:
             return self._read(seg, then_device=tier == "device")
         if seg.state == Residency.HOST and tier == "device":
@@ -457,6 +491,14 @@ class SwapManager:
         """Move `seg` one tier down toward home. None: nothing to do or done at once; a Handle: the move
         started; a _Wait (blocking) or False (not blocking): room on host must be made first (never by
         evicting `keep`)."""
+        if seg.spent and seg.state == Residency.HOST and seg.home == "nvme":
+            self._drop_host(seg)
+            seg.to("drop_host")
+            return None
+        if seg.spent and seg.state == Residency.DEVICE and seg.home != "device" and (seg.host or seg.home == "nvme"):
+            self._drop_device(seg)
+            seg.to("drop_device_to_host" if seg.host is not None else "drop_device_to_nvme")
+            return None
         if seg.state == Residency.DEVICE and seg.home != "device":
             if seg.host_current:
                 seg.to("drop_device_to_host")
@@ -542,7 +584,7 @@ class SwapManager:
             live_cap = self.config.max_live_bytes
             for name, tier in [] if self._closing else self.trace.upcoming():
                 seg = self.segments.get(name)
-                if seg is None or seg.pins or seg.state.moving or seg.state.tier == tier or seg.prefetched:
+                if seg is None or seg.pins or seg.spent or seg.state.moving or seg.state.tier == tier or seg.prefetched:
                     continue
                 if self._prefetched_bytes + seg.nbytes > self.config.prefetch_bytes:
                     break

@@ -16,6 +16,8 @@ from .residency import Tier
 class Trace:
     def __init__(self) -> None:
         self.uses: list[tuple[str, Tier]] = []  # the reference step: (segment, tier) per fetch
+        self.overwrites: frozenset[int] = frozenset()  # positions in `uses` whose fetch read no bytes
+        self._recording_overwrites: set[int] = set()
         self._positions: dict[str, list[int]] = {}
         self._bytes_before: list[int] = [0]  # bytes fetched in the reference step before each use
         self._recording: list[tuple[str, Tier]] = []
@@ -28,8 +30,11 @@ class Trace:
     def ready(self) -> bool:
         return bool(self.uses) and self.on_track
 
-    def record(self, name: str, tier: Tier, nbytes: int) -> None:
-        """Note one fetch by a user; follow the reference trace while the step matches it."""
+    def record(self, name: str, tier: Tier, nbytes: int, overwrite: bool = False) -> None:
+        """Note one fetch by a user (`overwrite`: it needs room, not bytes); follow the reference trace while
+        the step matches it."""
+        if overwrite:
+            self._recording_overwrites.add(len(self._recording))
         self._recording.append((name, tier))
         self._recording_bytes.append(nbytes)
         if not self.on_track:
@@ -42,21 +47,26 @@ class Trace:
 
     def end_step(self) -> None:
         """Adopt this step's order as the reference when it differs (or there was none); start the next."""
-        if self._recording != self.uses:
+        if self._recording != self.uses or self._recording_overwrites != self.overwrites:
             self.uses = self._recording
+            self.overwrites = frozenset(self._recording_overwrites)
             self._positions = {}
             for i, (name, _) in enumerate(self.uses):
                 self._positions.setdefault(name, []).append(i)
             self._bytes_before = list(itertools.accumulate(self._recording_bytes, initial=0))
         self._recording = []
         self._recording_bytes = []
+        self._recording_overwrites = set()
         self.cursor = 0
         self.on_track = bool(self.uses)
 
     def upcoming(self) -> list[tuple[str, Tier]]:
-        """The uses ahead, in order, while on track: the rest of this step, then the next step's first ones
-        (a training loop starts the next step right after this one ends)."""
-        return self.uses[self.cursor :] + self.uses[: self.cursor] if self.ready else []
+        """The uses ahead that need bytes brought, in order, while on track: the rest of this step, then the
+        next step's first ones (a training loop starts the next step right after this one ends)."""
+        if not self.ready:
+            return []
+        order = itertools.chain(range(self.cursor, len(self.uses)), range(self.cursor))
+        return [self.uses[i] for i in order if i not in self.overwrites]
 
     def _next_position(self, name: str) -> float:
         """Index of the next use of `name` counted from the start of this step (past the end: the next

@@ -61,9 +61,10 @@ class AdamDriver:
 
     def accumulate(self, sg: SubGroup, grad: torch.Tensor) -> None:
         """Add `grad` (this sub-group's slice of the reduced fp32 gradient) to its accumulated gradient."""
-        acc = self.manager.acquire(sg.segment("grad"), self.work_tier)
+        fresh = sg.grad_fresh
+        acc = self.manager.acquire(sg.segment("grad"), self.work_tier, overwrite=fresh)  # fresh: nothing to read
         try:
-            if sg.grad_fresh:
+            if fresh:
                 acc.copy_(grad)
                 sg.grad_fresh = False
             else:
@@ -103,7 +104,8 @@ class AdamDriver:
             try:
                 tensors = []
                 for part in ("master", "grad", "exp_avg", "exp_avg_sq"):
-                    tensors.append(manager.acquire(sg.segment(part), tier))
+                    overwrite = part == "grad" and sg.grad_fresh  # no gradient: zeros, nothing to read
+                    tensors.append(manager.acquire(sg.segment(part), tier, overwrite=overwrite))
                     held.append(part)
                 if sg.grad_fresh:
                     tensors[1].zero_()
@@ -126,8 +128,8 @@ class AdamDriver:
                     if low is None:
                         out.copy_(tensors[0])
             finally:
-                for part in held:  # the grad is spent: the next accumulation overwrites it
-                    manager.release(sg.segment(part), dirty=part != "grad")
+                for part in held:  # the grad is spent: dropped unwritten, the next accumulation overwrites it
+                    manager.release(sg.segment(part), dirty=part != "grad", discard=part == "grad")
             sg.grad_fresh = True
 
     def close(self) -> None:

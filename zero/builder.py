@@ -176,7 +176,8 @@ def build_partitioned(model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], 
 
 def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype) -> SwapConfig:
     """Tier budgets from the zero_tiering section; where unset, the host budget holds everything homed on
-    the host plus a working window: the state of a few sub-groups and a few parameter shards."""
+    the host plus a working window: the state of a few sub-groups, a few parameter shards, and (parameters
+    on nvme) up to offload_param.max_in_cpu parameter elements kept in host memory as a cache."""
     zo, zt = cfg.zero_optimization, cfg.zero_tiering
     sharded = zo.stage >= 1
     shard_bytes = [4 * (u.shard_numel if sharded else u.padded_numel) for u in units]
@@ -190,6 +191,8 @@ def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype) -> SwapC
         param_bytes = [u.shard_numel * dtype.itemsize for u in units]
         window += 4 * max(param_bytes, default=0)
         homed_on_host += sum(param_bytes) if zo.offload_param.device == "cpu" else 0
+        if zo.offload_param.device == "nvme":  # DeepSpeed's max_in_cpu: parameters cached on host before nvme
+            window += min(zo.offload_param.max_in_cpu * dtype.itemsize, sum(param_bytes))
         # DeepSpeed counts these in parameters; the swap manager in bytes of the compute dtype.
         prefetch += zo.prefetch_bucket_size * dtype.itemsize
         max_live = zo.max_live_parameters * dtype.itemsize

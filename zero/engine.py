@@ -52,6 +52,11 @@ class ZeroEngine(nn.Module):
         self.global_steps = 0
         self.skipped_steps = 0
         self._scratches: dict[str, torch.Tensor] = {}
+        # DeepSpeed's gradient averaging: divide by world_size before the reduction (prescale_gradients), or
+        # by gradient_predivide_factor before it and by world_size / factor after it.
+        self._predivide = dp.world_size if config.prescale_gradients else config.gradient_predivide_factor
+        comm = config.communication_data_type
+        self._comm_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(comm)
         self._param_order = {id(p): i for i, p in enumerate(module.parameters())}
         self._unit_sub_groups: list[list[tuple[SubGroup, int]]] = [[] for _ in units]
         for sg in driver.sub_groups:
@@ -85,16 +90,19 @@ class ZeroEngine(nn.Module):
     def _reduce_unit(self, index: int, unit: FlatUnit, flat: torch.Tensor) -> None:
         """Flatten the unit's gradients, reduce them over ranks, add this rank's fp32 shard to the
         accumulated gradient."""
-        grads = unit.flatten_grads(self._scratch("grads", unit.padded_numel, flat.dtype, flat.device))
+        grads = unit.flatten_grads(self._scratch("grads", unit.padded_numel, self._comm_dtype or flat.dtype,
+                                                 flat.device))
         world = self.dp.world_size
-        if world > 1:
-            grads.div_(world)
+        if world > 1 and self._predivide != 1.0:
+            grads.div_(self._predivide)
         if self.stage >= 2:
             shard = self._scratch("shard", unit.shard_numel, grads.dtype, grads.device)
             self.dp.reduce_scatter_sum(grads, shard)
         else:
             self.dp.all_reduce_sum(grads)
             shard = grads.narrow(0, self._shard_start(unit), self._shard_numel(unit))
+        if world > 1 and self._predivide != world:
+            shard.div_(world / self._predivide)  # the mean over ranks
         device = torch.device("cpu") if self.driver.work_tier == "host" else shard.device
         if shard.dtype != torch.float32 or shard.device != device:  # cast to fp32 once, into reused memory
             shard = self._scratch("fp32", shard.numel(), torch.float32, device).copy_(shard)
@@ -192,7 +200,9 @@ class ZeroEngine(nn.Module):
             yield flat.narrow(0, self._shard_start(self.units[unit_index]) + start, sg.numel)
             return
         segment = self.partitioner.units[unit_index].segment
-        shard = self.swap.acquire(segment, self.partitioner.shard_tier)
+        # The driver steps a unit's sub-groups in order, together covering its shard: the first one's fetch
+        # needs no bytes, as the step rewrites them all.
+        shard = self.swap.acquire(segment, self.partitioner.shard_tier, overwrite=start == 0)
         try:
             yield shard.narrow(0, start, sg.numel)
         finally:

@@ -14,9 +14,8 @@ class CheckpointConfig(Section):
     tag_validation: Literal["Ignore", "Warn", "Fail"] = setting("Warn", casefold=True)
     """What to do when ranks save under different tags: nothing, warn, or raise."""
 
-    use_node_local_storage: bool = False
-    """Each node saves to its own local storage (the HF Trainer sets it for save_on_each_node)."""
-
     UNSUPPORTED = {
+        "use_node_local_storage": Unsupported("each node saving to its own local storage", off=False,
+                                              fix="save to storage every rank shares"),
         "load_universal": Unsupported("universal checkpoints", off=False),
     }

@@ -78,11 +78,11 @@ class Config(Section):
     """zero-tiering's own settings: budgets, I/O engine, checksums, trace."""
 
     prescale_gradients: bool = False
-    """Divide gradients by gradient_predivide_factor before the reduction and by world_size /
-    gradient_predivide_factor after it, instead of dividing the sum by world_size."""
+    """Divide gradients by world_size before the reduction rather than after it."""
 
     gradient_predivide_factor: float = setting(1.0, gt=0)
-    """See prescale_gradients."""
+    """Without prescale_gradients: divide by this before the reduction and by world_size / this after it
+    (a larger factor keeps fp16 sums from overflowing)."""
 
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     """Data type of gradient reductions; null: the training precision."""

@@ -111,12 +111,9 @@ class ZeroOptimizationConfig(Section):
     allgather_bucket_size: int = setting(500_000_000, ge=0)
     """Parameter elements all-gathered at once (stages 1-2)."""
 
-    load_from_fp32_weights: bool = True
-    """On checkpoint load, take the fp32 master weights from the checkpoint (exact) rather than from the
-    low-precision model weights."""
-
     elastic_checkpoint: bool = False
-    """Allow loading a stage 1-2 checkpoint saved with a different number of ranks."""
+    """Allow loading a checkpoint saved with a different number of ranks: ours always reshard on load, so
+    either value gets that."""
 
     ignore_unused_parameters: bool = True
     """Stage 1-2: parameters that get no gradient are fine; false makes them an error."""
@@ -152,6 +149,8 @@ class ZeroOptimizationConfig(Section):
         "mics_shard_size": Unsupported("MiCS sharding", off=-1),
         "mics_hierarchical_params_gather": Unsupported("MiCS hierarchical gather", off=False),
         "legacy_stage1": Unsupported("the legacy stage 1 implementation", off=False),
+        "load_from_fp32_weights": Unsupported("fp32 master weights rebuilt from the low-precision model weights",
+                                              off=True, fix="leave it true: masters load exactly from the checkpoint"),
         "pipeline_loading_checkpoint": Unsupported("pipeline-mode checkpoint loading", off=False),
         "cpu_offload": Unsupported("a deprecated offload switch", off=False,
                                    fix='use "offload_optimizer": {"device": "cpu"}'),
