@@ -36,6 +36,17 @@ def text_files(paths: list[str]) -> torch.Tensor:
     return tokens
 
 
+def split_held_out(tokens: torch.Tensor, seq_len: int, fraction: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, held out): the last `fraction` of the tokens (at least one window) are never trained on, so a
+    loss measured there before and after training says whether the model learned, free of the noise
+    between one training batch and the next."""
+    held = max(int(tokens.numel() * fraction), seq_len + 2)
+    if tokens.numel() - held < seq_len + 2:
+        raise ValueError(f"corpus of {tokens.numel()} tokens is too short for a training part and a held-out part "
+                         f"of {held} tokens with seq_len {seq_len}: need at least {held + seq_len + 2}")
+    return tokens[:-held], tokens[-held:]
+
+
 def _tokens(chunks: list[bytes]) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
 

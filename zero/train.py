@@ -4,8 +4,9 @@
     python -m zero.train --config configs/zero3_nvme.json --preset 124m --steps 100 --data my.txt
 
 The model is built on the meta device and materialized unit by unit straight into the tiers. Data: the
-given text files, or the bytes of this Python's standard library sources. Each step prints loss, tokens/s
-and a summary: compute, I/O, stall and optimizer time, overlap, bytes per tier pair.
+given text files, or the bytes of this Python's standard library sources, whose last 5% are held out: the
+loss on one held-out batch is printed before and after training. Each step prints loss, tokens/s and a
+summary: compute, I/O, stall and optimizer time, overlap, bytes per tier pair.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from tqdm import tqdm
 from tiering.errors import fmt_bytes
 
 from .builder import initialize
-from .corpus import Batches, default_corpus, text_files
+from .corpus import Batches, default_corpus, split_held_out, text_files
 from .gpt import GPT, PRESETS, GPTConfig
 
 MiB = 1 << 20
@@ -68,6 +69,14 @@ class StepReport:
     def overlap(self) -> float:
         """Share of the I/O time hidden behind compute."""
         return 1.0 - min(self.stall_s, self.io_s) / self.io_s if self.io_s else 1.0
+
+
+@dataclass
+class TrainRun:
+    reports: list[StepReport]
+    held_out_before: float
+    """Loss on the held-out batch before the first step, and after the last."""
+    held_out_after: float
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -128,7 +137,7 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
     return replace(base, **overrides)
 
 
-def main(argv: list[str] | None = None) -> list[StepReport]:
+def main(argv: list[str] | None = None) -> TrainRun:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     config = load_ds_config(args)
@@ -136,8 +145,10 @@ def main(argv: list[str] | None = None) -> list[StepReport]:
     with torch.device("meta"):
         model = GPT(gpt_config)
     engine, _, _, _ = initialize(model=model, config=config)
-    tokens = text_files(args.data) if args.data else default_corpus()
-    batches = Batches(tokens, engine.config.train_micro_batch_size_per_gpu, gpt_config.seq_len, args.seed)
+    tokens, held = split_held_out(text_files(args.data) if args.data else default_corpus(), gpt_config.seq_len)
+    micro = engine.config.train_micro_batch_size_per_gpu
+    batches = Batches(tokens, micro, gpt_config.seq_len, args.seed)
+    held_batch = Batches(held, micro, gpt_config.seq_len, args.seed).next()
     swap = engine.swap
     print(f"model: {gpt_config.params / 1e6:.1f}M parameters, {gpt_config.n_layer} layers x {gpt_config.n_embd}; "
           f"training state {fmt_bytes(16 * gpt_config.params)} (fp32 master + Adam + grads), "
@@ -145,6 +156,7 @@ def main(argv: list[str] | None = None) -> list[StepReport]:
     print(f"tiers: device budget {fmt_bytes(swap.device_tier.budget) if swap.device_tier.budget else 'unlimited'}"
           f" on {engine.device}, host budget {fmt_bytes(swap.pool.budget)}"
           + (f", nvme {swap.store.path} ({swap.store.engine_reason})" if swap.store else ""))
+    held_before = held_out_loss(engine, held_batch)
     reports = []
     tokens_per_step = engine.config.train_batch_size * gpt_config.seq_len
     bar = tqdm(range(args.steps), unit="step", file=sys.stdout, dynamic_ncols=True)
@@ -156,13 +168,26 @@ def main(argv: list[str] | None = None) -> list[StepReport]:
             f"device {fmt_bytes(swap.device_tier.in_use)} host {fmt_bytes(swap.pool.in_use)}"
             + (f" nvme {fmt_bytes(swap.store.used_bytes)}" if swap.store else ""))
         tqdm.write(summary_line(report))
+    held_after = held_out_loss(engine, held_batch)
+    print(f"held-out loss: {held_before:.4f} before training, {held_after:.4f} after {args.steps} steps")
     if args.summary_json:
         with open(args.summary_json, "w") as f:
-            json.dump([vars(r) | {"compute_s": r.compute_s, "overlap": r.overlap} for r in reports], f, indent=1)
+            json.dump({"held_out_loss": [held_before, held_after],
+                       "steps": [vars(r) | {"compute_s": r.compute_s, "overlap": r.overlap} for r in reports]},
+                      f, indent=1)
     engine.close()  # writes the Chrome trace when zero_tiering.trace_path is set
     if args.trace:
         print(f"Chrome trace: {args.trace}")
-    return reports
+    return TrainRun(reports, held_before, held_after)
+
+
+def held_out_loss(engine, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """The loss on a fixed held-out batch, without gradients."""
+    inputs, targets = batch
+    with torch.no_grad():
+        loss = engine(inputs.to(engine.device), targets.to(engine.device)).item()
+    engine.swap.end_step()  # its fetches are no part of a training step's trace
+    return loss
 
 
 def train_step(engine, batches: Batches, step: int) -> StepReport:

@@ -1,0 +1,38 @@
+"""The main job (`python -m zero.train`, the README's first command): its built-in default trains a model
+bigger than its device budget with parameters and optimizer state on nvme, reports each step, and learns."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from zero.corpus import split_held_out
+from zero.train import main
+
+from models import one_thread  # noqa: F401  (autouse fixture)
+
+
+def test_default_job_offloads_and_the_held_out_loss_falls(tmp_path, capsys):
+    summary = tmp_path / "summary.json"
+    run = main(["--steps", "4", "--nvme-path", str(tmp_path / "nvme"), "--summary-json", str(summary)])
+    out = capsys.readouterr().out
+    assert len(run.reports) == 4 and all(torch.isfinite(torch.tensor(r.loss)) for r in run.reports)
+    assert run.held_out_after < run.held_out_before, "four steps at the default settings must learn something"
+    assert f"held-out loss: {run.held_out_before:.4f} before training, {run.held_out_after:.4f} after 4 steps" in out
+    moved = run.reports[-1].bytes_moved
+    assert moved.get("nvme->host", 0) > 0 and moved.get("host->nvme", 0) > 0, "offload did no work"
+    assert "step 3: loss" in out and "overlap" in out
+    written = json.loads(summary.read_text())
+    assert written["held_out_loss"] == [run.held_out_before, run.held_out_after]
+    assert [s["step"] for s in written["steps"]] == [0, 1, 2, 3]
+    assert not os.listdir(tmp_path / "nvme"), "the swap file outlived the job"
+
+
+def test_held_out_part_is_never_trained_on_and_a_short_corpus_is_named():
+    tokens = torch.arange(1000, dtype=torch.int64)
+    train, held = split_held_out(tokens, seq_len=8)
+    assert torch.equal(torch.cat([train, held]), tokens) and held.numel() == 50
+    with pytest.raises(ValueError, match="30 tokens is too short"):
+        split_held_out(tokens[:30], seq_len=16)
