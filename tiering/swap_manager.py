@@ -4,18 +4,15 @@ it is needed before it is needed. It knows segments only: no modules, no optimiz
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import time
-from typing import Iterable, NamedTuple
+from typing import Iterable
 
 import torch
 
-from .aligned import align_up
 from .checksum import checksum
 from .device_tier import DeviceTier
 from .errors import (
-    BudgetExceededError,
     ChecksumMismatchError,
     IllegalTransitionError,
     TieringConfigError,
@@ -25,6 +22,7 @@ from .handle import Handle, completed, gather
 from .host_pool import HostBufferPool, HostPoolConfig
 from .nvme_store import NvmeStore
 from .residency import TIER_ORDER, Residency, Tier
+from .room import Room, WaitForRoom
 from .segment import Segment
 from .swap_config import SwapConfig
 from .timeline import SwapStats, Timeline
@@ -33,7 +31,7 @@ from .trace import Trace
 STALL_THRESHOLD_S = 1e-4  # an acquire shorter than this only did bookkeeping (the bytes were there)
 
 
-class SwapManager:
+class SwapManager(Room):
     """Segments moved among tiers under hard budgets.
 
     The calls: `register` a segment with a home tier; `fetch` it to a tier (pins it there) or `acquire` it
@@ -220,7 +218,7 @@ class SwapManager:
                         return completed(name)
                     if isinstance(step, Handle) and seg.lands_home:
                         return step
-                    pending = step.handle if isinstance(step, _Wait) else step
+                    pending = step.handle if isinstance(step, WaitForRoom) else step
             if pending is not None:
                 pending.wait()
 
@@ -310,12 +308,12 @@ class SwapManager:
                     if step is False:
                         return None
                     own = isinstance(step, Handle)
-                    wait_on = step.handle if isinstance(step, _Wait) else step
+                    wait_on = step.handle if isinstance(step, WaitForRoom) else step
                 if wait_on is None:
                     handle = self._start_up(seg, tier, blocking)
                     if handle is False:
                         return None
-                    if not isinstance(handle, _Wait):
+                    if not isinstance(handle, WaitForRoom):
                         if pin:
                             seg.pins += 1
                             seg.pinned_tier = tier
@@ -337,9 +335,9 @@ class SwapManager:
             with self._lock:
                 seg.unpin()
 
-    def _start_up(self, seg: Segment, tier: Tier, blocking: bool) -> Handle | _Wait | bool:
+    def _start_up(self, seg: Segment, tier: Tier, blocking: bool) -> Handle | WaitForRoom | bool:
         """With the lock held and `seg` settled: reserve the room `seg` needs and start its moves up to `tier`.
-        Returns the handle of the last move, a _Wait for room being made, or False (not blocking, no room)."""
+        Returns the handle of the last move, a WaitForRoom for room being made, or False (not blocking, no room)."""
         need_device = tier == "device" and seg.state != Residency.DEVICE
         need_host = seg.state == Residency.NVME and seg.host is None and not (seg.spent and need_device)
         horizon = None if blocking else self.trace.next_use(seg.name)
@@ -415,148 +413,6 @@ class SwapManager:
         self.device_tier.copy(seg.storage("device"), seg.storage("host"), copy)
         return final
 
-    # -- making room ---------------------------------------------------------------------------------------
-
-    def _used(self, tier: Tier) -> int:
-        return self.device_tier.in_use if tier == "device" else self.pool.in_use
-
-    def _budget(self, tier: Tier) -> float:
-        budget = self.device_tier.budget if tier == "device" else self.pool.budget
-        return math.inf if budget is None else budget
-
-    def _room(self, tier: Tier, seg: Segment, *, blocking: bool, horizon: float | None = None, wait: bool = False,
-              keep: tuple[Segment, ...] = ()) -> bool | _Wait:
-        """Evict until a copy of `seg` fits in `tier`, never evicting `seg` or `keep` (segments being brought
-        up, whose state must not change under them). True: it fits now. _Wait: write-backs were started, wait
-        and retry (or, with `wait=True`, waited here). False: not blocking and only waiting would make room.
-        Raises BudgetExceededError when even evicting everything evictable cannot make room."""
-        # What the copy takes from the budget: host buffers are whole 4 KiB pages.
-        nbytes = self.device_tier.charge(seg.nbytes) if tier == "device" else align_up(max(seg.nbytes, 1))
-        keep = (seg, *keep)
-        while True:
-            short = self._used(tier) + nbytes - self._budget(tier)
-            if short <= 0:
-                return True
-            started: list[Handle] = []
-            blocked = None
-            for victim in self._victims(tier, keep):
-                if horizon is not None and self.trace.next_use(victim.name) <= horizon:
-                    break
-                freed = victim.capacity(tier)
-                try:
-                    handle = self._evict_from(victim, tier, blocking, keep)
-                except BudgetExceededError as exc:
-                    blocked = exc  # no room below for this one; the next victim may still do
-                    continue
-                if handle is None:
-                    short -= freed
-                elif isinstance(handle, Handle):
-                    started.append(handle)
-                    short -= freed
-                if short <= 0:
-                    break
-            if short <= 0 and not started:
-                return True
-            if not blocking:
-                return False  # write-backs begun (if any) make room for a later try
-            moving = [s.move for s in self.segments.values() if s.move is not None and s not in keep]
-            if not started and not moving:
-                raise BudgetExceededError(tier, int(self._budget(tier)), self._used(tier), nbytes, seg.name) from blocked
-            pending = _Wait(gather(started or moving[:1], f"room in {tier}"))
-            if not wait:
-                return pending
-            self._lock.release()
-            try:
-                pending.handle.wait()
-            finally:
-                self._lock.acquire()
-
-    def _victims(self, tier: Tier, keep: tuple[Segment, ...]) -> list[Segment]:
-        """Segments whose copy in `tier` may go, the one needed latest first (Belady), LRU before a trace."""
-        out = [seg for seg in self.segments.values() if seg not in keep and seg.evictable_from(tier)]
-        out.sort(key=lambda s: (-self.trace.next_use(s.name), s.last_use))
-        return out
-
-    def _evict_from(self, seg: Segment, tier: Tier, blocking: bool,
-                    keep: tuple[Segment, ...] = ()) -> Handle | _Wait | bool | None:
-        """Free `seg`'s copy in `tier`: None if dropped at once, a Handle for the write-back begun, a _Wait or
-        False if room below must be made first (see `_room`)."""
-        self._unprefetch(seg)
-        if tier == "host" and seg.state == Residency.DEVICE:
-            self._drop_host(seg)  # a cache under the device copy
-            return None
-        return self._evict_step(seg, blocking, keep)
-
-    def _evict_step(self, seg: Segment, blocking: bool, keep: tuple[Segment, ...] = ()) -> Handle | _Wait | bool | None:
-        """Move `seg` one tier down toward home. None: nothing to do or done at once; a Handle: the move
-        started; a _Wait (blocking) or False (not blocking): room on host must be made first (never by
-        evicting `keep`)."""
-        if seg.spent and seg.state == Residency.HOST and seg.home == "nvme":
-            self._drop_host(seg)
-            seg.to("drop_host")
-            return None
-        if seg.spent and seg.state == Residency.DEVICE and seg.home != "device" and (seg.host or seg.home == "nvme"):
-            self._drop_device(seg)
-            seg.to("drop_device_to_host" if seg.host is not None else "drop_device_to_nvme")
-            return None
-        if seg.state == Residency.DEVICE and seg.home != "device":
-            if seg.host_current:
-                seg.to("drop_device_to_host")
-                self._drop_device(seg)
-                return None
-            if seg.nvme_current and seg.home == "nvme":
-                self._drop_host(seg)  # a stale cache, if any
-                seg.to("drop_device_to_nvme")
-                self._drop_device(seg)
-                return None
-            if seg.host is None:
-                room = self._room("host", seg, blocking=blocking, keep=keep)
-                if room is not True:
-                    return room
-                seg.host = self.pool.acquire(seg.nbytes, seg.name)
-                self._note_peaks()
-            return self._to_host(seg)
-        if seg.state == Residency.HOST and seg.home == "nvme":
-            if seg.nvme_current:
-                seg.to("drop_host")
-                self._drop_host(seg)
-                return None
-            return self._write_back(seg)
-        return None
-
-    def _to_host(self, seg: Segment) -> Handle:
-        final, start = self._begin(seg, "to_host", "evict", None)
-
-        def landed() -> None:
-            seg.host_current = True
-            self._drop_device(seg)
-
-        copy = Handle(label=f"device->host {seg.name}")
-        copy.add_done_callback(lambda h: self._settle(seg, "device->host", start, "to_host", final, h.error, landed))
-        self.device_tier.copy(seg.storage("host"), seg.storage("device"), copy)
-        return final
-
-    def _write_back(self, seg: Segment) -> Handle:
-        """Write the host copy to nvme, then free it. On failure the host copy stays, still current."""
-        if seg.extent is None:
-            seg.extent = self.store.allocate(seg.nbytes, seg.name)
-            self.stats.peak_bytes["nvme"] = max(self.stats.peak_bytes["nvme"], self.store.used_bytes)
-        if self.config.checksums:
-            seg.checksum = checksum(seg.storage("host"))
-        final, start = self._begin(seg, "write", "write", None)
-
-        def landed() -> None:
-            seg.nvme_current = True
-            self._drop_host(seg)
-
-        def written(h: Handle) -> None:
-            self._settle(seg, "host->nvme", start, "write", final, h.error, landed)
-            if h.error is None:
-                self._prefetch_ahead()  # the room this write-back freed may be what a prefetch was waiting for
-
-        self.store.write(seg.extent, seg.host.storage, seg.nbytes).add_done_callback(written)
-        return final
-
     def _begin(self, seg: Segment, action: str, label: str, final: Handle | None) -> tuple[Handle, float]:
         """Start a move of `seg`: apply `action`, and give the handle callers wait on and the start time."""
         seg.to(action)
@@ -628,9 +484,3 @@ class SwapManager:
     def _note_peaks(self) -> None:
         for tier, used in (("device", self.device_tier.in_use), ("host", self.pool.in_use)):
             self.stats.peak_bytes[tier] = max(self.stats.peak_bytes[tier], used)
-
-
-class _Wait(NamedTuple):
-    """Room is being made: wait on `handle` (outside the lock), then try again."""
-
-    handle: Handle

@@ -1,0 +1,166 @@
+"""Room: how the swap manager makes room in a tier (a part of SwapManager, cut out as one concept).
+
+Which copies go (the one needed latest per the trace, Belady's rule; least recently used before a trace
+exists), and how a segment moves one tier down toward its home: a device copy dropped or copied to host, a
+host copy dropped or written back to nvme. A spent segment's copies are dropped unwritten. The methods use
+the manager's state (segments, tiers, store, trace, lock) and its move helpers (`_begin`, `_settle`).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from .aligned import align_up
+from .checksum import checksum
+from .errors import BudgetExceededError
+from .handle import Handle, gather
+from .residency import Residency, Tier
+from .segment import Segment
+
+
+class Room:
+    def _used(self, tier: Tier) -> int:
+        return self.device_tier.in_use if tier == "device" else self.pool.in_use
+
+    def _budget(self, tier: Tier) -> float:
+        budget = self.device_tier.budget if tier == "device" else self.pool.budget
+        return math.inf if budget is None else budget
+
+    def _room(self, tier: Tier, seg: Segment, *, blocking: bool, horizon: float | None = None, wait: bool = False,
+              keep: tuple[Segment, ...] = ()) -> bool | WaitForRoom:
+        """Evict until a copy of `seg` fits in `tier`, never evicting `seg` or `keep` (segments being brought
+        up, whose state must not change under them). True: it fits now. WaitForRoom: write-backs were started, wait
+        and retry (or, with `wait=True`, waited here). False: not blocking and only waiting would make room.
+        Raises BudgetExceededError when even evicting everything evictable cannot make room."""
+        # What the copy takes from the budget: host buffers are whole 4 KiB pages.
+        nbytes = self.device_tier.charge(seg.nbytes) if tier == "device" else align_up(max(seg.nbytes, 1))
+        keep = (seg, *keep)
+        while True:
+            short = self._used(tier) + nbytes - self._budget(tier)
+            if short <= 0:
+                return True
+            started: list[Handle] = []
+            blocked = None
+            for victim in self._victims(tier, keep):
+                if horizon is not None and self.trace.next_use(victim.name) <= horizon:
+                    break
+                freed = victim.capacity(tier)
+                try:
+                    handle = self._evict_from(victim, tier, blocking, keep)
+                except BudgetExceededError as exc:
+                    blocked = exc  # no room below for this one; the next victim may still do
+                    continue
+                if handle is None:
+                    short -= freed
+                elif isinstance(handle, Handle):
+                    started.append(handle)
+                    short -= freed
+                if short <= 0:
+                    break
+            if short <= 0 and not started:
+                return True
+            if not blocking:
+                return False  # write-backs begun (if any) make room for a later try
+            moving = [s.move for s in self.segments.values() if s.move is not None and s not in keep]
+            if not started and not moving:
+                raise BudgetExceededError(tier, int(self._budget(tier)), self._used(tier), nbytes, seg.name) from blocked
+            pending = WaitForRoom(gather(started or moving[:1], f"room in {tier}"))
+            if not wait:
+                return pending
+            self._lock.release()
+            try:
+                pending.handle.wait()
+            finally:
+                self._lock.acquire()
+
+    def _victims(self, tier: Tier, keep: tuple[Segment, ...]) -> list[Segment]:
+        """Segments whose copy in `tier` may go, the one needed latest first (Belady), LRU before a trace."""
+        out = [seg for seg in self.segments.values() if seg not in keep and seg.evictable_from(tier)]
+        out.sort(key=lambda s: (-self.trace.next_use(s.name), s.last_use))
+        return out
+
+    def _evict_from(self, seg: Segment, tier: Tier, blocking: bool,
+                    keep: tuple[Segment, ...] = ()) -> Handle | WaitForRoom | bool | None:
+        """Free `seg`'s copy in `tier`: None if dropped at once, a Handle for the write-back begun, a WaitForRoom or
+        False if room below must be made first (see `_room`)."""
+        self._unprefetch(seg)
+        if tier == "host" and seg.state == Residency.DEVICE:
+            self._drop_host(seg)  # a cache under the device copy
+            return None
+        return self._evict_step(seg, blocking, keep)
+
+    def _evict_step(self, seg: Segment, blocking: bool, keep: tuple[Segment, ...] = ()) -> Handle | WaitForRoom | bool | None:
+        """Move `seg` one tier down toward home. None: nothing to do or done at once; a Handle: the move
+        started; a WaitForRoom (blocking) or False (not blocking): room on host must be made first (never by
+        evicting `keep`)."""
+        if seg.spent and seg.state == Residency.HOST and seg.home == "nvme":
+            self._drop_host(seg)
+            seg.to("drop_host")
+            return None
+        if seg.spent and seg.state == Residency.DEVICE and seg.home != "device" and (seg.host or seg.home == "nvme"):
+            self._drop_device(seg)
+            seg.to("drop_device_to_host" if seg.host is not None else "drop_device_to_nvme")
+            return None
+        if seg.state == Residency.DEVICE and seg.home != "device":
+            if seg.host_current:
+                seg.to("drop_device_to_host")
+                self._drop_device(seg)
+                return None
+            if seg.nvme_current and seg.home == "nvme":
+                self._drop_host(seg)  # a stale cache, if any
+                seg.to("drop_device_to_nvme")
+                self._drop_device(seg)
+                return None
+            if seg.host is None:
+                room = self._room("host", seg, blocking=blocking, keep=keep)
+                if room is not True:
+                    return room
+                seg.host = self.pool.acquire(seg.nbytes, seg.name)
+                self._note_peaks()
+            return self._to_host(seg)
+        if seg.state == Residency.HOST and seg.home == "nvme":
+            if seg.nvme_current:
+                seg.to("drop_host")
+                self._drop_host(seg)
+                return None
+            return self._write_back(seg)
+        return None
+
+    def _to_host(self, seg: Segment) -> Handle:
+        final, start = self._begin(seg, "to_host", "evict", None)
+
+        def landed() -> None:
+            seg.host_current = True
+            self._drop_device(seg)
+
+        copy = Handle(label=f"device->host {seg.name}")
+        copy.add_done_callback(lambda h: self._settle(seg, "device->host", start, "to_host", final, h.error, landed))
+        self.device_tier.copy(seg.storage("host"), seg.storage("device"), copy)
+        return final
+
+    def _write_back(self, seg: Segment) -> Handle:
+        """Write the host copy to nvme, then free it. On failure the host copy stays, still current."""
+        if seg.extent is None:
+            seg.extent = self.store.allocate(seg.nbytes, seg.name)
+            self.stats.peak_bytes["nvme"] = max(self.stats.peak_bytes["nvme"], self.store.used_bytes)
+        if self.config.checksums:
+            seg.checksum = checksum(seg.storage("host"))
+        final, start = self._begin(seg, "write", "write", None)
+
+        def landed() -> None:
+            seg.nvme_current = True
+            self._drop_host(seg)
+
+        def written(h: Handle) -> None:
+            self._settle(seg, "host->nvme", start, "write", final, h.error, landed)
+            if h.error is None:
+                self._prefetch_ahead()  # the room this write-back freed may be what a prefetch was waiting for
+
+        self.store.write(seg.extent, seg.host.storage, seg.nbytes).add_done_callback(written)
+        return final
+
+
+class WaitForRoom(NamedTuple):
+    """Room is being made: wait on `handle` (outside the lock), then try again."""
+
+    handle: Handle
