@@ -33,6 +33,8 @@ class SubGroup:
     """No gradient accumulated since the last step: the next accumulation overwrites instead of adding."""
     owner: object = None
     """The client's note of where the sub-group's weights live (the engine: unit index and offset)."""
+    norms: list[tuple[int, torch.Tensor]] | None = None
+    """Norms of the accumulated gradient's pieces, taken when its last part was added (see `accumulate`)."""
 
     def segment(self, part: str) -> str:
         return f"{self.name}/{part}"
@@ -59,8 +61,10 @@ class AdamDriver:
         self.sub_groups.append(sg)
         return sg
 
-    def accumulate(self, sg: SubGroup, grad: torch.Tensor) -> None:
-        """Add `grad` (this sub-group's slice of the reduced fp32 gradient) to its accumulated gradient."""
+    def accumulate(self, sg: SubGroup, grad: torch.Tensor, pieces: list[tuple[int, int, int]] | None = None) -> None:
+        """Add `grad` (this sub-group's slice of the reduced fp32 gradient) to its accumulated gradient. With
+        `pieces` (the last part of this step's gradient: see `grad_norms`), their norms are taken now, while the
+        gradient is in memory, rather than read back from its tier for them."""
         fresh = sg.grad_fresh
         acc = self.manager.acquire(sg.segment("grad"), self.work_tier, overwrite=fresh)  # fresh: nothing to read
         try:
@@ -69,16 +73,22 @@ class AdamDriver:
                 sg.grad_fresh = False
             else:
                 acc.add_(grad)
+            sg.norms = None if pieces is None else [
+                (key, torch.linalg.vector_norm(acc.narrow(0, start, length))) for start, length, key in pieces]
         finally:
             self.manager.release(sg.segment("grad"), dirty=True)
 
     def grad_norms(self, pieces: Callable[[SubGroup], list[tuple[int, int, int]]]) -> list[tuple[int, torch.Tensor]]:
         """fp32 2-norms of the accumulated gradient's pieces: `pieces(sg)` gives (start, length, key) in the
         sub-group, and each norm comes back with its key. The engine passes one piece per parameter keyed
-        by the parameter's place in the model, so the norms are those torch's clipping computes."""
+        by the parameter's place in the model, so the norms are those torch's clipping computes. Norms taken
+        by `accumulate` are used as they are: the gradient is then not read again."""
         norms = []
         for sg in self.sub_groups:
             if sg.grad_fresh:
+                continue
+            if sg.norms is not None:
+                norms.extend(sg.norms)
                 continue
             acc = self.manager.acquire(sg.segment("grad"), self.work_tier)
             norms.extend((key, torch.linalg.vector_norm(acc.narrow(0, start, length))) for start, length, key in pieces(sg))
@@ -88,6 +98,7 @@ class AdamDriver:
     def zero_grad(self) -> None:
         for sg in self.sub_groups:
             sg.grad_fresh = True
+            sg.norms = None
 
     def step(self, groups: list[dict], step: int, grad_scale: float, clip: torch.Tensor | None,
              output: Callable[[SubGroup], ContextManager[torch.Tensor]]) -> None:
@@ -131,6 +142,7 @@ class AdamDriver:
                 for part in held:  # the grad is spent: dropped unwritten, the next accumulation overwrites it
                     manager.release(sg.segment(part), dirty=part != "grad", discard=part == "grad")
             sg.grad_fresh = True
+            sg.norms = None
 
     def close(self) -> None:
         self.threads.close()

@@ -106,8 +106,9 @@ class ZeroEngine(nn.Module):
         device = torch.device("cpu") if self.driver.work_tier == "host" else shard.device
         if shard.dtype != torch.float32 or shard.device != device:  # cast to fp32 once, into reused memory
             shard = self._scratch("fp32", shard.numel(), torch.float32, device).copy_(shard)
+        last = self.is_gradient_accumulation_boundary()  # this step's gradient is complete after this add
         for sg, start in self._unit_sub_groups[index]:
-            self.driver.accumulate(sg, shard.narrow(0, start, sg.numel))
+            self.driver.accumulate(sg, shard.narrow(0, start, sg.numel), self._param_pieces(sg) if last else None)
 
     def _scratch(self, role: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A reused buffer of at least `numel` elements for `role` (gradient reduction runs every micro-batch:
