@@ -23,7 +23,7 @@ import torch
 import zero
 
 from stage3_models import (
-    batches, engine_train, full_state, one_thread, own_gpt, reference_train, stage3_config, tiny_gpt2,
+    batches, engine_train, full_state, loss_of, one_thread, own_gpt, reference_train, stage3_config, tiny_gpt2,
     tiny_llama,
 )
 
@@ -128,6 +128,40 @@ def test_every_unit_persistent_gives_the_same_results(case, tmp_path):
     assert all(unit.persistent for unit in units)
     assert all(unit.gathered for unit in units), "a persistent unit was released"
     assert_bitwise(losses, state, *reference(model, checkpointing, accum, clip))
+
+
+@pytest.mark.parametrize("case, persistence", [("gpt2-param_cpu-opt_nvme-accum4-clip-ckpt", 0),
+                                               ("own-param_nvme-opt_nvme-accum4-clip-ckpt", 0),
+                                               ("llama-param_nvme-opt_cpu-clip", 10**9)])
+def test_overlapped_step_gives_the_same_results(case, persistence, tmp_path):
+    """overlap_step: each optimizer step runs on its own thread while the next forward runs, every unit's
+    gather waiting for that unit's update (persistent units refilled then): bitwise equal to torch still."""
+    model, param, optimizer, accum, clip, checkpointing = CASES[case]
+    config = stage3_config(param, optimizer, nvme_path=tmp_path, accum=accum, clip=clip, persistence=persistence,
+                           zero_tiering={"overlap_step": True})
+    losses, state, engine = train_engine(model, checkpointing, config)
+    assert engine._overlap is not None and engine.global_steps == STEPS
+    assert_bitwise(losses, state, *reference(model, checkpointing, accum, clip))
+
+
+def test_an_overlapped_step_that_fails_raises_at_the_next_forward(tmp_path):
+    config = stage3_config("nvme", "nvme", nvme_path=tmp_path, zero_tiering={"overlap_step": True})
+    engine, *_ = zero.initialize(model=build("own"), config=config)
+    try:
+        data = batches(2)
+        engine.backward(loss_of(engine, data[0], False))
+        step = engine.driver.step
+
+        def failing(*args, on_done=None, **kwargs):
+            raise OSError(28, "No space left on device (injected)")
+
+        engine.driver.step = failing
+        engine.step()  # returns at once: the step runs on its thread
+        with pytest.raises(OSError, match="injected"):
+            loss_of(engine, data[1], False)
+        engine.driver.step = step
+    finally:
+        engine.close()  # the error was told once: closing is clean
 
 
 BF16_LOSS_RTOL = 0.02

@@ -58,6 +58,7 @@ class SwapManager(Room):
         self._tick = 0
         self._prefetched_bytes = 0
         self._closing = False  # no prefetch may start once close() began
+        self._thread = threading.local()  # per thread: `untraced` set while inside untraced()
 
     # -- registration -------------------------------------------------------------------------------------
 
@@ -136,7 +137,8 @@ class SwapManager(Room):
                 raise IllegalTransitionError(name, "fetch", "bytes to read (fetch it with overwrite=True)",
                                              "discarded")
             seg.spent = overwrite
-            self.trace.record(name, tier, seg.nbytes, overwrite)
+            if not getattr(self._thread, "untraced", False):
+                self.trace.record(name, tier, seg.nbytes, overwrite)
             self._tick += 1
             seg.last_use = self._tick
             if overwrite or seg.prefetched or seg.state.tier == tier:
@@ -260,6 +262,18 @@ class SwapManager(Room):
         """Mark a step boundary: the trace adopts this step's order if it changed."""
         with self._lock:
             self.trace.end_step()
+
+    @contextlib.contextmanager
+    def untraced(self):
+        """This thread's fetches inside the block are kept out of the trace: a second thread (a background
+        optimizer step) whose fetches interleave with the first's differently every step would otherwise
+        make the trace depart every step. Such segments look unneeded to Belady (evicted first) and are not
+        prefetched: the thread reads ahead itself with `prefetch`."""
+        self._thread.untraced = True
+        try:
+            yield
+        finally:
+            self._thread.untraced = False
 
     def compute(self, name: str):
         """Context manager marking a compute span on the timeline."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, ContextManager
 
-import math
 
 import torch
 
@@ -101,15 +100,22 @@ class AdamDriver:
             sg.norms = None
 
     def step(self, groups: list[dict], step: int, grad_scale: float, clip: torch.Tensor | None,
-             output: Callable[[SubGroup], ContextManager[torch.Tensor]]) -> None:
+             output: Callable[[SubGroup], ContextManager[torch.Tensor]], *, read_ahead: bool = False,
+             on_done: Callable[[SubGroup], None] | None = None) -> None:
         """One Adam step of every sub-group, with `groups[sg.group]`'s hyperparameters; `output(sg)` is a
         context manager giving where the updated weights go in the compute dtype (a bf16/fp16 tensor is
         written in the same pass, an fp32 one by a copy). Sub-groups that got no gradient since the last
         step step with zeros, as torch's AdamW does for a parameter whose grad is zero. `clip` (an fp32 scalar below 1, or None)
         multiplies the gradient first, as torch.nn.utils.clip_grad_norm_ does, so clipping rounds alike;
-        `grad_scale` (1 / loss scale) is folded into the Adam pass."""
+        `grad_scale` (1 / loss scale) is folded into the Adam pass. `read_ahead`: ask for the next sub-group's
+        state before stepping each one (where the swap manager's trace does not cover these fetches);
+        `on_done(sg)` is called as each sub-group's weights are written."""
         manager, tier = self.manager, self.work_tier
-        for sg in self.sub_groups:
+        for i, sg in enumerate(self.sub_groups):
+            if read_ahead and i + 1 < len(self.sub_groups):
+                after = self.sub_groups[i + 1]
+                manager.prefetch([after.segment(p) for p in ("master", "exp_avg", "exp_avg_sq")]
+                                 + ([] if after.grad_fresh else [after.segment("grad")]), tier)
             hyper = groups[sg.group]
             held: list[str] = []
             try:
@@ -143,6 +149,8 @@ class AdamDriver:
                     manager.release(sg.segment(part), dirty=part != "grad", discard=part == "grad")
             sg.grad_fresh = True
             sg.norms = None
+            if on_done is not None:
+                on_done(sg)
 
     def close(self) -> None:
         self.threads.close()

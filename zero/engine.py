@@ -23,6 +23,7 @@ from .comm import DataParallel
 from .config import Config
 from .flat_unit import FlatUnit
 from .loss_scaler import LossScaler
+from .overlapped_step import OverlappedStep
 from .partitioner import Partitioner
 
 
@@ -62,6 +63,10 @@ class ZeroEngine(nn.Module):
         for sg in driver.sub_groups:
             unit_index, start = sg.owner
             self._unit_sub_groups[unit_index].append((sg, start))
+        self._overlap = None
+        if partitioner is not None and config.zero_tiering.overlap_step and driver.work_tier == "host":
+            self._overlap = OverlappedStep([len(sgs) for sgs in self._unit_sub_groups])
+            partitioner.wait_for_update = self._overlap.wait_unit
 
     # -- the training loop's calls ---------------------------------------------------------------------------
 
@@ -76,6 +81,7 @@ class ZeroEngine(nn.Module):
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of `loss` averaged over the accumulation steps (and scaled for fp16), then each unit's
         gradient reduced across ranks and accumulated in fp32 into this rank's shard."""
+        self._finish_step()  # the gradients it accumulates into are the running step's to drop first
         scaled = loss.float() / self.gradient_accumulation_steps
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
@@ -137,6 +143,7 @@ class ZeroEngine(nn.Module):
             self.swap.end_step()  # the trace of this step drives prefetch and eviction in the next
 
     def _optimizer_step(self) -> None:
+        self._finish_step()
         grad_norm = self._grad_norm()
         overflow = self.loss_scaler is not None and not torch.isfinite(grad_norm).item()
         self.global_steps += 1
@@ -154,12 +161,32 @@ class ZeroEngine(nn.Module):
             if coefficient.item() < 1.0:
                 clip = coefficient
         self.optimizer.step_count += 1
-        self.driver.step(self.optimizer.param_groups, self.optimizer.step_count, 1.0 / loss_scale, clip, self._output)
-        self._gather_params()
+        if self._overlap is not None:
+            # The hyperparameters as they are now: the scheduler moves on below while the step runs.
+            groups = [dict(group) for group in self.optimizer.param_groups]
+            step, scale = self.optimizer.step_count, 1.0 / loss_scale
+
+            def run(done) -> None:
+                with self.swap.untraced():  # its fetches interleave with the forward's: kept off the trace
+                    self.driver.step(groups, step, scale, clip, self._output, read_ahead=True,
+                                     on_done=lambda sg: done(sg.owner[0]))
+
+            self._overlap.start(run)
+            # Units that stay gathered (persistent ones) read their updated shard at their next gather.
+            self.partitioner.stale = {unit.index for unit in self.partitioner.units if unit.gathered}
+        else:
+            self.driver.step(self.optimizer.param_groups, self.optimizer.step_count, 1.0 / loss_scale, clip,
+                             self._output)
+            self._gather_params()
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+
+    def _finish_step(self) -> None:
+        """Wait for an optimizer step still running on its thread (overlap_step); raise its error."""
+        if self._overlap is not None:
+            self._overlap.wait_all()
 
     def _grad_norm(self) -> torch.Tensor:
         """The global 2-norm of the accumulated (still loss-scaled) gradient, fp32, computed as torch's
@@ -227,6 +254,7 @@ class ZeroEngine(nn.Module):
         GatheredParameters gives them. With `modify=True` the values they hold on exit become the model's:
         the fp32 masters (and, for stage 3, the parameter shards) are rewritten; every rank must make the same
         change. Moments are kept."""
+        self._finish_step()
         wanted = None if params is None else {id(p) for p in params}
         chosen = [i for i, unit in enumerate(self.units)
                   if wanted is None or any(id(slot.param) in wanted for slot in unit.slots)]
@@ -259,6 +287,7 @@ class ZeroEngine(nn.Module):
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state_dict with real tensors (gathered unit by unit under stage 3); tied parameters
         appear under every name, as torch's state_dict lists them."""
+        self._finish_step()
         return self.module.state_dict()
 
     # -- what DeepSpeed's engine also answers ----------------------------------------------------------------
@@ -277,13 +306,17 @@ class ZeroEngine(nn.Module):
         self.module.zero_grad(set_to_none=True)
 
     def close(self) -> None:
-        """Free every tier's buffers and remove the nvme store's file."""
-        if self.partitioner is not None:
-            self.partitioner.remove_hooks()
-        if self.config.zero_tiering.trace_path:
-            self.swap.write_chrome_trace(self.config.zero_tiering.trace_path)
-        self.driver.close()
-        self.swap.close()
+        """Free every tier's buffers and remove the nvme store's file (after a step still running ends)."""
+        try:
+            if self._overlap is not None:
+                self._overlap.close()
+        finally:
+            if self.partitioner is not None:
+                self.partitioner.remove_hooks()
+            if self.config.zero_tiering.trace_path:
+                self.swap.write_chrome_trace(self.config.zero_tiering.trace_path)
+            self.driver.close()
+            self.swap.close()
 
     # -- checkpoints (zero/checkpoint.py) ----------------------------------------------------------------------
 
@@ -297,6 +330,7 @@ class ZeroEngine(nn.Module):
             raise ValueError("save_checkpoint(exclude_frozen_parameters=True) is not supported: frozen "
                              "parameters are always saved (they are small next to the optimizer state)")
 
+        self._finish_step()
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
@@ -312,6 +346,7 @@ class ZeroEngine(nn.Module):
         if load_module_only:
             load_optimizer_states = load_lr_scheduler_states = False
 
+        self._finish_step()
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states)
 

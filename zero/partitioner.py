@@ -11,6 +11,7 @@ activation checkpointing's recomputation, and nested use all keep the bytes whil
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +62,11 @@ class Partitioner:
         to the device), device when it rests there."""
         self.reduce_grads = reduce_grads
         """engine callback: (unit, flat gradient in the compute dtype) -> accumulate this rank's shard."""
+        self.wait_for_update: Callable[[int], None] = lambda index: None
+        """engine callback: return once unit `index`'s shard holds the last optimizer step's values (a step
+        may still be running on another thread)."""
+        self.stale: set[int] = set()
+        """Units gathered across a step run on another thread: refilled from their shard at the next gather."""
         self.units: list[PartitionedUnit] = []
         self.model_hooks: list = []
 
@@ -81,6 +87,11 @@ class Partitioner:
     # -- gather and release ------------------------------------------------------------------------------
 
     def gather(self, unit: PartitionedUnit) -> None:
+        self.wait_for_update(unit.index)
+        if unit.index in self.stale:
+            self.stale.discard(unit.index)
+            if unit.gathered:
+                self._fill(unit)
         if not unit.gathered:
             self.manager.reserve_device(unit.nbytes, unit.flat.name)
             unit.full.untyped_storage().resize_(unit.nbytes)
@@ -203,8 +214,9 @@ class Partitioner:
                 hook.remove()
             unit.hooks.clear()
 
-    def refresh(self) -> None:
-        """Re-read the shards of units that stay gathered across the optimizer step (persistent ones)."""
-        for unit in self.units:
+    def refresh(self, index: int | None = None) -> None:
+        """Re-read the shards of units that stay gathered across the optimizer step (persistent ones); with
+        `index`, of that unit only."""
+        for unit in self.units if index is None else [self.units[index]]:
             if unit.gathered:
                 self._fill(unit)

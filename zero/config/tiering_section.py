@@ -23,7 +23,8 @@ class ZeroTieringSection(Section):
     """Bytes of device memory the swap manager may hold; null: what the device has."""
 
     host_budget: int | None = setting(None, convert=parse_size)
-    """Bytes of host memory the swap manager may hold; null: no cap of ours."""
+    """Bytes of host memory the swap manager may hold; null: what is homed on the host plus a working window
+    (see zero.builder.swap_config)."""
 
     nvme_budget: int | None = setting(None, convert=parse_size)
     """Bytes the nvme store file may grow to; null: what the filesystem gives."""
@@ -33,6 +34,11 @@ class ZeroTieringSection(Section):
 
     trace_path: str | None = None
     """Write every move and compute span as Chrome trace JSON (Perfetto) to this file; null: no trace."""
+
+    overlap_step: bool = False
+    """Stage 3 with offload_optimizer: run the optimizer step on a background thread while the next forward
+    runs, each unit's forward waiting for that unit's update (results are unchanged, bit for bit). The host
+    budget must then hold the step's working set and the forward's at once."""
 
     prefetch: bool = True
     """Prefetch segments along the recorded trace; false fetches each on demand (for debugging)."""
