@@ -84,6 +84,7 @@ def child(args: argparse.Namespace) -> dict:
         with torch.device("meta"):
             model = GPT(gpt)
         config.setdefault("zero_tiering", {})["device_budget"] = args.device_budget
+        config["zero_tiering"]["overlap_step"] = system.endswith("-overlap")
         engine, _, _, _ = zero.initialize(model=model, config=config)
         swap = engine.swap
 
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--systems", default="torch,ours-cpu,ours-nvme,deepspeed-cpu,deepspeed-nvme")
+    parser.add_argument("--systems", default="torch,ours-cpu,ours-nvme,deepspeed-cpu,deepspeed-nvme",
+                        help="also ours-cpu-overlap, ours-nvme-overlap: ours with zero_tiering.overlap_step")
     parser.add_argument("--device-budget", default="256MiB", help="our device budget (below the model's size)")
     parser.add_argument("--dir", default=None, help="nvme_path (default: a temporary directory)")
     parser.add_argument("--json", default=None)
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if system.startswith("deepspeed") and not have_deepspeed:
                 print(f"{system}: skipped (deepspeed is not installed)")
                 continue
-            offload = "nvme" if system.endswith("nvme") else "cpu"
+            offload = "nvme" if "nvme" in system else "cpu"
             config = ds_config(offload, nvme_path, args.micro_batch)
             record = run_child(args, system, config)
             if record is not None:
