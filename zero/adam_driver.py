@@ -141,7 +141,7 @@ class AdamDriver:
                                amsgrad=False, maximize=False, grad_scale=scale, **options)
                     else:
                         adam_step(*tensors, step=step, decoupled=hyper["decoupled"], grad_scale=grad_scale,
-                                  out=low, threads=self.threads if low is not None else None, **options)
+                                  out=low, threads=self.threads, **options)
                     if low is None:
                         out.copy_(tensors[0])
             finally:

@@ -1,19 +1,21 @@
 """The CPU-Adam arithmetic: one Adam or AdamW step over flat fp32 tensors, in place, at memory bandwidth.
 
 A step reads param, grad, exp_avg and exp_avg_sq and writes param, exp_avg and exp_avg_sq: 28 bytes per
-parameter, and on a CPU that traffic, not the arithmetic, sets the speed. torch's fused CPU kernel
-(`torch._fused_adamw_` / `torch._fused_adam_`, vectorized C++ over torch's intra-op threads) makes exactly
-one pass, so we call it rather than compose torch ops (one pass each). What this adds: the gradient scale
-folded into that pass; the bf16/fp16 copy-out (what the device reads next) done block by block right after
-each block's update, while the block's params are still in cache, so it adds the 2 bytes written per
-parameter and not a second read of the fp32 params from memory; and a thread count per call
-(AdamThreads), whose threads stream those blocks independently, so one thread's copy-out overlaps
-another's memory traffic.
+parameter, and on a CPU that traffic, not the arithmetic, sets the speed. Our C kernel (zero/adam_kernel.c,
+built as `zero._adam_kernel`) makes one pass, the gradient scale folded in and the bf16/fp16 copy-out (what
+the device reads next) written from registers: 2 bytes more per parameter, not a second pass over the fp32
+params. It computes what torch's fused CPU kernel (`torch._fused_adamw_` / `_fused_adam_`) computes, bit for
+bit; a probe checks that once per process, and where ours is not built or differs (another torch build or
+CPU), torch's kernel steps instead, then the copy-out (`kernel_choice()` says which and why). A step with
+several threads runs our kernel on torch's own OpenMP team (one call, split in C) where that team is found,
+else on our threads (AdamThreads), each taking the next block; the kernel releases the GIL while it runs.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
+import itertools
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -22,13 +24,15 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import torch
 
 BLOCK = 1 << 20
-"""Elements per block on our threads: 4 MiB per fp32 tensor, so a block's params are still in the caches
-(32 MiB L3 here) when they are copied out right after their update, and the per-block Python cost (~10 us)
-is about 1% of the block's update. Measured on the development machine, 50M elements, 2 threads: 256K
-blocks lose ~10% to that cost, 512K to 4M are level within noise, 1M the best by a little."""
+"""Elements per piece of work on our threads (4 MiB per fp32 tensor, ~1 ms on one thread): its Python cost
+(a few us) is lost in it, and a 100M-element step still has ~100 pieces for threads to share when one of
+them is slowed by a busy core. A multiple of 8, so that only a tensor's last block has the tail that torch's
+kernel rounds its own way (its last numel % 8 elements): blocks step as one call over the tensor would."""
 
 OUT_DTYPES = (torch.bfloat16, torch.float16)
 """Dtypes the copy-out writes: what a device computes in."""
+
+_OUT_KINDS = {torch.bfloat16: 1, torch.float16: 2}  # the C kernel's codes for the copy-out dtypes (0: none)
 
 _FP32_MAX = torch.finfo(torch.float32).max
 
@@ -39,24 +43,18 @@ class AdamInputError(ValueError):
 
 
 class AdamThreads:
-    """`count` threads for `adam_step`: the calling thread and `count - 1` helpers, run two ways.
+    """`count` threads for `adam_step`: the calling thread and `count - 1` helpers, each taking the next
+    undone piece of work (`run`).
 
-    Blocks with a copy-out (`run`): each thread takes the next undone block and runs its torch ops on
-    itself alone (torch ops release the GIL while they compute). torch's intra-op pool would split every op
-    across all threads and join them at the op's end, so the copy-out (compute bound, in cache) would run
-    on every core at once while memory idles; independent threads overlap one's copy-out with the other's
-    memory traffic, and a thread on a busy core simply takes fewer blocks. The caller works too, rather
+    A piece is one block's C kernel call, which releases the GIL while it streams the block, so the threads
+    run in parallel, and a thread on a busy core simply takes fewer blocks. The caller works too, rather
     than wait for helpers to wake and then for itself to be woken (on a busy machine, each can take ms).
 
-    Whole tensors without a copy-out (`run_split`): one after another on the caller, each op split over
-    `count` threads by torch's pool, exactly as torch's fused AdamW runs. There is nothing to overlap, and
-    our threads measured a few percent slower there on this busy machine: each block needs the GIL back,
-    and a sleeping thread must wait for a core, where the pool's threads spin.
-
-    Thread counts are set with `omp_set_num_threads`, which acts on the calling thread only: 1 for good on
-    the helpers, and on the caller for the duration of a run (then restored), so torch's setting,
-    process-wide and for every other thread, never changes. Where torch is not built with OpenMP that call
-    is missing: `serial_ops` is then False and our ops use torch's pool as configured, with the same results.
+    Where torch's fused kernel steps instead (`kernel_choice()`), a piece is torch ops that must run on
+    their thread alone, not split again over torch's pool: `omp_set_num_threads`, which acts on the calling
+    thread only, sets 1 for good on the helpers and on the caller for the duration of a run (then restored),
+    so torch's setting, for every other thread, never changes. Where torch is not built with OpenMP that
+    call is missing: `serial_ops` is then False and those ops use torch's pool, with the same results.
     Starting helpers costs ~0.1-1 ms: keep one AdamThreads for many steps; `close()` (or `with`) ends them.
     """
 
@@ -86,18 +84,12 @@ class AdamThreads:
 
         helping = [self._helpers.submit(drain) for _ in range(min(self.count, len(work)) - 1)]
         try:
-            with self._caller_threads(1):
+            with self._serial_caller():
                 drain()
         finally:
             wait(helping)
         for future in helping:
             future.result()
-
-    def run_split(self, work: Sequence[Callable[[], None]]) -> None:
-        """Call each of `work` in turn on the caller, torch splitting each op over `count` threads."""
-        with self._caller_threads(self.count):
-            for item in work:
-                item()
 
     def close(self) -> None:
         if self._helpers is not None:
@@ -117,12 +109,12 @@ class AdamThreads:
         return torch.get_num_threads() == 1
 
     @contextlib.contextmanager
-    def _caller_threads(self, count: int) -> Iterator[None]:
+    def _serial_caller(self) -> Iterator[None]:
         before = torch.get_num_threads()  # also torch's lazy per-thread setup, as above
-        if self._set_omp_threads is None or before == count:
+        if self._set_omp_threads is None or before == 1:
             yield
             return
-        self._set_omp_threads(count)
+        self._set_omp_threads(1)
         try:
             yield
         finally:
@@ -150,28 +142,28 @@ def adam_step(
 
     The arithmetic is torch.optim.AdamW's (`decoupled=True`: param *= 1 - lr * weight_decay) or
     torch.optim.Adam's (`decoupled=False`: grad += weight_decay * param), with bias correction for `step`
-    (1-based: the count of steps including this one). `grad_scale` multiplies the gradient in the same pass
-    (loss-scale unscale times clipping coefficient); when it is not 1, `grad` is left holding the scaled
-    gradient (torch's kernel stores it back), otherwise `grad` is only read. `out`, a bf16 or fp16 tensor of
-    the same element count, receives the updated param, rounded as `param.to(out.dtype)` rounds.
+    (1-based: the count of steps including this one), rounded as torch's fused kernel rounds it. `grad_scale`
+    multiplies the gradient in the same pass (loss-scale unscale times clipping coefficient); when it is not
+    1, `grad` is left holding the scaled gradient (torch's kernel stores it back), otherwise `grad` is only
+    read. `out`, a bf16 or fp16 tensor of the same element count, receives the updated param, rounded as
+    `param.to(out.dtype)` rounds.
 
     All tensors are contiguous CPU tensors (fp32 but `out`) of one element count, any shape: they are read
-    as flat. With `threads`, the step runs on that many threads: with `out`, block by block, each block
-    copied out while in cache (`adam_blocks`, `AdamThreads.run`); without, as one fused call split by
-    torch's pool (`AdamThreads.run_split`). Without `threads`, the calling thread makes one fused call on
-    torch's intra-op threads as configured, then the copy-out, as torch.optim.AdamW(fused=True) would.
-    Allocates nothing proportional to the tensors.
+    as flat. With `threads`, the step runs on that many threads in our kernel when it is in use: one call on
+    torch's OpenMP team (whose workers, spinning after torch's last op, start at once, where ours would
+    share their cores with them), or block by block on `threads` (`adam_blocks`). Without, the calling
+    thread calls torch's fused kernel (on torch's intra-op threads), then copies out, as
+    torch.optim.AdamW(fused=True) would. Allocates nothing proportional to the tensors.
     """
     hyper = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                  decoupled=decoupled, grad_scale=grad_scale)
-    if threads is not None:
-        work = adam_blocks(param, grad, exp_avg, exp_avg_sq, out=out, **hyper)
-        (threads.run if out is not None else threads.run_split)(work)
-        return
-    kernel, options, flats, flat_out = _prepare(param, grad, exp_avg, exp_avg_sq, out, **hyper)
-    kernel(*([t] for t in flats), **options)
-    if flat_out is not None:
-        flat_out.copy_(flats[0])
+    if threads is None:
+        return _torch_block(*_prepare(param, grad, exp_avg, exp_avg_sq, out, hyper), hyper)
+    kernel = _kernel()[0]
+    if kernel is not None and kernel.team and threads.count > 1:
+        return _kernel_block(kernel, *_prepare(param, grad, exp_avg, exp_avg_sq, out, hyper), hyper,
+                             threads=threads.count)
+    threads.run(adam_blocks(param, grad, exp_avg, exp_avg_sq, out=out, **hyper))
 
 
 def adam_blocks(
@@ -190,46 +182,91 @@ def adam_blocks(
     grad_scale: float = 1.0,
     out: torch.Tensor | None = None,
 ) -> list[Callable[[], None]]:
-    """`adam_step` (same arguments, checked now) as independent pieces of work. With `out`, one per BLOCK
-    elements, each updating its block and then copying it out while it is in cache: run them in any order,
-    on any threads, each once (`AdamThreads.run`). Without `out`, one piece, the whole tensor, for
-    `AdamThreads.run_split`. An optimizer with many params runs all its params' pieces in one go, so small
-    params do not each pay a hand-off to the threads."""
-    kernel, options, flats, flat_out = _prepare(param, grad, exp_avg, exp_avg_sq, out, step=step, lr=lr,
-                                                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                                                decoupled=decoupled, grad_scale=grad_scale)
-    block = BLOCK if flat_out is not None else max(flats[0].numel(), 1)
-    p, g, m, v = (t.split(block) for t in flats)
-    o = flat_out.split(block) if flat_out is not None else [None] * len(p)
-
-    def piece(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, o: torch.Tensor | None):
-        def run() -> None:
-            kernel([p], [g], [m], [v], **options)
-            if o is not None:
-                o.copy_(p)
-        return run
-
-    return [piece(*views) for views in zip(p, g, m, v, o)]
+    """`adam_step` (same arguments, checked now) as independent pieces of work, one per BLOCK elements,
+    each updating its block and writing its copy-out: run them in any order, on any threads, each once
+    (`AdamThreads.run`). An optimizer with many params runs all its params' pieces in one go, so small
+    params do not each pay a hand-off to the threads. The pieces hold views of the tensors, not copies."""
+    hyper = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                 decoupled=decoupled, grad_scale=grad_scale)
+    *flats, flat_out = _prepare(param, grad, exp_avg, exp_avg_sq, out, hyper)
+    kernel = _kernel()[0]
+    run = functools.partial(_kernel_block, kernel) if kernel is not None else _torch_block
+    if flats[0].numel() <= BLOCK:  # most params: spare the splits (a few us each)
+        return [functools.partial(run, *flats, flat_out, hyper)]
+    outs = flat_out.split(BLOCK) if flat_out is not None else itertools.repeat(None)
+    return [functools.partial(run, *views, hyper) for views in zip(*(t.split(BLOCK) for t in flats), outs)]
 
 
-def _prepare(param, grad, exp_avg, exp_avg_sq, out, *, step, lr, beta1, beta2, eps, weight_decay, decoupled,
-             grad_scale):
-    """Check the arguments; return the fused kernel, its keyword arguments, the four fp32 tensors and `out`
-    as flat views (or None)."""
+def kernel_choice() -> str:
+    """Which kernel `adam_step` runs on our threads, and why: the C kernel (naming its loop: avx512, avx2 or
+    scalar), or torch's fused kernel because ours is not built or differs from torch's on this machine."""
+    return _kernel()[1]
+
+
+@functools.cache
+def _kernel():
+    """(the C kernel module, a note) when it is built and matches torch's fused kernel bit for bit on a
+    probe; else (None, why not). Once per process, at the first step on our threads."""
+    try:
+        from . import _adam_kernel
+    except ImportError as e:
+        return None, f"torch's fused kernel: zero._adam_kernel is not built ({e})"
+    try:
+        differs = _probe(_adam_kernel)
+    except (TypeError, ValueError) as e:  # built from an older source: `pip install -e .` rebuilds it
+        differs = f"{type(e).__name__}: {e}"
+    if differs:
+        return None, f"torch's fused kernel: zero._adam_kernel differs from it on this machine ({differs})"
+    return _adam_kernel, f"the C kernel ({_adam_kernel.paths[0]} loop)"
+
+
+def _probe(kernel) -> str | None:
+    """Step random tensors through `kernel` and torch's fused kernel with every option that changes the
+    arithmetic; the first difference in bits, or None. 1021 elements: vector loops and both tails run."""
+    gen = torch.Generator().manual_seed(0)
+    options = itertools.product((True, False), (0.0, 0.1), (1.0, 0.37), (0.9, 0.3))
+    for i, (decoupled, weight_decay, grad_scale, beta1) in enumerate(options):
+        hyper = dict(step=3, lr=0.01, beta1=beta1, beta2=0.99, eps=1e-8, weight_decay=weight_decay,
+                     decoupled=decoupled, grad_scale=grad_scale)
+        ours = [torch.randn(1021, generator=gen) for _ in range(3)] + [torch.rand(1021, generator=gen)]
+        ours[0][:4] = torch.tensor([math.inf, math.nan, 3e38, 1e-41])
+        theirs, out = [t.clone() for t in ours], torch.empty(1021, dtype=OUT_DTYPES[i % 2])
+        _kernel_block(kernel, *ours, out, hyper)
+        _torch_block(*theirs, None, hyper)
+        for name, a, b in zip(("param", "grad", "exp_avg", "exp_avg_sq", "out"), ours + [out],
+                              theirs + [theirs[0].to(out.dtype)]):
+            if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+                return f"{name} differs, step options {hyper}"
+    return None
+
+
+def _kernel_block(kernel, p, g, m, v, o, hyper, threads: int = 1) -> None:
+    """One step of these flat views in the C kernel, the copy-out written in the same pass (`threads` > 1:
+    on torch's OpenMP team)."""
+    kernel.step(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 0 if o is None else o.data_ptr(),
+                0 if o is None else _OUT_KINDS[o.dtype], p.numel(), threads=threads, **hyper)
+
+
+def _torch_block(p, g, m, v, o, hyper) -> None:
+    """One step of these flat views in torch's fused kernel, then the copy-out."""
+    kernel = torch._fused_adamw_ if hyper["decoupled"] else torch._fused_adam_
+    grad_scale = hyper["grad_scale"]
+    kernel([p], [g], [m], [v], [], [torch.tensor(float(hyper["step"]), dtype=torch.float32)], lr=hyper["lr"],
+           beta1=hyper["beta1"], beta2=hyper["beta2"], weight_decay=hyper["weight_decay"], eps=hyper["eps"],
+           amsgrad=False, maximize=False,
+           # The kernel divides by grad_scale: multiplying by the factor is dividing by its inverse. At 1.0 no
+           # scale is passed, so the unscaled path is exactly torch's and grad is not written.
+           grad_scale=None if grad_scale == 1.0 else torch.tensor(1.0 / grad_scale, dtype=torch.float32))
+    if o is not None:
+        o.copy_(p)
+
+
+def _prepare(param, grad, exp_avg, exp_avg_sq, out, hyper) -> list[torch.Tensor | None]:
+    """Check the arguments; return the four fp32 tensors and `out` (or None) as flat views."""
     _check_tensors(param, grad, exp_avg, exp_avg_sq, out)
-    check_hyperparameters(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                          grad_scale=grad_scale)
-    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    options = dict(
-        max_exp_avg_sqs=[], state_steps=[torch.tensor(float(step), dtype=torch.float32)],
-        lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
-        # The kernel divides by grad_scale: multiplying by the factor is dividing by its inverse. At 1.0 no
-        # scale is passed, so the unscaled path is exactly torch's and grad is not written.
-        grad_scale=None if grad_scale == 1.0 else torch.tensor(1.0 / grad_scale, dtype=torch.float32),
-    )
+    check_hyperparameters(**{name: value for name, value in hyper.items() if name != "decoupled"})
     # Detached: autograd neither records nor checks these in-place writes, in whichever thread they run.
-    flats = [t.detach().view(-1) for t in (param, grad, exp_avg, exp_avg_sq)]
-    return kernel, options, flats, out.detach().view(-1) if out is not None else None
+    return [t.detach().view(-1) if t is not None else None for t in (param, grad, exp_avg, exp_avg_sq, out)]
 
 
 def _check_tensors(param, grad, exp_avg, exp_avg_sq, out) -> None:

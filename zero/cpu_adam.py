@@ -123,16 +123,15 @@ class CPUAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, *, grad_scale: float = 1.0) -> float | None:
         """One step of every param that has a gradient; `grad_scale` multiplies the gradients in the same
-        pass (when it is not 1 they are left holding the scaled values). All params with an output go to
-        the threads in one go (so small params cost no hand-off each), then the others, each split by torch
-        over as many threads (see AdamThreads)."""
+        pass (when it is not 1 they are left holding the scaled values). Every param's blocks go to the
+        threads in one go, so small params cost no hand-off each (see AdamThreads)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if self._workers is None:
             self._workers = AdamThreads(self.threads)
-        blocks, wholes, stepped = [], [], []
+        blocks, stepped = [], []
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -146,7 +145,7 @@ class CPUAdam(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 out = self._outputs.get(p)
-                (blocks if out is not None else wholes).extend(adam_blocks(
+                blocks.extend(adam_blocks(
                     p, p.grad, state["exp_avg"], state["exp_avg_sq"],
                     step=int(state["step"]) + 1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
@@ -154,7 +153,6 @@ class CPUAdam(torch.optim.Optimizer):
                 ))
                 stepped.append(state["step"])
         self._workers.run(blocks)
-        self._workers.run_split(wholes)
         for step in stepped:  # counted once every param's arguments passed their checks
             step.add_(1)
         return loss
