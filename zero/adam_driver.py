@@ -44,7 +44,7 @@ class AdamDriver:
         self.manager = manager
         self.state_home, self.grad_home, self.work_tier = state_home, grad_home, work_tier
         self.sub_groups: list[SubGroup] = []
-        self.threads = AdamThreads()  # overlaps one thread's copy-out with another's memory traffic
+        self.threads = AdamThreads()  # the step on as many threads as torch uses (see adam_step)
 
     def add(self, name: str, master: torch.Tensor, group: int) -> SubGroup:
         """Register a sub-group holding `master` (fp32, flat); moments and gradient start at zero."""
