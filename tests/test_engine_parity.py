@@ -173,13 +173,15 @@ def test_param_groups_with_own_lr_under_warmup_cosine(tmp_path):
         g = no_decay_groups(m, WEIGHT_DECAY)
         return [{**g[0], "lr": lrs_of_groups[0]}, {**g[1], "lr": lrs_of_groups[1]}]
 
-    def ratio(k):  # DeepSpeed's WarmupCosineLR (log warmup), at optimizer step k (0-based)
+    def ratio(k):  # DeepSpeed's WarmupCosineLR (log warmup) at iteration k: optimizer step k + 1 runs at it
+        if k < 0:
+            return 0.0
         if k < warmup:
             return min_ratio + (1 - min_ratio) * math.log(k + 1) / math.log(warmup)
         progress = min(k - warmup + 1, total - warmup) / (total - warmup)
         return max(0.0, cos_min + (1 - cos_min) * (1 + math.cos(math.pi * progress)) / 2)
 
-    schedule = [[lr * ratio(k) for lr in lrs_of_groups] for k in range(steps)]
+    schedule = [[lr * ratio(k - 1) for lr in lrs_of_groups] for k in range(steps)]
     config = make_config(1, "cpu", accum=accum, scheduler={"type": "WarmupCosineLR", "params": {
         "total_num_steps": total, "warmup_num_steps": warmup, "warmup_min_ratio": min_ratio,
         "cos_min_ratio": cos_min}})
@@ -202,9 +204,10 @@ def test_param_groups_with_own_lr_under_warmup_cosine(tmp_path):
 
 @pytest.mark.parametrize("kind,warmup_type", [("WarmupLR", "log"), ("WarmupLR", "linear"), ("WarmupDecayLR", "log")])
 def test_warmup_schedules(kind, warmup_type, tmp_path):
-    """WarmupLR / WarmupDecayLR from the config: the lr of optimizer step k is the schedule at k (k counted
-    from 0, stepped once per accumulation boundary), the same sequence the reference is given by hand
-    (DeepSpeed's formulas, written out here)."""
+    """WarmupLR / WarmupDecayLR from the config: the lr of optimizer step k (counted from 0, stepped once per
+    accumulation boundary) is the schedule at iteration k - 1, warmup_min_lr before the start, as under
+    DeepSpeed's engine; the same sequence the reference is given by hand (DeepSpeed's formulas, written out
+    here)."""
     accum, steps, warmup, total, low, high = 2, 8, 4, 7, 1e-4, 4e-3
     params = {"warmup_min_lr": low, "warmup_max_lr": high, "warmup_num_steps": warmup, "warmup_type": warmup_type}
     if kind == "WarmupDecayLR":
@@ -213,11 +216,13 @@ def test_warmup_schedules(kind, warmup_type, tmp_path):
                          scheduler={"type": kind, "params": params})
 
     def gamma(k):
+        if k < 0:
+            return 0.0
         if k < warmup:
             return math.log(k + 1) / math.log(warmup) if warmup_type == "log" else k / warmup
         return 1.0 if kind == "WarmupLR" else max(0.0, (total - k) / (total - warmup))
 
-    schedule = [[low + (high - low) * gamma(k)] for k in range(steps)]
+    schedule = [[low + (high - low) * gamma(k - 1)] for k in range(steps)]
     data = batches(steps * accum)
     model = MODELS["llama"](0)
     engine, _, _, _ = zero.initialize(model=model, config=config)

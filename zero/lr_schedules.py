@@ -1,7 +1,10 @@
 """DeepSpeed's warmup schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR) over an optimizer's param groups.
 
-Each is a pure function of the optimizer step index; `step()` is called once per optimizer step (at the
-accumulation boundary, by the engine), and the lr for step k (0-based) is the schedule at k.
+Each is a pure function of an iteration count that `step()` advances once per optimizer step (at the
+accumulation boundary, by the engine, after the step), starting from `last_batch_iteration` (-1: not
+started), as DeepSpeed's engine drives them: optimizer step k (0-based) runs at the schedule's value at
+iteration k - 1, so the first two steps both run at the bottom of the warmup (before the start, WarmupLR
+and WarmupDecayLR give warmup_min_lr and WarmupCosineLR a ratio of 0).
 """
 from __future__ import annotations
 
@@ -28,11 +31,13 @@ class WarmupSchedule:
         self.params = config.params
         self.kind = config.type
         self.base_lrs = [group["lr"] for group in optimizer.param_groups]
-        self.iteration = self.params.last_batch_iteration + 1
+        self.iteration = self.params.last_batch_iteration
         self._apply()
 
     def lr(self, iteration: int, base_lr: float) -> float:
         p = self.params
+        if iteration < 0:  # not started
+            return 0.0 if isinstance(p, WarmupCosineLRParams) else p.warmup_min_lr
         if isinstance(p, WarmupCosineLRParams):
             if iteration < max(2, p.warmup_num_steps):
                 gamma = warmup_fraction(iteration, p.warmup_num_steps, p.warmup_type)
