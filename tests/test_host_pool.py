@@ -105,15 +105,20 @@ def test_reuse_gives_back_the_same_memory():
     c.release()
 
 
-def test_smallest_cached_buffer_that_fits_is_reused():
+def test_smallest_cached_buffer_that_fits_is_reused_if_at_most_twice_the_request():
     p = pool(4 * MiB)
     small, big = p.acquire(64 * KiB), p.acquire(1 * MiB)
     small_addr, big_addr = small.storage.data_ptr(), big.storage.data_ptr()
     big.release()
     small.release()
-    assert p.acquire(16 * KiB).storage.data_ptr() == small_addr
+    assert p.acquire(32 * KiB).storage.data_ptr() == small_addr
     assert p.acquire(512 * KiB).storage.data_ptr() == big_addr
     assert p.allocations == 2
+    tiny = p.acquire(16 * KiB)  # the cached buffers (none left) or a new one: never a 1 MiB one for 16 KiB
+    assert tiny.capacity == 16 * KiB and p.allocations == 3
+    tiny.release()
+    p.acquire(4 * KiB)  # the cached 16 KiB buffer is four times that: a new one, the budget counts 4 KiB
+    assert p.allocations == 4 and p.in_use == 64 * KiB + 1 * MiB + 4 * KiB
 
 
 def test_cached_buffers_are_dropped_to_make_room():

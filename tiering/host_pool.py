@@ -63,8 +63,9 @@ class HostBuffer:
 class HostBufferPool:
     """Lends aligned host buffers and takes them back for reuse, never holding more than `budget` bytes.
 
-    A request is served from the smallest cached buffer that fits; otherwise a new buffer is allocated (and
-    touched once), first dropping cached buffers if the budget needs the room. If buffers in use leave no
+    A request is served from the smallest cached buffer that fits, if that is at most twice its size (a
+    larger one would count against the budget for bytes nobody uses); otherwise a new buffer is allocated
+    (and touched once), first dropping cached buffers, the smallest first, if the budget needs the room. If buffers in use leave no
     room, `acquire` raises BudgetExceededError with the budget, the bytes in use and the bytes requested.
     """
 
@@ -116,7 +117,7 @@ class HostBufferPool:
     def _take_cached(self, size: int) -> torch.Tensor | None:
         for i, storage in enumerate(self._cached):  # sorted by size: the first fit is the best fit
             if storage.numel() >= size:
-                return self._cached.pop(i)
+                return self._cached.pop(i) if storage.numel() <= 2 * size else None
         return None
 
     def release(self, buffer: HostBuffer) -> None:
