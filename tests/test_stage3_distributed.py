@@ -31,10 +31,12 @@ from stage3_models import batches, engine_train, free_port, full_state, one_thre
 WORLD = 2
 STEPS, ACCUM, CLIP = 6, 2, 1.0
 
-CASES = {  # name: (model, offload device for params and optimizer, nvme directory per rank)
-    "llama-cpu": ("llama", "cpu", False),
-    "llama-nvme-shared-dir": ("llama", "nvme", False),
-    "llama-nvme-dir-per-rank": ("llama", "nvme", True),
+CASES = {  # name: (model, offload device for params and optimizer, nvme directory per rank, overlap_step)
+    "llama-cpu": ("llama", "cpu", False, False),
+    "llama-nvme-shared-dir": ("llama", "nvme", False, False),
+    "llama-nvme-dir-per-rank": ("llama", "nvme", True, False),
+    # The step on its own thread, every rank's gathers (all-gathers) on the training thread.
+    "llama-nvme-overlap-step": ("llama", "nvme", True, True),
 }
 
 
@@ -47,9 +49,10 @@ def nvme_dir(root: str, name: str, rank: int) -> str:
 
 def train_case(name: str, micro: int, rank: int, root: str) -> dict:
     """Rank r of a two-rank run trains on row r of every global batch; a one-rank run (rank 0, micro 2) on both."""
-    model_name, device, _ = CASES[name]
+    model_name, device, _, overlap = CASES[name]
     model = tiny_llama(0) if model_name == "llama" else own_gpt(0)
-    config = stage3_config(device, device, nvme_path=nvme_dir(root, name, rank), accum=ACCUM, clip=CLIP, micro=micro)
+    config = stage3_config(device, device, nvme_path=nvme_dir(root, name, rank), accum=ACCUM, clip=CLIP, micro=micro,
+                           zero_tiering={"overlap_step": overlap})
     engine, *_ = zero.initialize(model=model, config=config)
     try:
         data = [ids[rank * micro:(rank + 1) * micro] for ids in batches(STEPS * ACCUM)]
