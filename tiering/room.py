@@ -29,8 +29,8 @@ class Room:
     def _room(self, tier: Tier, seg: Segment, *, blocking: bool, horizon: float | None = None, wait: bool = False,
               keep: tuple[Segment, ...] = ()) -> bool | WaitForRoom:
         """Evict until a copy of `seg` fits in `tier`, never evicting `seg` or `keep` (segments being brought
-        up, whose state must not change under them). True: it fits now. WaitForRoom: write-backs were started, wait
-        and retry (or, with `wait=True`, waited here). False: not blocking and only waiting would make room.
+        up, whose state must not change under them). True: it fits now. WaitForRoom: write-backs were started,
+        wait and retry (or, with `wait=True`, waited here). False: not blocking and only waiting would make room.
         Raises BudgetExceededError when even evicting everything evictable cannot make room."""
         # What the copy takes from the budget: host buffers are whole 4 KiB pages.
         nbytes = self.device_tier.charge(seg.nbytes) if tier == "device" else align_up(max(seg.nbytes, 1))
@@ -81,15 +81,16 @@ class Room:
 
     def _evict_from(self, seg: Segment, tier: Tier, blocking: bool,
                     keep: tuple[Segment, ...] = ()) -> Handle | WaitForRoom | bool | None:
-        """Free `seg`'s copy in `tier`: None if dropped at once, a Handle for the write-back begun, a WaitForRoom or
-        False if room below must be made first (see `_room`)."""
+        """Free `seg`'s copy in `tier`: None if dropped at once, a Handle for the write-back begun, a WaitForRoom
+        or False if room below must be made first (see `_room`)."""
         self._unprefetch(seg)
         if tier == "host" and seg.state == Residency.DEVICE:
             self._drop_host(seg)  # a cache under the device copy
             return None
         return self._evict_step(seg, blocking, keep)
 
-    def _evict_step(self, seg: Segment, blocking: bool, keep: tuple[Segment, ...] = ()) -> Handle | WaitForRoom | bool | None:
+    def _evict_step(self, seg: Segment, blocking: bool,
+                    keep: tuple[Segment, ...] = ()) -> Handle | WaitForRoom | bool | None:
         """Move `seg` one tier down toward home. None: nothing to do or done at once; a Handle: the move
         started; a WaitForRoom (blocking) or False (not blocking): room on host must be made first (never by
         evicting `keep`)."""
