@@ -12,11 +12,9 @@ step, and bytes moved per tier pair.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import resource
-import shutil
 import socket
 import statistics
 import subprocess
