@@ -163,7 +163,7 @@ def train(engine, steps: int) -> list[torch.Tensor]:
 
 def unit_pieces(engine, part: str) -> list[tuple[int, int, torch.Tensor]]:
     """(unit index, start, values) of this rank's `part` ('param' or an optimizer state) in unit coordinates."""
-    from zero.checkpoint import held, param_range, param_tensor, sub_group_range
+    from zero.checkpoint import param_range, param_tensor, sub_group_range
 
     out = []
     if part == "param":
@@ -173,7 +173,7 @@ def unit_pieces(engine, part: str) -> list[tuple[int, int, torch.Tensor]]:
         return out
     for sg in engine.driver.sub_groups:
         index, start, _ = sub_group_range(engine, sg)
-        with held(engine, sg.segment(part), engine.driver.work_tier) as t:
+        with engine.driver.held(sg, part) as t:
             out.append((index, start, t.detach().cpu().clone()))
     return out
 
@@ -581,3 +581,31 @@ def child_two_ranks(root: str) -> None:
 if __name__ == "__main__":
     command, *arguments = sys.argv[1:]
     {"resume": child_resume, "two-ranks": child_two_ranks}[command](*arguments)
+
+
+def test_checkpoint_moves_between_shared_and_separate_fp32_masters(tmp_path):
+    """fp32 with parameters and optimizer state on nvme keeps one copy (the parameter shard is the master);
+    with parameters on cpu the master is a copy of its own. The checkpoint records masters alike, so each
+    loads into the other: the same state, and the same next steps."""
+    layouts = {"shared": {}, "separate": {"offload_param": {"device": "cpu"}}}
+    engines, snapshots = {}, {}
+    for name, overrides in layouts.items():
+        (tmp_path / name).mkdir()
+        engines[name] = build("stage3-fp32-nvme-dropout", str(tmp_path / name), **overrides)
+    try:
+        assert all(sg.master_in is not None for sg in engines["shared"].driver.sub_groups)
+        assert all(sg.master_in is None for sg in engines["separate"].driver.sub_groups)
+        train(engines["shared"], 2)
+        engines["shared"].save_checkpoint(tmp_path / "ckpt", tag="a")
+        engines["separate"].load_checkpoint(tmp_path / "ckpt", tag="a")
+        assert_same(snapshot(engines["separate"]), snapshot(engines["shared"]))
+        torch.manual_seed(1)  # dropout draws the same masks in both
+        ahead = train(engines["shared"], 1)
+        torch.manual_seed(1)
+        assert [x.item() for x in train(engines["separate"], 1)] == [x.item() for x in ahead]
+        engines["separate"].save_checkpoint(tmp_path / "ckpt", tag="b")
+        engines["shared"].load_checkpoint(tmp_path / "ckpt", tag="b")
+        assert_same(snapshot(engines["shared"]), snapshot(engines["separate"]))
+    finally:
+        for engine in engines.values():
+            engine.close()

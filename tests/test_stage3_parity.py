@@ -9,7 +9,8 @@ and every final parameter and buffer (from the engine's gathering state_dict) mu
 stricter than the issue's 1e-5 relative.
 
 Coverage of the tiers, one case each: offload_param none / cpu / nvme and offload_optimizer none / cpu / nvme
-each appear at least once; each model has one case with gradient accumulation 4, clipping 1.0 and
+each appear at least once, and both offloaded to the same tier (cpu, nvme), where the parameter shard is the fp32
+master itself (builder.masters_are_params); each model has one case with gradient accumulation 4, clipping 1.0 and
 activation checkpointing (transformers' `gradient_checkpointing_enable()`; torch.utils.checkpoint with
 use_reentrant=False in our model, and use_reentrant=True once).
 """
@@ -90,6 +91,7 @@ CASES = {
     "own-param_cpu-opt_none": ("own", "cpu", "none", 1, 0.0, None),
     "own-param_nvme-opt_nvme-accum4-clip-ckpt": ("own", "nvme", "nvme", 4, 1.0, "nonreentrant"),
     "own-param_none-opt_nvme-clip-ckpt_reentrant": ("own", "none", "nvme", 1, 1.0, "reentrant"),
+    "gpt2-param_cpu-opt_cpu-clip": ("gpt2", "cpu", "cpu", 1, 1.0, None),
 }
 
 
@@ -98,6 +100,7 @@ def test_cases_cover_every_tier_and_model():
     params = {case[1] for case in CASES.values()}
     optimizers = {case[2] for case in CASES.values()}
     assert params == optimizers == {"none", "cpu", "nvme"}
+    assert {case[1] for case in CASES.values() if case[1] == case[2]} >= {"cpu", "nvme"}
     for model in ("gpt2", "llama", "own"):
         assert any(c[0] == model and c[3] == 4 and c[4] == 1.0 and c[5] for c in CASES.values()), model
     assert {c[5] for c in CASES.values()} >= {"hf", "nonreentrant", "reentrant"}
@@ -116,7 +119,7 @@ def test_fp32_bitwise_equal_to_torch(case, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["gpt2-param_cpu-opt_nvme-accum4-clip-ckpt",
-                                  "own-param_nvme-opt_nvme-accum4-clip-ckpt",
+                                  "own-param_nvme-opt_nvme-accum4-clip-ckpt", "gpt2-param_cpu-opt_cpu-clip",
                                   "llama-param_none-opt_cpu-accum4-clip-ckpt"])
 def test_every_unit_persistent_gives_the_same_results(case, tmp_path):
     """A persistence threshold above every unit's size: units stay gathered after their first use (and are

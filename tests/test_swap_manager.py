@@ -209,6 +209,22 @@ def test_reuse_distance_evicts_at_release_what_is_used_far_later(make_manager):
         assert states(mgr, "a", "b") == [R.DEVICE, b_state]
 
 
+def test_reuse_distance_leaves_host_copies_to_eviction_under_pressure(make_manager, engine):
+    """Writing a host copy back at release and reading it again next step moved every optimizer state byte
+    each step even with room to keep most of it; only a device copy goes early."""
+    mgr = make_manager(engine=engine, reuse_distance=0)
+    for name in "ab":
+        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme").wait()
+    for step in range(3):  # step 0 records a b; steps 1 and 2 replay it with a trace
+        if step == 1:
+            moved = dict(mgr.stats.bytes_moved)
+        for name in "ab":
+            use(mgr, name, "host", add=1.0)
+        mgr.end_step()
+    assert states(mgr, "a", "b") == [R.HOST, R.HOST]
+    assert dict(mgr.stats.bytes_moved) == moved, "a host copy was written back (and read again)"
+
+
 def test_reuse_distance_evicts_nothing_before_a_trace_exists(make_manager):
     """Without a trace no one knows when a segment comes back: evicting at every release would write a
     segment released between sub-steps (a unit's shard, once per sub-group) again and again."""

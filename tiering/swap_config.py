@@ -29,9 +29,10 @@ class SwapConfig:
     stage3_max_live_parameters); None: only the device budget limits it."""
 
     reuse_distance: int | None = None
-    """A released segment whose next use (per the trace) is more than this many bytes of other fetches
-    away is evicted right away, so its room is free before anyone waits for it (DeepSpeed:
-    stage3_max_reuse_distance). None: evict only under pressure."""
+    """A released segment's device copy whose next use (per the trace) is more than this many bytes of other
+    fetches away is dropped to the tier below right away, so its room is free before anyone waits for it
+    (DeepSpeed: stage3_max_reuse_distance, which frees a gathered parameter's accelerator memory). Host copies
+    are evicted only under pressure. None: device copies too."""
 
     checksums: bool = True
     """Record an xxh3-64 checksum when a segment is written to nvme and verify it on every read."""

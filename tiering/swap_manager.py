@@ -196,8 +196,10 @@ class SwapManager(Room):
                         break  # a device copy needing a host buffer at home: moved, as any eviction
                 return completed(name)
             distance = self.config.reuse_distance
-            # Evict early only when the trace says the next use is far; without a trace nobody knows.
-            if distance is None or seg.state.tier == seg.home or not self.trace.ready:
+            # Evict early only a device copy, and only when the trace says its next use is far (without a trace
+            # nobody knows). A host copy stays until room is short: Belady's rule then keeps what a step reuses,
+            # where evicting it at release would write it and read it back every step.
+            if distance is None or seg.state != Residency.DEVICE or seg.home == "device" or not self.trace.ready:
                 return completed(name)
             if self.trace.next_use_bytes(name) <= distance:
                 return completed(name)

@@ -7,9 +7,9 @@ updated state dirty lets it be written back while later ones compute. The arithm
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, ContextManager
-
+from typing import Callable, ContextManager, Iterator
 
 import torch
 
@@ -34,9 +34,19 @@ class SubGroup:
     """The client's note of where the sub-group's weights live (the engine: unit index and offset)."""
     norms: list[tuple[int, torch.Tensor]] | None = None
     """Norms of the accumulated gradient's pieces, taken when its last part was added (see `accumulate`)."""
+    master_in: tuple[str, int] | None = None
+    """(segment, offset): the fp32 master is this slice of another segment rather than a segment of its own.
+    Training in fp32, the engine's parameter shard holds the very values a master would: one copy, not two,
+    in memory and on nvme."""
 
     def segment(self, part: str) -> str:
         return f"{self.name}/{part}"
+
+    def place(self, part: str) -> tuple[str, int]:
+        """(segment, offset) where `part` of this sub-group lives."""
+        if part == "master" and self.master_in is not None:
+            return self.master_in
+        return self.segment(part), 0
 
 
 class AdamDriver:
@@ -46,12 +56,15 @@ class AdamDriver:
         self.sub_groups: list[SubGroup] = []
         self.threads = AdamThreads()  # the step on as many threads as torch uses (see adam_step)
 
-    def add(self, name: str, master: torch.Tensor, group: int) -> SubGroup:
-        """Register a sub-group holding `master` (fp32, flat); moments and gradient start at zero."""
-        sg = SubGroup(name, master.numel(), group)
+    def add(self, name: str, master: torch.Tensor, group: int, master_in: tuple[str, int] | None = None) -> SubGroup:
+        """Register a sub-group holding `master` (fp32, flat); moments and gradient start at zero. With
+        `master_in` (segment, offset) the master already lives in that fp32 segment (see SubGroup.master_in)."""
+        sg = SubGroup(name, master.numel(), group, master_in=master_in)
         shape = (sg.numel,)
-        handles = [self.manager.register(sg.segment("master"), dtype=torch.float32, shape=shape,
-                                         home=self.state_home, data=master.reshape(-1))]
+        handles = []
+        if master_in is None:
+            handles.append(self.manager.register(sg.segment("master"), dtype=torch.float32, shape=shape,
+                                                 home=self.state_home, data=master.reshape(-1)))
         for part in ("exp_avg", "exp_avg_sq"):
             handles.append(self.manager.register(sg.segment(part), dtype=torch.float32, shape=shape, home=self.state_home))
         handles.append(self.manager.register(sg.segment("grad"), dtype=torch.float32, shape=shape, home=self.grad_home))
@@ -94,6 +107,18 @@ class AdamDriver:
             self.manager.release(sg.segment("grad"))
         return norms
 
+    @contextlib.contextmanager
+    def held(self, sg: SubGroup, part: str, *, dirty: bool = False, discard: bool = False,
+             overwrite: bool = False) -> Iterator[torch.Tensor]:
+        """`part` of `sg` in the work tier, released afterwards as asked (see SwapManager.fetch and release),
+        even if the block fails."""
+        name, offset = sg.place(part)
+        tensor = self.manager.acquire(name, self.work_tier, overwrite=overwrite)
+        try:
+            yield tensor.narrow(0, offset, sg.numel)
+        finally:
+            self.manager.release(name, dirty=dirty, discard=discard)
+
     def zero_grad(self) -> None:
         for sg in self.sub_groups:
             sg.grad_fresh = True
@@ -104,49 +129,48 @@ class AdamDriver:
              on_done: Callable[[SubGroup], None] | None = None) -> None:
         """One Adam step of every sub-group, with `groups[sg.group]`'s hyperparameters; `output(sg)` is a
         context manager giving where the updated weights go in the compute dtype (a bf16/fp16 tensor is
-        written in the same pass, an fp32 one by a copy). Sub-groups that got no gradient since the last
+        written in the same pass, an fp32 one by a copy); it is not called for a sub-group whose master is the
+        parameter shard itself (`master_in`). Sub-groups that got no gradient since the last
         step step with zeros, as torch's AdamW does for a parameter whose grad is zero. `clip` (an fp32 scalar below 1, or None)
         multiplies the gradient first, as torch.nn.utils.clip_grad_norm_ does, so clipping rounds alike;
         `grad_scale` (1 / loss scale) is folded into the Adam pass. `read_ahead`: ask for the next sub-group's
         state before stepping each one (where the swap manager's trace does not cover these fetches);
         `on_done(sg)` is called as each sub-group's weights are written."""
-        manager, tier = self.manager, self.work_tier
         for i, sg in enumerate(self.sub_groups):
             if read_ahead and i + 1 < len(self.sub_groups):
                 after = self.sub_groups[i + 1]
-                manager.prefetch([after.segment(p) for p in ("master", "exp_avg", "exp_avg_sq")]
-                                 + ([] if after.grad_fresh else [after.segment("grad")]), tier)
+                parts = STATE + (() if after.grad_fresh else ("grad",))
+                self.manager.prefetch(list(dict.fromkeys(after.place(p)[0] for p in parts)), self.work_tier)
             hyper = groups[sg.group]
-            held: list[str] = []
-            try:
-                tensors = []
-                for part in ("master", "grad", "exp_avg", "exp_avg_sq"):
-                    overwrite = part == "grad" and sg.grad_fresh  # no gradient: zeros, nothing to read
-                    tensors.append(manager.acquire(sg.segment(part), tier, overwrite=overwrite))
-                    held.append(part)
+            with contextlib.ExitStack() as stack:
+                # The grad is spent after the step: dropped unwritten, the next accumulation overwrites it; a
+                # fresh one (no gradient since the last step) is zeros, nothing to read.
+                master, grad, exp_avg, exp_avg_sq = (
+                    stack.enter_context(self.held(sg, part, dirty=part != "grad", discard=part == "grad",
+                                                  overwrite=part == "grad" and sg.grad_fresh))
+                    for part in ("master", "grad", "exp_avg", "exp_avg_sq"))
                 if sg.grad_fresh:
-                    tensors[1].zero_()
+                    grad.zero_()
                 elif clip is not None:
-                    tensors[1].mul_(clip.to(tensors[1].device))
+                    grad.mul_(clip.to(grad.device))
                 beta1, beta2 = hyper["betas"]
                 options = dict(lr=hyper["lr"], beta1=beta1, beta2=beta2, eps=hyper["eps"],
                                weight_decay=hyper["weight_decay"])
-                with output(sg) as out:
-                    low = out if out.dtype in (torch.bfloat16, torch.float16) and not out.is_cuda else None
-                    if tensors[0].is_cuda:  # optimizer state kept on the GPU (offload_optimizer none)
+                tensors = (master, grad, exp_avg, exp_avg_sq)
+                # A master that is the parameter shard itself is updated in place: there is nothing to write out.
+                with contextlib.nullcontext() if sg.master_in is not None else output(sg) as out:
+                    low = out if out is not None and out.dtype in (torch.bfloat16, torch.float16) and not out.is_cuda else None
+                    if master.is_cuda:  # optimizer state kept on the GPU (offload_optimizer none)
                         kernel = torch._fused_adamw_ if hyper["decoupled"] else torch._fused_adam_
-                        device = tensors[0].device
+                        device = master.device
                         scale = None if grad_scale == 1.0 else torch.tensor(1.0 / grad_scale, device=device)
                         kernel(*([t] for t in tensors), [], [torch.tensor(float(step), device=device)],
                                amsgrad=False, maximize=False, grad_scale=scale, **options)
                     else:
                         adam_step(*tensors, step=step, decoupled=hyper["decoupled"], grad_scale=grad_scale,
                                   out=low, threads=self.threads, **options)
-                    if low is None:
-                        out.copy_(tensors[0])
-            finally:
-                for part in held:  # the grad is spent: dropped unwritten, the next accumulation overwrites it
-                    manager.release(sg.segment(part), dirty=part != "grad", discard=part == "grad")
+                    if out is not None and low is None:
+                        out.copy_(master)
             sg.grad_fresh = True
             sg.norms = None
             if on_done is not None:

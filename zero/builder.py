@@ -115,13 +115,26 @@ def plan_units(model: nn.Module, groups: list[dict], dp: DataParallel) -> list[t
     return plan
 
 
-def add_sub_groups(driver: AdamDriver, unit: FlatUnit, index: int, master: torch.Tensor, chunk: int) -> None:
-    """Register `master` (this rank's fp32 part of the unit) as sub-groups of at most `chunk` elements."""
+def add_sub_groups(driver: AdamDriver, unit: FlatUnit, index: int, master: torch.Tensor, chunk: int,
+                   master_in: str | None = None) -> None:
+    """Register `master` (this rank's fp32 part of the unit) as sub-groups of at most `chunk` elements; with
+    `master_in`, the fp32 segment that already holds it (the parameter shard: see masters_are_params)."""
     chunk = chunk or master.numel()
     for k, offset in enumerate(range(0, master.numel(), chunk)):
         numel = min(chunk, master.numel() - offset)
-        sg = driver.add(f"{unit.name or 'root'}/{k}", master.narrow(0, offset, numel), unit.group)
+        sg = driver.add(f"{unit.name or 'root'}/{k}", master.narrow(0, offset, numel), unit.group,
+                        None if master_in is None else (master_in, offset))
         sg.owner = (index, offset)
+
+
+def masters_are_params(cfg: Config, dtype: torch.dtype) -> bool:
+    """Stage 3 computing in fp32 with parameters and optimizer state offloaded to the same tier: each unit's
+    parameter shard is its fp32 master (identical values), so the master is not stored a second time and the
+    optimizer updates the shard in place. Elsewhere the master is a copy of its own: the compute dtype is
+    lower, or the parameters rest in another tier than the optimizer works in."""
+    zo = cfg.zero_optimization
+    return (zo.stage == 3 and dtype == torch.float32
+            and zo.offload_param.device == zo.offload_optimizer.device != "none")
 
 
 def build_resident(model: nn.Module, units: list[FlatUnit], driver: AdamDriver, cfg: Config,
@@ -146,7 +159,8 @@ def build_partitioned(model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], 
                       driver: AdamDriver, cfg: Config, dp: DataParallel, device: torch.device,
                       dtype: torch.dtype) -> Partitioner:
     """Stage 3: unit by unit, materialize (a model built on meta), flatten, keep this rank's shard (fp32
-    master and moments, and the compute-dtype parameter shard, each in its tier), and leave the parameters
+    master (or not: see masters_are_params) and moments, and the compute-dtype parameter shard, each in its
+    tier), and leave the parameters
     as views of an empty full buffer. Peak host memory is one unit plus the tiers' budgets."""
     zo = cfg.zero_optimization
     param_home = HOMES[zo.offload_param.device]
@@ -159,7 +173,8 @@ def build_partitioned(model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], 
         segment = f"{unit.name or 'root'}/param"
         manager.register(segment, dtype=dtype, shape=(unit.shard_numel,), home=param_home,
                          data=master.to(dtype)).wait()
-        add_sub_groups(driver, unit, index, master, zo.sub_group_size)
+        add_sub_groups(driver, unit, index, master, zo.sub_group_size,
+                       segment if masters_are_params(cfg, dtype) else None)
         persistent = unit.numel <= zo.param_persistence_threshold
         partitioner.add(unit, module, segment, dtype, index, persistent)
         del master
@@ -182,10 +197,11 @@ def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype) -> SwapC
     sharded = zo.stage >= 1
     shard_bytes = [4 * (u.shard_numel if sharded else u.padded_numel) for u in units]
     sub_group_bytes = min(max(shard_bytes, default=0), 4 * zo.sub_group_size or max(shard_bytes, default=0))
-    window = 4 * 4 * sub_group_bytes  # four segments (master, grad, two moments) of up to four sub-groups
+    parts = 3 if masters_are_params(cfg, dtype) else 4  # (master,) grad, two moments
+    window = 4 * parts * sub_group_bytes  # the segments of up to four sub-groups
     offload = zo.offload_optimizer.device
-    homed_on_host = 4 * sum(shard_bytes) if offload == "cpu" else 0  # master, moments and gradient
-    prefetch = 2 * 4 * sub_group_bytes  # read ahead the next sub-groups' state
+    homed_on_host = parts * sum(shard_bytes) if offload == "cpu" else 0
+    prefetch = 2 * parts * sub_group_bytes  # read ahead the next sub-groups' state
     max_live = reuse_distance = None
     if zo.stage == 3:
         param_bytes = [u.shard_numel * dtype.itemsize for u in units]

@@ -288,7 +288,7 @@ def write_rank(engine: ZeroEngine, tag_dir: str, client_state: Any) -> dict:
         for sg in engine.driver.sub_groups:
             index, start, _ = sub_group_range(engine, sg)
             for part in STATE_PARTS:
-                with held(engine, sg.segment(part), engine.driver.work_tier) as tensor:
+                with engine.driver.held(sg, part) as tensor:
                     unit_record(f, tensor, index, part, start)
         for name, tensor, is_param in extras(engine):
             if tensor.is_meta:
@@ -454,7 +454,7 @@ def load_tensors(engine: ZeroEngine, reader: RecordReader, parts: tuple[str, ...
     for sg in engine.driver.sub_groups:
         index, start, _ = sub_group_range(engine, sg)
         for part in STATE_PARTS:
-            with held(engine, sg.segment(part), engine.driver.work_tier, dirty=True) as tensor:
+            with engine.driver.held(sg, part, dirty=True) as tensor:
                 if part in parts:
                     fill(reader, index, part, start, tensor)
                 else:

@@ -276,9 +276,8 @@ class ZeroEngine(nn.Module):
         unit, flat = self.units[index], self.flats[index]
         shard = flat.narrow(0, self._shard_start(unit), self._shard_numel(unit))
         for sg, start in self._unit_sub_groups[index]:
-            master = self.swap.acquire(sg.segment("master"), self.driver.work_tier)
-            master.copy_(shard.narrow(0, start, sg.numel))
-            self.swap.release(sg.segment("master"), dirty=True)
+            with self.driver.held(sg, "master", dirty=True) as master:
+                master.copy_(shard.narrow(0, start, sg.numel))
         if self.partitioner is not None:
             segment = self.partitioner.units[index].segment
             self.swap.acquire(segment, self.partitioner.shard_tier).copy_(shard)
