@@ -82,6 +82,8 @@ def child(args: argparse.Namespace) -> dict:
         with torch.device("meta"):
             model = GPT(gpt)
         config.setdefault("zero_tiering", {})["device_budget"] = args.device_budget
+        if args.host_budget:
+            config["zero_tiering"]["host_budget"] = args.host_budget
         config["zero_tiering"]["overlap_step"] = system.endswith("-overlap")
         engine, _, _, _ = zero.initialize(model=model, config=config)
         swap = engine.swap
@@ -145,6 +147,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--systems", default="torch,ours-cpu,ours-nvme,deepspeed-cpu,deepspeed-nvme",
                         help="also ours-cpu-overlap, ours-nvme-overlap: ours with zero_tiering.overlap_step")
     parser.add_argument("--device-budget", default="256MiB", help="our device budget (below the model's size)")
+    parser.add_argument("--host-budget", default=None,
+                        help="our host budget (default: derived from the config); below the training state it streams")
     parser.add_argument("--dir", default=None, help="nvme_path (default: a temporary directory)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--png", default=None)
@@ -188,7 +192,7 @@ def run_child(args: argparse.Namespace, system: str, config: dict) -> dict | Non
     command = [sys.executable, os.path.abspath(__file__), "--child", system, "--config-json", json.dumps(config),
                "--preset", args.preset, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-               "--device-budget", args.device_budget]
+               "--device-budget", args.device_budget] + (["--host-budget", args.host_budget] if args.host_budget else [])
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if system.startswith("deepspeed"):
         with socket.socket() as s:

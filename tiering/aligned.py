@@ -1,6 +1,8 @@
 """Page-aligned host tensors: O_DIRECT needs buffer addresses, file offsets and lengths aligned to 4 KiB."""
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 from .errors import AlignmentError
@@ -16,9 +18,14 @@ def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
     """A uint8 tensor of `nbytes` (rounded up to 4 KiB) whose first byte is 4 KiB aligned.
 
     The pages are touched (zeroed) here, once: first-touch page faults cost ~10x a warm copy on a VM.
-    The returned view keeps its over-allocated base storage alive.
+    Unpinned memory is its own anonymous mapping, unmapped when the tensor dies: from malloc, buffers of up
+    to 32 MiB come from the heap once glibc has raised its mmap threshold, and freed ones stay in the
+    process (RSS) beyond any budget. Pinned memory comes from CUDA; the view keeps its base alive.
     """
     size = align_up(max(nbytes, 1))
+    if not pin:
+        buffer = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)  # page-aligned; keeps the map alive
+        return buffer.zero_()
     base = torch.zeros(size + ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
     skip = (-base.data_ptr()) % ALIGNMENT
     return base[skip : skip + size]
