@@ -1,6 +1,8 @@
 """HostBufferPool: aligned buffers, reused, under a hard budget that raises a typed error with the numbers."""
 from __future__ import annotations
 
+import gc
+import os
 import threading
 
 import pytest
@@ -235,3 +237,26 @@ def test_concurrent_acquire_release_keeps_the_books():
 def test_bad_budget_is_a_config_error(budget):
     with pytest.raises(TieringConfigError, match="budget"):
         HostPoolConfig(budget=budget)
+
+
+def mapped(address: int) -> bool:
+    """Whether `address` lies in one of this process's memory mappings."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if start <= address < end:
+                return True
+    return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc")
+def test_a_dropped_buffer_leaves_the_process():
+    """A buffer the pool drops is unmapped, not kept by malloc's heap (which would count in RSS beyond every
+    budget): many 16 MiB buffers allocated and dropped in turn, each gone when its tensor dies."""
+    for _ in range(8):
+        buffer = aligned_empty(16 * MiB)
+        address = buffer.data_ptr()
+        assert mapped(address)
+        del buffer
+        gc.collect()
+        assert not mapped(address), "a dropped host buffer is still mapped"

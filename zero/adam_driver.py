@@ -159,7 +159,8 @@ class AdamDriver:
                 tensors = (master, grad, exp_avg, exp_avg_sq)
                 # A master that is the parameter shard itself is updated in place: there is nothing to write out.
                 with contextlib.nullcontext() if sg.master_in is not None else output(sg) as out:
-                    low = out if out is not None and out.dtype in (torch.bfloat16, torch.float16) and not out.is_cuda else None
+                    low_precision = out is not None and out.dtype in (torch.bfloat16, torch.float16)
+                    low = out if low_precision and not out.is_cuda else None
                     if master.is_cuda:  # optimizer state kept on the GPU (offload_optimizer none)
                         kernel = torch._fused_adamw_ if hyper["decoupled"] else torch._fused_adam_
                         device = master.device

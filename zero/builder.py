@@ -159,9 +159,9 @@ def build_partitioned(model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], 
                       driver: AdamDriver, cfg: Config, dp: DataParallel, device: torch.device,
                       dtype: torch.dtype) -> Partitioner:
     """Stage 3: unit by unit, materialize (a model built on meta), flatten, keep this rank's shard (fp32
-    master (or not: see masters_are_params) and moments, and the compute-dtype parameter shard, each in its
-    tier), and leave the parameters
-    as views of an empty full buffer. Peak host memory is one unit plus the tiers' budgets."""
+    master, unless masters_are_params, and moments, and the compute-dtype parameter shard, each in its tier),
+    and leave the parameters as views of an empty full buffer. Peak host memory is one unit plus the tiers'
+    budgets."""
     zo = cfg.zero_optimization
     param_home = HOMES[zo.offload_param.device]
     partitioner = Partitioner(manager, dp, device, "device" if param_home == "device" else "host", None)
