@@ -1,4 +1,4 @@
-"""Checkpoints: save and load of the whole training state, bitwise resume, verification, the fp32 export.
+"""Checkpoints: save and load of the whole training state, bitwise resume, verification, world size.
 
 - Resume: N optimizer steps, save, and a fresh process that builds the engine the same way, loads, and runs M
   more steps ends bitwise equal to N + M steps straight: losses, full parameters, fp32 masters, both Adam
@@ -9,8 +9,6 @@
 - Verification: a flipped byte in a data file, a state file or the manifest is refused, naming the file (and
   the damaged record); a tag without manifest is incomplete; another model is a mismatch; none of these
   changes the engine.
-- Export: `python -m zero.export` writes model.safetensors that plain PyTorch (`load_state_dict`, strict) and
-  transformers (`from_pretrained`) load, with tied weights written once, equal to the fp32 masters.
 - World size: saved with 2 ranks and loaded with 1, and the other way, the state is the same (resharded).
 
 Children run this file as a script (`python tests/test_checkpoint.py <command> ...`), so the code they run is
@@ -25,15 +23,13 @@ import subprocess
 import sys
 import warnings
 
-from collections import namedtuple
-from pathlib import Path
-
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checkpoint_models import (  # noqa: E402
+    CONFIGS, GAS, assert_same, batch, build, ds_config, full_units, snapshot, tiny_lm, train, unit_pieces,
+)
 from conftest import REPO_ROOT, child_env  # noqa: E402
 
 import zero  # noqa: E402
@@ -46,166 +42,6 @@ from zero.checkpoint_manifest import (  # noqa: E402
 )
 
 THIS = os.path.abspath(__file__)
-VOCAB, BATCH, SEQ = 97, 2, 16
-GAS = 2
-"""Micro-batches per optimizer step in every test here."""
-
-
-# -- the model, the config, the data, the loop: the same in the test process and in its children -----------------
-
-
-Output = namedtuple("Output", "loss logits")
-
-
-class TinyBlock(nn.Module):
-    def __init__(self, dim: int, dropout: float):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 2 * dim)
-        self.down = nn.Linear(2 * dim, dim)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.drop(self.down(F.gelu(self.up(self.norm(x)))))
-
-
-class TinyLM(nn.Module):
-    """Embedding and positions, two residual MLP blocks with dropout (so resuming needs the RNG states), a
-    final norm, a head tied to the embedding, and a persistent buffer that forward changes (so resuming needs
-    the buffers). No transformers import: children start fast."""
-
-    def __init__(self, dropout: float = 0.0, dim: int = 32, layers: int = 2):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, dim)
-        self.pos = nn.Parameter(torch.randn(SEQ, dim) * 0.02)
-        self.blocks = nn.ModuleList(TinyBlock(dim, dropout) for _ in range(layers))
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, VOCAB, bias=False)
-        self.head.weight = self.embed.weight
-        self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.long))
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
-        if self.training:
-            self.tokens_seen += input_ids.numel()
-        x = self.embed(input_ids) + self.pos[: input_ids.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.norm(x))
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
-        return Output(loss, logits)  # a namedtuple: the partitioner finds the tensors in it (pytree)
-
-
-def tiny_lm(seed: int = 0, dropout: float = 0.0) -> TinyLM:
-    torch.manual_seed(seed)
-    return TinyLM(dropout)
-
-
-def gpt2(seed: int = 0):
-    """A tiny transformers GPT-2 (for what needs transformers: the export's config.json, from_pretrained)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-
-
-def ds_config(stage: int, dtype: str, offload: str, nvme_path: str, sub_group_size: int = 4096) -> dict:
-    """ZeRO `stage` with the optimizer state (and, for stage 3, the parameters) offloaded to `offload`."""
-    return {
-        "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": GAS, "gradient_clipping": 1.0,
-        "bf16": {"enabled": dtype == "bf16"},
-        "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 2e-3,
-                                                     "warmup_num_steps": 5, "warmup_type": "linear"}},
-        "zero_optimization": {
-            "stage": stage, "stage3_param_persistence_threshold": 0, "sub_group_size": sub_group_size,
-            "offload_param": {"device": offload if stage == 3 else "none", "nvme_path": nvme_path},
-            "offload_optimizer": {"device": offload, "nvme_path": nvme_path},
-        },
-    }
-
-
-CONFIGS = {  # name: (stage, dtype, offload, dropout)
-    "stage3-fp32-nvme-dropout": (3, "fp32", "nvme", 0.1),
-    "stage3-bf16-nvme": (3, "bf16", "nvme", 0.0),
-    "stage2-bf16-nvme": (2, "bf16", "nvme", 0.0),
-}
-
-
-def build(name: str, nvme_path: str, tiering: dict | None = None, **overrides):
-    """The engine of a CONFIGS entry on a TinyLM; `overrides` go to zero_optimization, `tiering` is the
-    zero_tiering section."""
-    stage, dtype, offload, dropout = CONFIGS[name]
-    config = ds_config(stage, dtype, offload, nvme_path)
-    config["zero_optimization"].update(overrides)
-    if tiering:
-        config["zero_tiering"] = tiering
-    engine, *_ = zero.initialize(model=tiny_lm(dropout=dropout), config=config)
-    return engine
-
-
-def batch(micro_step: int) -> torch.Tensor:
-    """The micro-batch of a given micro step: the same whoever asks, whatever ran before."""
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(10_000 + micro_step))
-
-
-def train(engine, steps: int) -> list[torch.Tensor]:
-    """`steps` optimizer steps from where the engine stands; returns every micro-batch's loss."""
-    losses = []
-    for _ in range(steps * GAS):
-        ids = batch(engine.micro_steps)
-        loss = engine(ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach().clone())
-    return losses
-
-
-def unit_pieces(engine, part: str) -> list[tuple[int, int, torch.Tensor]]:
-    """(unit index, start, values) of this rank's `part` ('param' or an optimizer state) in unit coordinates."""
-    from zero.checkpoint import param_range, param_tensor, sub_group_range
-
-    out = []
-    if part == "param":
-        for index in range(len(engine.units)):
-            with param_tensor(engine, index) as t:
-                out.append((index, param_range(engine, index)[0], t.detach().cpu().clone()))
-        return out
-    for sg in engine.driver.sub_groups:
-        index, start, _ = sub_group_range(engine, sg)
-        with engine.driver.held(sg, part) as t:
-            out.append((index, start, t.detach().cpu().clone()))
-    return out
-
-
-def snapshot(engine) -> dict:
-    """Everything a resumed run must reproduce, as host tensors and numbers."""
-    state = {f"module/{k}": v.detach().cpu().clone() for k, v in engine.module_state_dict().items()}
-    for part in ("param", "master", "exp_avg", "exp_avg_sq"):
-        for index, start, values in unit_pieces(engine, part):
-            state[f"{part}/{index}/{start}"] = values
-    state["counters"] = (engine.global_steps, engine.micro_steps, engine.skipped_steps, engine.optimizer.step_count)
-    state["lr"] = engine.get_lr()
-    return state
-
-
-def full_units(pieces: list[tuple[int, int, torch.Tensor]], units) -> list[torch.Tensor]:
-    """Each unit's first `numel` elements assembled from (index, start, values) pieces of any ranks."""
-    out = [torch.full((unit.numel,), float("nan")) for unit in units]
-    for index, start, values in pieces:
-        end = min(start + values.numel(), units[index].numel)
-        if start < end:
-            out[index][start:end] = values[: end - start].float()
-    return out
-
-
-def assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        if isinstance(a[key], torch.Tensor):
-            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), f"{key} differs"
-        else:
-            assert a[key] == b[key], f"{key}: {a[key]} != {b[key]}"
 
 
 def run_child(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -419,92 +255,6 @@ def test_load_without_optimizer_states_takes_the_weights_only(saved, tmp_path):
         engine.close()
 
 
-# -- export ------------------------------------------------------------------------------------------------------
-
-
-def masters_by_name(engine) -> dict[str, torch.Tensor]:
-    """The fp32 master of every trained parameter, from the engine's sub-groups (one rank)."""
-    full = full_units(unit_pieces(engine, "master"), engine.units)
-    return {slot.name: full[i][slot.offset:slot.offset + slot.numel].view(slot.shape)
-            for i, unit in enumerate(engine.units) for slot in unit.slots}
-
-
-def test_export_loads_in_plain_pytorch_and_transformers(tmp_path):
-    import safetensors.torch
-    from transformers import GPT2LMHeadModel
-
-    from zero.export import load_state_dict, main as export_main
-
-    engine = zero.initialize(model=gpt2(), config=ds_config(3, "bf16", "nvme", str(tmp_path)))[0]
-    train(engine, 2)
-    engine.save_checkpoint(tmp_path / "ckpt")
-    masters = masters_by_name(engine)
-    engine.close()
-    with open(tmp_path / "ckpt" / "global_step2" / "model_config.json") as f:
-        assert json.load(f)["model_type"] == "gpt2"  # saved with the checkpoint, for the export
-    out = tmp_path / "export"
-    export_main([str(tmp_path / "ckpt"), str(out)])  # the command's code, in this process (the other test runs it)
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
-
-    written = safetensors.torch.load_file(out / "model.safetensors")
-    assert "lm_head.weight" not in written, "a tied weight is written once"
-    assert written.keys() == masters.keys()
-    for name, value in masters.items():
-        assert written[name].dtype == torch.float32 and torch.equal(written[name], value), name
-
-    model = gpt2(seed=7)
-    assert str(model.load_state_dict(load_state_dict(out / "model.safetensors"))) == "<All keys matched successfully>"
-    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
-    assert torch.equal(model.transformer.wte.weight, masters["transformer.wte.weight"])
-    plain = gpt2(seed=8)
-    missing, unexpected = safetensors.torch.load_model(plain, out / "model.safetensors")
-    assert (missing, unexpected) == (set(), []) or (not missing and not unexpected)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hf = GPT2LMHeadModel.from_pretrained(out)
-    assert hf.dtype == torch.float32
-    for name, p in hf.named_parameters():
-        assert torch.equal(p, masters[name]), name
-    assert torch.equal(hf.lm_head.weight, masters["transformer.wte.weight"])
-
-
-def test_export_of_a_model_with_cross_unit_ties_and_frozen_parameters(tmp_path):
-    from models import tied_blocks
-
-    from zero.export import export_fp32, load_state_dict
-
-    config = ds_config(2, "fp32", "cpu", str(tmp_path))  # stage 2: the partitioner is not yet at ease with
-    config.pop("scheduler")                                # a parameter two units use (blocks.2.up is blocks.0.up)
-    engine = zero.initialize(model=tied_blocks(), config=config)[0]
-    for step in range(2 * GAS):
-        ids = batch(step) % 96
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        engine.step()
-    engine.save_checkpoint(tmp_path / "ckpt", tag="t")
-    masters = masters_by_name(engine)
-    reference = engine.module_state_dict()
-    engine.close()
-    # The command, in a process of its own that builds no engine; a tag directory works as well as a save_dir.
-    proc = subprocess.run([sys.executable, "-m", "zero.export", str(tmp_path / "ckpt" / "t"), str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=120, env=child_env(), cwd=REPO_ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    path = tmp_path / "out" / "model.safetensors"
-    assert str(path) in proc.stdout
-    assert os.listdir(tmp_path / "out") == ["model.safetensors"]  # not a transformers model: no config.json
-    again = export_fp32(tmp_path / "ckpt", tmp_path / "out2", tag="t")
-    assert Path(again).read_bytes() == path.read_bytes()
-    state = load_state_dict(path)
-    assert state.keys() == reference.keys()
-    assert torch.equal(state["frozen"], torch.ones(32))
-    assert state["blocks.2.up.weight"].data_ptr() == state["blocks.0.up.weight"].data_ptr()
-    for name, value in masters.items():
-        assert torch.equal(state[name], value), name
-    model = tied_blocks(seed=3)
-    model.load_state_dict(state)
-    for name, value in reference.items():
-        assert torch.equal(model.state_dict()[name], value), name
-
-
 # -- world size -----------------------------------------------------------------------------------------------
 
 
@@ -588,7 +338,7 @@ def test_checkpoint_moves_between_shared_and_separate_fp32_masters(tmp_path):
     with parameters on cpu the master is a copy of its own. The checkpoint records masters alike, so each
     loads into the other: the same state, and the same next steps."""
     layouts = {"shared": {}, "separate": {"offload_param": {"device": "cpu"}}}
-    engines, snapshots = {}, {}
+    engines = {}
     for name, overrides in layouts.items():
         (tmp_path / name).mkdir()
         engines[name] = build("stage3-fp32-nvme-dropout", str(tmp_path / name), **overrides)

@@ -1,0 +1,100 @@
+"""The fp32 export: `python -m zero.export` writes model.safetensors that plain PyTorch (`load_state_dict`,
+strict) and transformers (`from_pretrained`) load, with tied weights written once, equal to the fp32 masters."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+import zero
+
+from checkpoint_models import GAS, batch, ds_config, full_units, gpt2, train, unit_pieces
+from conftest import REPO_ROOT, child_env
+
+
+def masters_by_name(engine) -> dict[str, torch.Tensor]:
+    """The fp32 master of every trained parameter, from the engine's sub-groups (one rank)."""
+    full = full_units(unit_pieces(engine, "master"), engine.units)
+    return {slot.name: full[i][slot.offset:slot.offset + slot.numel].view(slot.shape)
+            for i, unit in enumerate(engine.units) for slot in unit.slots}
+
+
+def test_export_loads_in_plain_pytorch_and_transformers(tmp_path):
+    import safetensors.torch
+    from transformers import GPT2LMHeadModel
+
+    from zero.export import load_state_dict, main as export_main
+
+    engine = zero.initialize(model=gpt2(), config=ds_config(3, "bf16", "nvme", str(tmp_path)))[0]
+    train(engine, 2)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    masters = masters_by_name(engine)
+    engine.close()
+    with open(tmp_path / "ckpt" / "global_step2" / "model_config.json") as f:
+        assert json.load(f)["model_type"] == "gpt2"  # saved with the checkpoint, for the export
+    out = tmp_path / "export"
+    export_main([str(tmp_path / "ckpt"), str(out)])  # the command's code, in this process (the other test runs it)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+
+    written = safetensors.torch.load_file(out / "model.safetensors")
+    assert "lm_head.weight" not in written, "a tied weight is written once"
+    assert written.keys() == masters.keys()
+    for name, value in masters.items():
+        assert written[name].dtype == torch.float32 and torch.equal(written[name], value), name
+
+    model = gpt2(seed=7)
+    assert str(model.load_state_dict(load_state_dict(out / "model.safetensors"))) == "<All keys matched successfully>"
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    assert torch.equal(model.transformer.wte.weight, masters["transformer.wte.weight"])
+    plain = gpt2(seed=8)
+    missing, unexpected = safetensors.torch.load_model(plain, out / "model.safetensors")
+    assert (missing, unexpected) == (set(), []) or (not missing and not unexpected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = GPT2LMHeadModel.from_pretrained(out)
+    assert hf.dtype == torch.float32
+    for name, p in hf.named_parameters():
+        assert torch.equal(p, masters[name]), name
+    assert torch.equal(hf.lm_head.weight, masters["transformer.wte.weight"])
+
+
+def test_export_of_a_model_with_cross_unit_ties_and_frozen_parameters(tmp_path):
+    from models import tied_blocks
+
+    from zero.export import export_fp32, load_state_dict
+
+    config = ds_config(2, "fp32", "cpu", str(tmp_path))  # stage 2: the partitioner is not yet at ease with
+    config.pop("scheduler")                                # a parameter two units use (blocks.2.up is blocks.0.up)
+    engine = zero.initialize(model=tied_blocks(), config=config)[0]
+    for step in range(2 * GAS):
+        ids = batch(step) % 96
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    engine.save_checkpoint(tmp_path / "ckpt", tag="t")
+    masters = masters_by_name(engine)
+    reference = engine.module_state_dict()
+    engine.close()
+    # The command, in a process of its own that builds no engine; a tag directory works as well as a save_dir.
+    proc = subprocess.run([sys.executable, "-m", "zero.export", str(tmp_path / "ckpt" / "t"), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120, env=child_env(), cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    path = tmp_path / "out" / "model.safetensors"
+    assert str(path) in proc.stdout
+    assert os.listdir(tmp_path / "out") == ["model.safetensors"]  # not a transformers model: no config.json
+    again = export_fp32(tmp_path / "ckpt", tmp_path / "out2", tag="t")
+    assert Path(again).read_bytes() == path.read_bytes()
+    state = load_state_dict(path)
+    assert state.keys() == reference.keys()
+    assert torch.equal(state["frozen"], torch.ones(32))
+    assert state["blocks.2.up.weight"].data_ptr() == state["blocks.0.up.weight"].data_ptr()
+    for name, value in masters.items():
+        assert torch.equal(state[name], value), name
+    model = tied_blocks(seed=3)
+    model.load_state_dict(state)
+    for name, value in reference.items():
+        assert torch.equal(model.state_dict()[name], value), name
