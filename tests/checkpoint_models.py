@@ -1,5 +1,5 @@
-"""The checkpoint tests' model, config, data and loop (tests/test_checkpoint.py, its children, and
-tests/test_export.py): the same in the test process and in the processes it starts."""
+"""The checkpoint tests' model, config, data and loop (tests/test_checkpoint.py and its children,
+tests/test_export.py, tests/test_faults.py): the same in the test process and in the processes it starts."""
 from __future__ import annotations
 
 from collections import namedtuple

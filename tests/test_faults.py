@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import REPO_ROOT, child_env, mounted  # noqa: E402
-from test_checkpoint import GAS, assert_same, build, snapshot, train  # noqa: E402
+from checkpoint_models import GAS, assert_same, build, snapshot, train  # noqa: E402
 
 from tiering import ChecksumMismatchError, NvmeStore, NvmeStoreConfig  # noqa: E402
 from tiering.stale import LOCKED, StaleSwapFileWarning, this_host  # noqa: E402
@@ -42,7 +42,7 @@ from zero.checkpoint_manifest import CheckpointIncompleteError, CheckpointIOErro
 
 THIS = os.path.abspath(__file__)
 CONFIG = "stage3-bf16-nvme"
-"""Every engine here: ZeRO-3, bf16, parameters and optimizer state on nvme (test_checkpoint.CONFIGS)."""
+"""Every engine here: ZeRO-3, bf16, parameters and optimizer state on nvme (checkpoint_models.CONFIGS)."""
 SWAPPING = {"sub_group_size": 2048, "tiering": {"host_budget": 128 << 10}}
 """Small sub-groups and a host budget that cannot hold all the state: every step swaps state out to nvme."""
 
@@ -428,7 +428,7 @@ def test_two_processes_share_an_nvme_path_and_a_checkpoint_directory(tmp_path):
 
 
 def child_share(nvme: str, ckpt: str, go: str, seed: str, out: str) -> None:
-    from test_checkpoint import TinyLM, ds_config
+    from checkpoint_models import TinyLM, ds_config
     import zero
 
     torch.manual_seed(int(seed))
