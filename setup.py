@@ -1,13 +1,13 @@
-"""Builds zero._adam_kernel, the C CPU-Adam step (zero/adam_kernel.c); pyproject.toml holds the metadata.
+"""Builds zero.optim._adam_kernel, the C CPU-Adam step (zero/optim/adam_kernel.c); pyproject.toml holds the metadata.
 
 The extension is optional: where it cannot be compiled (no C compiler) the install still succeeds, and
-zero.adam_math steps with torch's fused kernel instead.
+zero.optim.adam_math steps with torch's fused kernel instead.
 """
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension(
-    "zero._adam_kernel",
-    ["zero/adam_kernel.c"],
+    "zero.optim._adam_kernel",
+    ["zero/optim/adam_kernel.c"],
     # -ffp-contract=off: the kernel writes out each FMA torch's kernel makes; the compiler must add none.
     extra_compile_args=["-O3", "-ffp-contract=off"],
     libraries=["m", "dl"],

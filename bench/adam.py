@@ -1,6 +1,6 @@
 """Optimizer throughput: one AdamW step over a flat fp32 tensor, in params per second, side by side.
 
-Measured in one run, on the same tensors: ours (zero.adam_math.adam_step), torch.optim.AdamW fused and
+Measured in one run, on the same tensors: ours (zero.optim.adam_math.adam_step), torch.optim.AdamW fused and
 foreach, and DeepSpeed's DeepSpeedCPUAdam when `deepspeed` imports (never a dependency of ours). Each size
 is allocated once and touched before timing (fresh memory runs near 1 GB/s on this VM), and every optimizer
 steps those same buffers: torch's and DeepSpeed's state is pointed at them. With copy-out, each step also
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from zero.adam_math import AdamThreads, adam_step  # noqa: E402  (the checkout's zero/, also when not installed)
+from zero.optim.adam_math import AdamThreads, adam_step  # noqa: E402  (the checkout's zero/, also when not installed)
 
 IMPLS = ("ours", "torch-fused", "torch-foreach", "deepspeed")
 BYTES_PER_PARAM = 28

@@ -20,7 +20,7 @@ import time
 import torch
 
 from tiering import AioConfig, NvmeStoreConfig, SwapConfig, SwapManager, aligned_empty
-from zero.adam_driver import AdamDriver
+from zero.optim.driver import AdamDriver
 
 MiB = 1 << 20
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
         generator = torch.Generator().manual_seed(0)
         for k in range(groups):
             numel = min(per, total - k * per)
-            driver.add(f"sg{k}", torch.randn(numel, generator=generator), 0)
+            driver.add_unit(k, f"sg{k}", torch.randn(numel, generator=generator), 0, 0)
         write_gbps, read_gbps = disk_gbps(manager, min(2 << 30, 4 * state_bytes), min(16 * MiB, 4 * per))
         out = torch.empty(per, dtype=torch.bfloat16)  # the copy-out target, reused
 

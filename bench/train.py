@@ -1,6 +1,6 @@
 """End-to-end training, side by side: plain PyTorch + AdamW (in memory), ours with cpu offload, ours with nvme
 offload, and DeepSpeed with the same ds_config when deepspeed is installed (a comparison only, never a
-dependency). Same model (zero.gpt), same data, same batches; each system runs in its own process so its peak
+dependency). Same model (zero.train.gpt), same data, same batches; each system runs in its own process so its peak
 RSS is its own.
 
     python bench/train.py [--quick] [--preset 124m] [--steps 5] [--json PATH] [--png PATH]
@@ -53,8 +53,8 @@ def child(args: argparse.Namespace) -> dict:
     """Run one system in this process and return its record."""
     import torch
 
-    from zero.corpus import Batches, default_corpus
-    from zero.gpt import GPT, PRESETS
+    from zero.train.corpus import Batches, default_corpus
+    from zero.train.gpt import GPT, PRESETS
     from dataclasses import replace
 
     torch.manual_seed(0)

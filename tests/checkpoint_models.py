@@ -124,18 +124,11 @@ def train(engine, steps: int) -> list[torch.Tensor]:
 
 def unit_pieces(engine, part: str) -> list[tuple[int, int, torch.Tensor]]:
     """(unit index, start, values) of this rank's `part` ('param' or an optimizer state) in unit coordinates."""
-    from zero.checkpoint import param_range, param_tensor, sub_group_range
-
     out = []
-    if part == "param":
-        for index in range(len(engine.units)):
-            with param_tensor(engine, index) as t:
-                out.append((index, param_range(engine, index)[0], t.detach().cpu().clone()))
-        return out
-    for sg in engine.driver.sub_groups:
-        index, start, _ = sub_group_range(engine, sg)
-        with engine.driver.held(sg, part) as t:
-            out.append((index, start, t.detach().cpu().clone()))
+    for piece in engine.state_tensors():
+        if piece.part == part:
+            with piece.held(False) as t:
+                out.append((piece.unit, piece.start, t.detach().cpu().clone()))
     return out
 
 
@@ -151,10 +144,11 @@ def snapshot(engine) -> dict:
 
 
 def full_units(pieces: list[tuple[int, int, torch.Tensor]], units) -> list[torch.Tensor]:
-    """Each unit's first `numel` elements assembled from (index, start, values) pieces of any ranks."""
-    out = [torch.full((unit.numel,), float("nan")) for unit in units]
+    """Each unit's first `numel` elements assembled from (index, start, values) pieces of any ranks; `units`
+    are an engine's."""
+    out = [torch.full((unit.flat.numel,), float("nan")) for unit in units]
     for index, start, values in pieces:
-        end = min(start + values.numel(), units[index].numel)
+        end = min(start + values.numel(), units[index].flat.numel)
         if start < end:
             out[index][start:end] = values[: end - start].float()
     return out

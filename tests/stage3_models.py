@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from zero.gpt import GPT, PRESETS, GPTConfig
+from zero.params.unit import UnitState
+from zero.train.gpt import GPT, PRESETS, GPTConfig
 
 VOCAB = 96
 BATCH, SEQ = 2, 16
@@ -76,11 +77,11 @@ def tiny_llama(seed: int = 0, **overrides) -> nn.Module:
 
 
 OWN_CONFIG = PRESETS["tiny"]
-"""zero.gpt's tiny preset: 2 blocks, width 64, vocab 256, tied wte/lm_head (our inputs use ids < VOCAB)."""
+"""zero.train.gpt's tiny preset: 2 blocks, width 64, vocab 256, tied wte/lm_head (our inputs use ids < VOCAB)."""
 
 
 class CheckpointedGPT(GPT):
-    """zero.gpt.GPT whose blocks may run under torch.utils.checkpoint: `checkpointing` None (plain),
+    """zero.train.gpt.GPT whose blocks may run under torch.utils.checkpoint: `checkpointing` None (plain),
     "nonreentrant" (use_reentrant=False) or "reentrant" (use_reentrant=True)."""
 
     def __init__(self, config: GPTConfig = OWN_CONFIG, checkpointing: str | None = None):
@@ -336,9 +337,9 @@ def units_held(engine) -> list[str]:
     """Names of the units that are still gathered or hold references or armed backward state; empty when
     everything was released (persistent units excepted)."""
     out = []
-    for unit in engine.partitioner.units:
-        if unit.refs or unit.backward_armed or unit.backward_refs or (unit.gathered and not unit.persistent):
-            out.append(f"{unit.flat.name or 'root'} refs={unit.refs} armed={unit.backward_armed} "
+    for unit in engine.units:
+        if unit.refs or unit.state is UnitState.BACKWARD or unit.backward_refs or (unit.gathered and not unit.persistent):
+            out.append(f"{unit.flat.name or 'root'} refs={unit.refs} state={unit.state.name} "
                        f"backward_refs={unit.backward_refs} gathered={unit.gathered}")
     return out
 

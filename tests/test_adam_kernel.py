@@ -1,4 +1,4 @@
-"""Our C kernel (zero/adam_kernel.c) against torch's fused kernel, bit for bit: every option that changes the
+"""Our C kernel (zero/optim/adam_kernel.c) against torch's fused kernel, bit for bit: every option that changes the
 arithmetic, on every loop this CPU runs (avx512, avx2, scalar), at sizes around the vector widths and the
 tail torch rounds its own way, through AdamThreads on 1 and 2 threads and on torch's OpenMP team. The copy-out equals
 `param.to(dtype)` for NaNs, infinities, subnormals, ties and overflow; the fallback to torch's kernel gives
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import zero
-from zero import adam_math
-from zero.adam_math import AdamThreads, adam_step
+from zero.optim import adam_math
+from zero.optim.adam_math import AdamThreads, adam_step
 
-kernel = pytest.importorskip("zero._adam_kernel", reason="the C kernel is not built (pip install -e .)")
+kernel = pytest.importorskip("zero.optim._adam_kernel", reason="the C kernel is not built (pip install -e .)")
 
 OPTIONS = list(itertools.product(
     (True, False),  # decoupled: AdamW, Adam
@@ -195,10 +195,10 @@ def test_probe_turns_down_a_kernel_that_differs_and_reports_the_choice(monkeypat
     assert adam_math.kernel_choice() == f"the C kernel ({kernel.paths[0]} loop)"
     differs = adam_math._probe(FlipLastBit())
     assert differs is not None and differs.startswith("exp_avg_sq differs")
-    monkeypatch.delattr(zero, "_adam_kernel")
-    monkeypatch.setitem(sys.modules, "zero._adam_kernel", None)  # the import now raises ImportError
+    monkeypatch.delattr(zero.optim, "_adam_kernel")
+    monkeypatch.setitem(sys.modules, "zero.optim._adam_kernel", None)  # the import now raises ImportError
     choice, note = adam_math._kernel.__wrapped__()
-    assert choice is None and note.startswith("torch's fused kernel: zero._adam_kernel is not built")
+    assert choice is None and note.startswith("torch's fused kernel: zero.optim._adam_kernel is not built")
 
 
 def test_bad_arguments_raise_with_their_values():

@@ -33,7 +33,7 @@ from checkpoint_models import (  # noqa: E402
 from conftest import REPO_ROOT, child_env  # noqa: E402
 
 import zero  # noqa: E402
-from zero.checkpoint_manifest import (  # noqa: E402
+from zero.checkpoint.format import (  # noqa: E402
     CheckpointBoundaryError,
     CheckpointCorruptError,
     CheckpointIncompleteError,

@@ -20,7 +20,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero.checkpoint_manifest import (
+from zero.checkpoint.format import (
     FORMAT,
     FORMAT_VERSION,
     AtomicFile,

@@ -22,9 +22,9 @@ from conftest import REPO_ROOT, child_env
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from zero import adam_math
-from zero.adam_math import AdamInputError, AdamThreads, adam_step
-from zero.cpu_adam import CPUAdam, UnsupportedOptionError
+from zero.optim import adam_math
+from zero.optim.adam_math import AdamInputError, AdamThreads, adam_step
+from zero.optim.cpu_adam import CPUAdam, UnsupportedOptionError
 
 SMALL_BLOCK = 1000
 """Block size the parity tests run under (monkeypatched), so a few thousand elements cross several blocks."""

@@ -21,7 +21,7 @@ def masters_by_name(engine) -> dict[str, torch.Tensor]:
     """The fp32 master of every trained parameter, from the engine's sub-groups (one rank)."""
     full = full_units(unit_pieces(engine, "master"), engine.units)
     return {slot.name: full[i][slot.offset:slot.offset + slot.numel].view(slot.shape)
-            for i, unit in enumerate(engine.units) for slot in unit.slots}
+            for i, unit in enumerate(engine.units) for slot in unit.flat.slots}
 
 
 def test_export_loads_in_plain_pytorch_and_transformers(tmp_path):

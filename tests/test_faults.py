@@ -38,7 +38,7 @@ from checkpoint_models import GAS, assert_same, build, snapshot, train  # noqa: 
 
 from tiering import ChecksumMismatchError, NvmeStore, NvmeStoreConfig  # noqa: E402
 from tiering.stale import LOCKED, StaleSwapFileWarning, this_host  # noqa: E402
-from zero.checkpoint_manifest import CheckpointIncompleteError, CheckpointIOError  # noqa: E402
+from zero.checkpoint.format import CheckpointIncompleteError, CheckpointIOError  # noqa: E402
 
 THIS = os.path.abspath(__file__)
 CONFIG = "stage3-bf16-nvme"
@@ -135,7 +135,7 @@ def test_kill_9_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path):
 
 
 def child_save_then_hang(nvme: str, ckpt: str) -> None:
-    from zero import checkpoint_manifest
+    from zero.checkpoint import format as checkpoint_manifest
 
     engine = build(CONFIG, nvme)
     train(engine, 2)
@@ -315,7 +315,7 @@ def child_rlimit(root: str) -> None:
     import resource
 
     from tiering import TieringError
-    from zero.checkpoint_manifest import CheckpointBoundaryError
+    from zero.checkpoint.format import CheckpointBoundaryError
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, instead of killing us
     hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]

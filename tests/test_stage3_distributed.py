@@ -10,7 +10,7 @@ one-rank run within 1e-5 relative, and the two ranks hold bitwise the same param
 
 The model is the tiny Llama. Adam magnifies a gradient that is almost all rounding (its update is
 g / (|g| + eps)), so a change of summation order moves such an element by far more than 1e-5: GPT-2's
-attention key bias is all such elements, and our GPT (zero.gpt, seed 0) has one (blocks.0.attn.weight[168, 57]:
+attention key bias is all such elements, and our GPT (zero.train.gpt, seed 0) has one (blocks.0.attn.weight[168, 57]:
 gradient -1.7e-8 at step 1, against a median of 6e-4, ends 1.5e-4 relative off). The tiny Llama has none.
 Tiers: params and optimizer state on cpu; on nvme with both ranks' stores in one directory; on nvme with a
 directory per rank.
@@ -57,7 +57,7 @@ def train_case(name: str, micro: int, rank: int, root: str) -> dict:
     try:
         data = [ids[rank * micro:(rank + 1) * micro] for ids in batches(STEPS * ACCUM)]
         losses = engine_train(engine, data)
-        shards = [(u.flat.shard_numel, u.flat.padded_numel) for u in engine.partitioner.units]
+        shards = [(u.flat.shard_numel, u.flat.padded_numel) for u in engine.units]
         return dict(state=full_state(engine), losses=losses, world=engine.dp.world_size, shards=shards,
                     steps=engine.global_steps, norm=engine.get_global_grad_norm())
     finally:

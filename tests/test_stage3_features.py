@@ -71,7 +71,7 @@ def test_tied_embeddings_stay_one_parameter_and_train_like_torch(tmp_path):
     engine, *_ = zero.initialize(model=model, config=stage3_config("nvme", "cpu", nvme_path=tmp_path))
     try:
         assert model.lm_head.weight is model.transformer.wte.weight
-        slots = [slot.param for unit in engine.partitioner.units for slot in unit.flat.slots]
+        slots = [slot.param for unit in engine.units for slot in unit.flat.slots]
         assert sum(p is model.transformer.wte.weight for p in slots) == 1
         data = batches(STEPS)
         losses = engine_train(engine, data)
@@ -262,7 +262,7 @@ def test_gathered_parameters_reads_full_values(tmp_path):
         target = model.model.layers[1].mlp.up_proj.weight
         with engine.gathered_parameters([target]):
             assert torch.equal(target, ref.model.layers[1].mlp.up_proj.weight)
-            gathered = [unit.flat.name for unit in engine.partitioner.units if unit.gathered]
+            gathered = [unit.flat.name for unit in engine.units if unit.gathered]
             assert gathered == ["model.layers.1"], gathered
         assert not units_held(engine)
     finally:

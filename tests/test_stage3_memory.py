@@ -32,7 +32,7 @@ import torch
 
 import zero
 from tiering.aligned import align_up
-from zero.gpt import Block, GPTConfig
+from zero.train.gpt import Block, GPTConfig
 
 from stage3_models import (
     REPO_ROOT, SEQ, VOCAB, batches, engine_train, is_hf, loss_of, one_thread, own_gpt, stage3_config, tiny_gpt2,
@@ -77,7 +77,7 @@ def measure_device_peak(engine, steps: int) -> tuple[int, list[int]]:
 
 def unit_bytes(engine) -> tuple[int, int, int]:
     """(root unit bytes, largest block bytes, all units' bytes): padded_numel x itemsize of the full buffers."""
-    units = engine.partitioner.units
+    units = engine.units
     assert units[0].flat.name == "" and units[0].module is engine.module
     root = units[0].flat.padded_numel * units[0].full.element_size()
     blocks = [u.flat.padded_numel * u.full.element_size() for u in units[1:]]
@@ -121,8 +121,8 @@ def test_device_peak_with_shards_homed_on_the_device():
     engine, *_ = zero.initialize(model=model, config=stage3_config("none", "cpu", accum=2))
     try:
         root, block, everything = unit_bytes(engine)
-        shards = sum(engine.swap.device_tier.charge(u.flat.shard_numel * 4) for u in engine.partitioner.units)
-        assert shards == sum(align_up(u.flat.padded_numel * 4) for u in engine.partitioner.units)
+        shards = sum(engine.swap.device_tier.charge(u.flat.shard_numel * 4) for u in engine.units)
+        assert shards == sum(align_up(u.flat.padded_numel * 4) for u in engine.units)
         baseline, peaks = measure_device_peak(engine, 4)
         assert baseline == shards, (baseline, shards)
         assert max(peaks) <= root + block, peaks
@@ -199,7 +199,7 @@ CHILD = """
 import json, sys, tempfile, torch
 torch.set_num_threads(1)
 import zero
-from zero.gpt import GPT, GPTConfig
+from zero.train.gpt import GPT, GPTConfig
 spec = json.loads(sys.argv[1])
 torch.manual_seed(0)
 if spec["model"] is None:

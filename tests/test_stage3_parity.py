@@ -1,6 +1,6 @@
 """ZeRO-3 trains exactly as plain PyTorch does.
 
-Three models (transformers GPT-2 and Llama, 2 layers x hidden 32, dropout 0; and zero.gpt.GPT's tiny preset,
+Three models (transformers GPT-2 and Llama, 2 layers x hidden 32, dropout 0; and zero.train.gpt.GPT's tiny preset,
 whose lm_head is tied to wte) train 20 optimizer steps under stage 3 in fp32 with
 `stage3_param_persistence_threshold: 0` (every unit partitioned and released after use). The reference is the
 same model trained by plain PyTorch with `torch.optim.AdamW(fused=True)` (loss / accumulation steps,
@@ -112,7 +112,7 @@ def test_fp32_bitwise_equal_to_torch(case, tmp_path):
     config = stage3_config(param, optimizer, nvme_path=tmp_path, accum=accum, clip=clip)
     losses, state, engine = train_engine(model, checkpointing, config)
     assert engine.global_steps == STEPS
-    assert all(not unit.persistent for unit in engine.partitioner.units)
+    assert all(not unit.persistent for unit in engine.units)
     ref_losses, ref_state = reference(model, checkpointing, accum, clip)
     assert ref_losses[-1] < ref_losses[0] - 0.3, "the reference did not learn: the comparison would be weak"
     assert_bitwise(losses, state, ref_losses, ref_state)
@@ -127,7 +127,7 @@ def test_every_unit_persistent_gives_the_same_results(case, tmp_path):
     model, param, optimizer, accum, clip, checkpointing = CASES[case]
     config = stage3_config(param, optimizer, nvme_path=tmp_path, accum=accum, clip=clip, persistence=10**9)
     losses, state, engine = train_engine(model, checkpointing, config)
-    units = engine.partitioner.units
+    units = engine.units
     assert all(unit.persistent for unit in units)
     assert all(unit.gathered for unit in units), "a persistent unit was released"
     assert_bitwise(losses, state, *reference(model, checkpointing, accum, clip))
@@ -143,7 +143,7 @@ def test_overlapped_step_gives_the_same_results(case, persistence, tmp_path):
     config = stage3_config(param, optimizer, nvme_path=tmp_path, accum=accum, clip=clip, persistence=persistence,
                            zero_tiering={"overlap_step": True})
     losses, state, engine = train_engine(model, checkpointing, config)
-    assert engine._overlap is not None and engine.global_steps == STEPS
+    assert engine.overlap is not None and engine.global_steps == STEPS
     assert_bitwise(losses, state, *reference(model, checkpointing, accum, clip))
 
 

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from zero.corpus import split_held_out
+from zero.train.corpus import split_held_out
 from zero.train import main
 
 from models import one_thread  # noqa: F401  (autouse fixture)

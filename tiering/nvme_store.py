@@ -6,7 +6,6 @@ import errno
 import fcntl
 import os
 import secrets
-import socket
 import threading
 from dataclasses import dataclass, field
 
@@ -24,7 +23,7 @@ from .errors import (
 )
 from .extents import Extent, ExtentAllocator
 from .handle import Handle
-from .stale import sweep as sweep_stale
+from .stale import sweep as sweep_stale, this_host
 
 GiB = 1 << 30
 SWAP_SUFFIX = ".swap"
@@ -57,8 +56,7 @@ class NvmeStoreConfig:
 
 def swap_file_name() -> str:
     """`zt-<host>-<pid>-<random>.swap`: unique per store, and says which process made it."""
-    host = socket.gethostname().replace("-", "_") or "host"
-    return f"{SWAP_PREFIX}{host}-{os.getpid()}-{secrets.token_hex(4)}{SWAP_SUFFIX}"
+    return f"{SWAP_PREFIX}{this_host()}-{os.getpid()}-{secrets.token_hex(4)}{SWAP_SUFFIX}"
 
 
 class NvmeStore:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 
@@ -18,11 +18,11 @@ from .errors import (
     TieringConfigError,
     TieringError,
 )
+from .eviction import DONE, Eviction, Kind, Outcome
 from .handle import Handle, completed, gather
 from .host_pool import HostBufferPool, HostPoolConfig
 from .nvme_store import NvmeStore
 from .residency import TIER_ORDER, Residency, Tier
-from .room import Room, WaitForRoom
 from .segment import Segment
 from .swap_config import SwapConfig
 from .timeline import SwapStats, Timeline
@@ -31,7 +31,7 @@ from .trace import Trace
 STALL_THRESHOLD_S = 1e-4  # an acquire shorter than this only did bookkeeping (the bytes were there)
 
 
-class SwapManager(Room):
+class SwapManager(Eviction):
     """Segments moved among tiers under hard budgets.
 
     The calls: `register` a segment with a home tier; `fetch` it to a tier (pins it there) or `acquire` it
@@ -77,11 +77,11 @@ class SwapManager(Room):
             if name in self.segments:
                 raise ValueError(f"segment {name!r} is already registered")
             if home == "device":
-                self._room("device", seg, blocking=True, wait=True)
+                self._fit("device", seg, blocking=True, wait=True)
                 seg.device = self.device_tier.allocate(seg.nbytes, name)
                 seg.state = Residency.DEVICE
             else:
-                self._room("host", seg, blocking=True, wait=True)
+                self._fit("host", seg, blocking=True, wait=True)
                 seg.host = self.pool.acquire(seg.nbytes, name)
                 seg.host_current = True
             self._note_peaks()
@@ -162,6 +162,18 @@ class SwapManager(Room):
             self.timeline.add(name, "stall", start, end)
         return self.view(name)
 
+    @contextlib.contextmanager
+    def held(self, name: str, tier: Tier = "device", *, dirty: bool = False, discard: bool = False,
+             overwrite: bool = False) -> Iterator[torch.Tensor]:
+        """`acquire` for the length of a block: the segment's tensor in `tier`, released as asked (`dirty`,
+        `discard`: see `release`) when the block ends, also when it raises; a tensor written part way is still
+        released dirty. `overwrite`: see `fetch`."""
+        tensor = self.acquire(name, tier, overwrite=overwrite)
+        try:
+            yield tensor
+        finally:
+            self.release(name, dirty=dirty, discard=discard)
+
     def view(self, name: str) -> torch.Tensor:
         """The tensor of a pinned segment in the tier it is pinned in (no copy)."""
         with self._lock:
@@ -192,7 +204,7 @@ class SwapManager(Room):
                 seg.spent = True
                 self._unprefetch(seg)
                 while seg.state.tier not in (None, seg.home):  # each step drops a copy unwritten
-                    if self._evict_step(seg, blocking=False) is not None:
+                    if self._evict_step(seg, blocking=False).kind is not Kind.DONE:
                         break  # a device copy needing a host buffer at home: moved, as any eviction
                 return completed(name)
             distance = self.config.reuse_distance
@@ -203,7 +215,8 @@ class SwapManager(Room):
                 return completed(name)
             if self.trace.next_use_bytes(name) <= distance:
                 return completed(name)
-            return self._evict_step(seg, blocking=False) or completed(name)
+            step = self._evict_step(seg, blocking=False)
+            return step.handle if step.kind is Kind.STARTED else completed(name)
 
     def evict(self, name: str) -> Handle:
         """Move the segment down to its home tier, writing back what lower tiers lack; frees its room above.
@@ -217,12 +230,13 @@ class SwapManager(Room):
                 if seg.state.moving:
                     pending = seg.move
                 else:
-                    step = self._evict_step(seg, blocking=True)
-                    if step is None and seg.state.tier == seg.home:
+                    step = self._evict_step(seg, blocking=True)  # blocking: never BLOCKED
+                    if step.kind is Kind.DONE and seg.state.tier == seg.home:
                         return completed(name)
-                    if isinstance(step, Handle) and seg.lands_home:
-                        return step
-                    pending = step.handle if isinstance(step, WaitForRoom) else step
+                    if step.kind is Kind.STARTED and seg.lands_home:
+                        return step.handle
+                    # DONE: a copy dropped at once, None to wait for; STARTED: a move part way home; WAIT: room
+                    pending = step.handle
             if pending is not None:
                 pending.wait()
 
@@ -252,7 +266,7 @@ class SwapManager(Room):
         against the device budget, evicting segments to make room first; undo with `unreserve_device`."""
         stand_in = Segment(what, torch.uint8, (nbytes,), "device", Residency.DEVICE)  # sized like the buffer
         with self._lock:
-            self._room("device", stand_in, blocking=True, wait=True)
+            self._fit("device", stand_in, blocking=True, wait=True)
             self.device_tier.reserve(nbytes, what)
             self._note_peaks()
 
@@ -321,22 +335,24 @@ class SwapManager(Room):
                 own = wait_on is not None  # waiting on a move of `seg` itself, not for room
                 if wait_on is None and seg.state == Residency.DEVICE and tier == "host":
                     step = self._evict_step(seg, blocking=blocking)  # down to host first
-                    if step is False:
+                    if step.kind is Kind.BLOCKED:
                         return None
-                    own = isinstance(step, Handle)
-                    wait_on = step.handle if isinstance(step, WaitForRoom) else step
+                    own = step.kind is Kind.STARTED
+                    wait_on = step.handle  # None when DONE: dropped to host at once
                 if wait_on is None:
-                    handle = self._start_up(seg, tier, blocking)
-                    if handle is False:
+                    up = self._start_up(seg, tier, blocking)
+                    if up.kind is Kind.BLOCKED:
                         return None
-                    if not isinstance(handle, WaitForRoom):
+                    if up.kind is Kind.WAIT:
+                        wait_on = up.handle
+                    else:  # DONE (in `tier` at once) or STARTED (moves under way)
+                        handle = up.handle if up.kind is Kind.STARTED else completed(seg.name)
                         if pin:
                             seg.pins += 1
                             seg.pinned_tier = tier
                             if not handle.done():
                                 handle.add_done_callback(lambda h, s=seg: self._unpin_on_failure(s, h))
                         return handle
-                    wait_on = handle.handle
             if not blocking:
                 return None
             try:
@@ -351,17 +367,18 @@ class SwapManager(Room):
             with self._lock:
                 seg.unpin()
 
-    def _start_up(self, seg: Segment, tier: Tier, blocking: bool) -> Handle | WaitForRoom | bool:
+    def _start_up(self, seg: Segment, tier: Tier, blocking: bool) -> Outcome:
         """With the lock held and `seg` settled: reserve the room `seg` needs and start its moves up to `tier`.
-        Returns the handle of the last move, a WaitForRoom for room being made, or False (not blocking, no room)."""
+        STARTED with the handle of the last move, DONE when nothing had to move (its bytes were in `tier`, or a
+        spent segment claimed its buffer), WAIT for room being made, or BLOCKED (not blocking, no room)."""
         need_device = tier == "device" and seg.state != Residency.DEVICE
         need_host = seg.state == Residency.NVME and seg.host is None and not (seg.spent and need_device)
         horizon = None if blocking else self.trace.next_use(seg.name)
         for needed, t in ((need_host, "host"), (need_device, "device")):
             if needed:
-                room = self._room(t, seg, blocking=blocking, horizon=horizon)
-                if room is not True:
-                    return room
+                fit = self._fit(t, seg, blocking=blocking, horizon=horizon)
+                if fit.kind is not Kind.DONE:
+                    return fit
         if need_host:
             seg.host = self.pool.acquire(seg.nbytes, seg.name)
         if need_device:
@@ -374,12 +391,12 @@ class SwapManager(Room):
                 seg.to("claim_host")
             seg.host_current = tier == "host"
             seg.nvme_current = False
-            return completed(seg.name)
+            return DONE
         if seg.state == Residency.NVME:
-            return self._read(seg, then_device=tier == "device")
+            return Outcome(Kind.STARTED, self._read(seg, then_device=tier == "device"))
         if seg.state == Residency.HOST and tier == "device":
-            return self._to_device(seg)
-        return completed(seg.name)
+            return Outcome(Kind.STARTED, self._to_device(seg))
+        return DONE
 
     def _read(self, seg: Segment, then_device: bool) -> Handle:
         final, start = self._begin(seg, "read", "fetch", None)

@@ -1,5 +1,11 @@
-"""zero: the training face of zero-tiering: config, engine, ZeRO partitioner, CPU-Adam, precision, checkpoints."""
-from .cpu_adam import CPUAdam
-from .builder import initialize
+"""zero: the training face of zero-tiering: config, engine, ZeRO placements, CPU-Adam, precision, checkpoints.
+
+Layout: `initialize` (the recipe), `engine` (the training loop's calls), `budgets` (the swap manager's
+configuration), `counters`, `comm` (collectives), `export` (the consolidated fp32 export command); packages
+`config/` (DeepSpeed-format JSON), `params/` (units and their placements), `optim/` (Adam, gradients,
+schedules), `checkpoint/` (save, load, format) and `train/` (the main job: `python -m zero.train`).
+"""
+from .initialize import initialize
+from .optim.cpu_adam import CPUAdam
 
 __all__ = ["CPUAdam", "initialize"]

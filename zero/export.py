@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-from .checkpoint_manifest import (
+from .checkpoint.format import (
     AtomicFile,
     CheckpointCorruptError,
     RecordReader,

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from .config import Config, ConfigError
+from ..config import Config, ConfigError
 
 ADAM_KINDS = (torch.optim.Adam, torch.optim.AdamW)
 

@@ -1,4 +1,4 @@
-/* zero._adam_kernel: one Adam or AdamW step over flat fp32 arrays in a single pass, writing the bf16 or
+/* zero.optim._adam_kernel: one Adam or AdamW step over flat fp32 arrays in a single pass, writing the bf16 or
  * fp16 copy of each updated param while it is still in a register.
  *
  * Why C: a step is bound by memory traffic. torch's fused kernel and a copy after it pass over the params
@@ -314,7 +314,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "zero._adam_kernel",
+    .m_name = "zero.optim._adam_kernel",
     .m_doc = "One CPU Adam/AdamW step with its bf16/fp16 copy-out, as torch's fused kernel computes it.",
     .m_size = -1,
     .m_methods = methods,

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from tiering.errors import fmt_bytes
 
-from .builder import initialize
+from ..initialize import initialize
 from .corpus import Batches, default_corpus, split_held_out, text_files
 from .gpt import GPT, PRESETS, GPTConfig
 
@@ -220,7 +220,3 @@ def summary_line(r: StepReport) -> str:
     return (f"step {r.step}: loss {r.loss:.4f} | {r.step_s:.2f} s (fwd+bwd {r.forward_backward_s:.2f}, "
             f"optimizer {r.optimizer_s:.2f}) | compute {r.compute_s:.2f} s, I/O {r.io_s:.2f} s, "
             f"stall {r.stall_s:.2f} s, overlap {100 * r.overlap:.0f}% | {moved}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,14 +1,19 @@
-"""Room: how the swap manager makes room in a tier (a part of SwapManager, cut out as one concept).
+"""Eviction: how the swap manager makes room in a tier (a part of SwapManager, cut out as one concept).
 
 Which copies go (the one needed latest per the trace, Belady's rule; least recently used before a trace
 exists), and how a segment moves one tier down toward its home: a device copy dropped or copied to host, a
 host copy dropped or written back to nvme. A spent segment's copies are dropped unwritten. The methods use
 the manager's state (segments, tiers, store, trace, lock) and its move helpers (`_begin`, `_settle`).
+
+Every step that may have to wait says what happened as an `Outcome` of a named `Kind`: done, a move of the
+segment started, room being made by other moves (wait, then try again), or blocked (only waiting would do,
+and the caller may not wait).
 """
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from dataclasses import dataclass
+from enum import Enum
 
 from .aligned import align_up
 from .checksum import checksum
@@ -18,7 +23,39 @@ from .residency import Residency, Tier
 from .segment import Segment
 
 
-class Room:
+class Kind(Enum):
+    DONE = "done"
+    """Nothing to wait for: the room is there, the copy was dropped at once, or there was nothing to move."""
+    STARTED = "started"
+    """A move of the segment itself began; `handle` is done when it has landed (or failed and rolled back)."""
+    WAIT = "wait"
+    """Room is being made by moves of other segments: wait on `handle` (outside the lock), then try again."""
+    BLOCKED = "blocked"
+    """Not blocking, and only waiting would make room: nothing was moved for this segment (write-backs begun
+    for room, if any, make room for a later try)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a step of making room or moving a segment did. Callers branch on `kind`, never on truthiness."""
+
+    kind: Kind
+    handle: Handle | None = None
+    """The handle to wait on: set for STARTED and WAIT, None for DONE and BLOCKED."""
+
+    def __post_init__(self) -> None:
+        if (self.handle is not None) != (self.kind in (Kind.STARTED, Kind.WAIT)):
+            raise ValueError(f"an outcome {self.kind.name} {'needs' if self.handle is None else 'takes no'} handle")
+
+    def __bool__(self) -> bool:
+        raise TypeError("branch on Outcome.kind, not on the outcome's truth")
+
+
+DONE = Outcome(Kind.DONE)
+BLOCKED = Outcome(Kind.BLOCKED)
+
+
+class Eviction:
     def _used(self, tier: Tier) -> int:
         return self.device_tier.in_use if tier == "device" else self.pool.in_use
 
@@ -26,19 +63,20 @@ class Room:
         budget = self.device_tier.budget if tier == "device" else self.pool.budget
         return math.inf if budget is None else budget
 
-    def _room(self, tier: Tier, seg: Segment, *, blocking: bool, horizon: float | None = None, wait: bool = False,
-              keep: tuple[Segment, ...] = ()) -> bool | WaitForRoom:
+    def _fit(self, tier: Tier, seg: Segment, *, blocking: bool, horizon: float | None = None, wait: bool = False,
+             keep: tuple[Segment, ...] = ()) -> Outcome:
         """Evict until a copy of `seg` fits in `tier`, never evicting `seg` or `keep` (segments being brought
-        up, whose state must not change under them). True: it fits now. WaitForRoom: write-backs were started,
-        wait and retry (or, with `wait=True`, waited here). False: not blocking and only waiting would make room.
-        Raises BudgetExceededError when even evicting everything evictable cannot make room."""
+        up, whose state must not change under them). DONE: it fits now. WAIT: write-backs were started, wait
+        and retry (with `wait=True` waited here, the lock released meanwhile, so only DONE comes back).
+        BLOCKED: not blocking and only waiting would make room. Raises BudgetExceededError when even evicting
+        everything evictable cannot make room."""
         # What the copy takes from the budget: host buffers are whole 4 KiB pages.
         nbytes = self.device_tier.charge(seg.nbytes) if tier == "device" else align_up(max(seg.nbytes, 1))
         keep = (seg, *keep)
         while True:
             short = self._used(tier) + nbytes - self._budget(tier)
             if short <= 0:
-                return True
+                return DONE
             started: list[Handle] = []
             blocked = None
             for victim in self._victims(tier, keep):
@@ -46,30 +84,33 @@ class Room:
                     break
                 freed = victim.capacity(tier)
                 try:
-                    handle = self._evict_from(victim, tier, blocking, keep)
+                    outcome = self._evict_from(victim, tier, blocking, keep)
                 except BudgetExceededError as exc:
                     blocked = exc  # no room below for this one; the next victim may still do
                     continue
-                if handle is None:
-                    short -= freed
-                elif isinstance(handle, Handle):
-                    started.append(handle)
-                    short -= freed
+                match outcome.kind:
+                    case Kind.DONE:
+                        short -= freed
+                    case Kind.STARTED:
+                        started.append(outcome.handle)
+                        short -= freed
+                    case Kind.WAIT | Kind.BLOCKED:
+                        pass  # the victim needs room below first: it frees nothing yet
                 if short <= 0:
                     break
             if short <= 0 and not started:
-                return True
+                return DONE
             if not blocking:
-                return False  # write-backs begun (if any) make room for a later try
+                return BLOCKED  # write-backs begun (if any) make room for a later try
             moving = [s.move for s in self.segments.values() if s.move is not None and s not in keep]
             if not started and not moving:
                 raise BudgetExceededError(tier, int(self._budget(tier)), self._used(tier), nbytes, seg.name) from blocked
-            pending = WaitForRoom(gather(started or moving[:1], f"room in {tier}"))
+            pending = gather(started or moving[:1], f"room in {tier}")
             if not wait:
-                return pending
+                return Outcome(Kind.WAIT, pending)
             self._lock.release()
             try:
-                pending.handle.wait()
+                pending.wait()
             finally:
                 self._lock.acquire()
 
@@ -79,53 +120,50 @@ class Room:
         out.sort(key=lambda s: (-self.trace.next_use(s.name), s.last_use))
         return out
 
-    def _evict_from(self, seg: Segment, tier: Tier, blocking: bool,
-                    keep: tuple[Segment, ...] = ()) -> Handle | WaitForRoom | bool | None:
-        """Free `seg`'s copy in `tier`: None if dropped at once, a Handle for the write-back begun, a WaitForRoom
-        or False if room below must be made first (see `_room`)."""
+    def _evict_from(self, seg: Segment, tier: Tier, blocking: bool, keep: tuple[Segment, ...] = ()) -> Outcome:
+        """Free `seg`'s copy in `tier`: DONE if dropped at once, STARTED for the write-back begun, WAIT or
+        BLOCKED if room below must be made first (see `_fit`)."""
         self._unprefetch(seg)
         if tier == "host" and seg.state == Residency.DEVICE:
             self._drop_host(seg)  # a cache under the device copy
-            return None
+            return DONE
         return self._evict_step(seg, blocking, keep)
 
-    def _evict_step(self, seg: Segment, blocking: bool,
-                    keep: tuple[Segment, ...] = ()) -> Handle | WaitForRoom | bool | None:
-        """Move `seg` one tier down toward home. None: nothing to do or done at once; a Handle: the move
-        started; a WaitForRoom (blocking) or False (not blocking): room on host must be made first (never by
-        evicting `keep`)."""
+    def _evict_step(self, seg: Segment, blocking: bool, keep: tuple[Segment, ...] = ()) -> Outcome:
+        """Move `seg` one tier down toward home. DONE: nothing to do or done at once; STARTED: the move began;
+        WAIT (blocking) or BLOCKED (not blocking): room on host must be made first (never by evicting `keep`)."""
         if seg.spent and seg.state == Residency.HOST and seg.home == "nvme":
             self._drop_host(seg)
             seg.to("drop_host")
-            return None
+            return DONE
         if seg.spent and seg.state == Residency.DEVICE and seg.home != "device" and (seg.host or seg.home == "nvme"):
             self._drop_device(seg)
             seg.to("drop_device_to_host" if seg.host is not None else "drop_device_to_nvme")
-            return None
+            return DONE
         if seg.state == Residency.DEVICE and seg.home != "device":
             if seg.host_current:
                 seg.to("drop_device_to_host")
                 self._drop_device(seg)
-                return None
+                return DONE
             if seg.nvme_current and seg.home == "nvme":
                 self._drop_host(seg)  # a stale cache, if any
                 seg.to("drop_device_to_nvme")
                 self._drop_device(seg)
-                return None
+                return DONE
             if seg.host is None:
-                room = self._room("host", seg, blocking=blocking, keep=keep)
-                if room is not True:
-                    return room
+                fit = self._fit("host", seg, blocking=blocking, keep=keep)
+                if fit.kind is not Kind.DONE:
+                    return fit
                 seg.host = self.pool.acquire(seg.nbytes, seg.name)
                 self._note_peaks()
-            return self._to_host(seg)
+            return Outcome(Kind.STARTED, self._to_host(seg))
         if seg.state == Residency.HOST and seg.home == "nvme":
             if seg.nvme_current:
                 seg.to("drop_host")
                 self._drop_host(seg)
-                return None
-            return self._write_back(seg)
-        return None
+                return DONE
+            return Outcome(Kind.STARTED, self._write_back(seg))
+        return DONE
 
     def _to_host(self, seg: Segment) -> Handle:
         final, start = self._begin(seg, "to_host", "evict", None)
@@ -159,9 +197,3 @@ class Room:
 
         self.store.write(seg.extent, seg.host.storage, seg.nbytes).add_done_callback(written)
         return final
-
-
-class WaitForRoom(NamedTuple):
-    """Room is being made: wait on `handle` (outside the lock), then try again."""
-
-    handle: Handle

@@ -15,26 +15,23 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 
 class OverlappedStep:
-    def __init__(self, sub_groups_per_unit: Sequence[int]):
-        """`sub_groups_per_unit[u]`: how many sub-groups a step reports done for unit u before the unit is
-        updated."""
-        self._counts = list(sub_groups_per_unit)
-        self._ready = [threading.Event() for _ in self._counts]
-        for event in self._ready:
-            event.set()
-        self._left = list(self._counts)
+    def __init__(self) -> None:
+        self._ready: list[threading.Event] = []
+        self._left: list[int] = []
         self._failed = False  # set before the waiting are let go, so a failed step is never taken as done
         self._future: Future | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="zero-step")
 
-    def start(self, step: Callable[[Callable[[int], None]], None]) -> None:
-        """Run `step(done)` on the step thread; it calls `done(u)` after each sub-group of unit u."""
+    def start(self, step: Callable[[Callable[[int], None]], None], sub_groups_per_unit: Sequence[int]) -> None:
+        """Run `step(done)` on the step thread; it calls `done(u)` after each sub-group of unit u, and unit u
+        is updated once `sub_groups_per_unit[u]` of them are done."""
         self.wait_all()
-        self._left = list(self._counts)
+        self._left = list(sub_groups_per_unit)
         self._failed = False
-        for event, count in zip(self._ready, self._counts):
-            if count:  # a unit with nothing to update is never waited for
-                event.clear()
+        self._ready = [threading.Event() for _ in self._left]
+        for event, count in zip(self._ready, self._left):
+            if not count:  # a unit with nothing to update is never waited for
+                event.set()
         self._future = self._pool.submit(self._run, step)
 
     def wait_unit(self, unit: int) -> None:

@@ -43,6 +43,11 @@ class FlatUnit:
     def shard_start(self) -> int:
         return self.rank * self.shard_numel
 
+    def rank_range(self, sharded: bool) -> tuple[int, int]:
+        """(start, numel) of the flat buffer this rank keeps optimizer state and compute-dtype parameters
+        for: its shard when the state is sharded (stages 1-3), the whole padded buffer when not (stage 0)."""
+        return (self.shard_start, self.shard_numel) if sharded else (0, self.padded_numel)
+
     def flatten(self, out: torch.Tensor) -> torch.Tensor:
         """Copy the parameters' current values into `out` (padded_numel elements; the padding zeroed)."""
         for slot in self.slots:

@@ -1,8 +1,8 @@
 """The CPU-Adam arithmetic: one Adam or AdamW step over flat fp32 tensors, in place, at memory bandwidth.
 
 A step reads param, grad, exp_avg and exp_avg_sq and writes param, exp_avg and exp_avg_sq: 28 bytes per
-parameter, and on a CPU that traffic, not the arithmetic, sets the speed. Our C kernel (zero/adam_kernel.c,
-built as `zero._adam_kernel`) makes one pass, the gradient scale folded in and the bf16/fp16 copy-out (what
+parameter, and on a CPU that traffic, not the arithmetic, sets the speed. Our C kernel (zero/optim/adam_kernel.c,
+built as `zero.optim._adam_kernel`) makes one pass, the gradient scale folded in and the bf16/fp16 copy-out (what
 the device reads next) written from registers: 2 bytes more per parameter, not a second pass over the fp32
 params. It computes what torch's fused CPU kernel (`torch._fused_adamw_` / `_fused_adam_`) computes, bit for
 bit; a probe checks that once per process, and where ours is not built or differs (another torch build or
@@ -210,13 +210,13 @@ def _kernel():
     try:
         from . import _adam_kernel
     except ImportError as e:
-        return None, f"torch's fused kernel: zero._adam_kernel is not built ({e})"
+        return None, f"torch's fused kernel: zero.optim._adam_kernel is not built ({e})"
     try:
         differs = _probe(_adam_kernel)
     except (TypeError, ValueError) as e:  # built from an older source: `pip install -e .` rebuilds it
         differs = f"{type(e).__name__}: {e}"
     if differs:
-        return None, f"torch's fused kernel: zero._adam_kernel differs from it on this machine ({differs})"
+        return None, f"torch's fused kernel: zero.optim._adam_kernel differs from it on this machine ({differs})"
     return _adam_kernel, f"the C kernel ({_adam_kernel.paths[0]} loop)"
 
 
@@ -249,16 +249,23 @@ def _kernel_block(kernel, p, g, m, v, o, hyper, threads: int = 1) -> None:
 
 def _torch_block(p, g, m, v, o, hyper) -> None:
     """One step of these flat views in torch's fused kernel, then the copy-out."""
-    kernel = torch._fused_adamw_ if hyper["decoupled"] else torch._fused_adam_
-    grad_scale = hyper["grad_scale"]
-    kernel([p], [g], [m], [v], [], [torch.tensor(float(hyper["step"]), dtype=torch.float32)], lr=hyper["lr"],
-           beta1=hyper["beta1"], beta2=hyper["beta2"], weight_decay=hyper["weight_decay"], eps=hyper["eps"],
-           amsgrad=False, maximize=False,
-           # The kernel divides by grad_scale: multiplying by the factor is dividing by its inverse. At 1.0 no
-           # scale is passed, so the unscaled path is exactly torch's and grad is not written.
-           grad_scale=None if grad_scale == 1.0 else torch.tensor(1.0 / grad_scale, dtype=torch.float32))
+    torch_fused_step(p, g, m, v, **hyper)
     if o is not None:
         o.copy_(p)
+
+
+def torch_fused_step(p, g, m, v, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
+                     weight_decay: float, decoupled: bool, grad_scale: float) -> None:
+    """One step of torch's fused Adam(W) kernel over fp32 tensors on any device (CPU, or the GPU where the
+    optimizer state stays on the device); the reference our C kernel equals bit for bit."""
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    device = p.device
+    kernel([p], [g], [m], [v], [], [torch.tensor(float(step), dtype=torch.float32, device=device)], lr=lr,
+           beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
+           # The kernel divides by grad_scale: multiplying by the factor is dividing by its inverse. At 1.0 no
+           # scale is passed, so the unscaled path is exactly torch's and grad is not written.
+           grad_scale=None if grad_scale == 1.0 else torch.tensor(1.0 / grad_scale, dtype=torch.float32,
+                                                                     device=device))
 
 
 def _prepare(param, grad, exp_avg, exp_avg_sq, out, hyper) -> list[torch.Tensor | None]:

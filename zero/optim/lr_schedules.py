@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from .config.scheduler import SchedulerConfig, WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams
+from ..config.scheduler import SchedulerConfig, WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams
 
 
 def warmup_fraction(iteration: int, warmup_steps: int, kind: str) -> float:

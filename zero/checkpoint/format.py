@@ -1,5 +1,5 @@
 """The on-disk format of a zero-tiering checkpoint: file names, typed errors, atomic writes, the manifest and
-its verification. zero/checkpoint.py (the engine's save and load) and zero/export.py (the consolidated fp32
+its verification. save.py and load.py (the engine's save and load) and zero/export.py (the consolidated fp32
 export, which runs without an engine) both build on this file.
 
 A checkpoint, for `engine.save_checkpoint(save_dir, tag)` with N ranks:
@@ -37,7 +37,6 @@ import importlib.metadata
 import json
 import os
 import secrets
-import socket
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -45,12 +44,16 @@ import numpy as np
 import torch
 import xxhash
 
+from tiering.stale import this_host
+
+from ..optim.driver import STATE_PARTS
+
 FORMAT = "zero-tiering-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
 MODEL_CONFIG = "model_config.json"
-PARTS = ("param", "master", "exp_avg", "exp_avg_sq")
+PARTS = ("param", *STATE_PARTS)
 CHUNK = 16 << 20
 """Bytes moved per read/write call and per host staging copy of a device tensor."""
 
@@ -153,8 +156,7 @@ def fsync_dir(directory: str) -> None:
 
 
 def temp_name(name: str) -> str:
-    host = socket.gethostname().replace("-", "_") or "host"
-    return f".{name}.tmp-{host}-{os.getpid()}-{secrets.token_hex(4)}"  # secrets: never the `random` module's state
+    return f".{name}.tmp-{this_host()}-{os.getpid()}-{secrets.token_hex(4)}"  # secrets: never the `random` module's state
 
 
 def as_bytes(tensor: torch.Tensor) -> np.ndarray:

@@ -15,9 +15,10 @@ import torch
 
 from tiering import SwapManager, Tier
 
-from .adam_math import AdamThreads, adam_step
+from .adam_math import AdamThreads, adam_step, torch_fused_step
 
-STATE = ("master", "exp_avg", "exp_avg_sq")
+STATE_PARTS = ("master", "exp_avg", "exp_avg_sq")
+"""The parts of a sub-group's optimizer state (with its gradient, "grad", what a step reads)."""
 
 
 @dataclass(eq=False)
@@ -28,10 +29,12 @@ class SubGroup:
     numel: int
     group: int
     """Index of its param group (the hyperparameters it is stepped with)."""
+    unit: int
+    """Index of the unit whose optimizer state it is a slice of."""
+    offset: int
+    """Where the slice starts within this rank's range of the unit's flat buffer (see FlatUnit.rank_range)."""
     grad_fresh: bool = True
     """No gradient accumulated since the last step: the next accumulation overwrites instead of adding."""
-    owner: object = None
-    """The client's note of where the sub-group's weights live (the engine: unit index and offset)."""
     norms: list[tuple[int, torch.Tensor]] | None = None
     """Norms of the accumulated gradient's pieces, taken when its last part was added (see `accumulate`)."""
     master_in: tuple[str, int] | None = None
@@ -50,24 +53,32 @@ class SubGroup:
 
 
 class AdamDriver:
-    def __init__(self, manager: SwapManager, *, state_home: Tier, grad_home: Tier, work_tier: Tier):
-        self.manager = manager
+    def __init__(self, swap: SwapManager, *, state_home: Tier, grad_home: Tier, work_tier: Tier):
+        self.swap = swap
         self.state_home, self.grad_home, self.work_tier = state_home, grad_home, work_tier
         self.sub_groups: list[SubGroup] = []
         self.threads = AdamThreads()  # the step on as many threads as torch uses (see adam_step)
 
-    def add(self, name: str, master: torch.Tensor, group: int, master_in: tuple[str, int] | None = None) -> SubGroup:
-        """Register a sub-group holding `master` (fp32, flat); moments and gradient start at zero. With
-        `master_in` (segment, offset) the master already lives in that fp32 segment (see SubGroup.master_in)."""
-        sg = SubGroup(name, master.numel(), group, master_in=master_in)
+    def add_unit(self, unit: int, name: str, master: torch.Tensor, group: int, chunk: int,
+                 master_in: str | None = None) -> list[SubGroup]:
+        """Register `master` (this rank's fp32 range of unit `unit`, flat) as sub-groups `<name>/<k>` of at most
+        `chunk` elements (0: one), stepped with param group `group`; moments and gradient start at zero. With
+        `master_in`, the fp32 segment that already holds the master (see SubGroup.master_in)."""
+        chunk = chunk or master.numel()
+        return [self._add(SubGroup(f"{name}/{k}", min(chunk, master.numel() - offset), group, unit, offset,
+                                   master_in=None if master_in is None else (master_in, offset)),
+                          master.narrow(0, offset, min(chunk, master.numel() - offset)))
+                for k, offset in enumerate(range(0, master.numel(), chunk))]
+
+    def _add(self, sg: SubGroup, master: torch.Tensor) -> SubGroup:
         shape = (sg.numel,)
         handles = []
-        if master_in is None:
-            handles.append(self.manager.register(sg.segment("master"), dtype=torch.float32, shape=shape,
-                                                 home=self.state_home, data=master.reshape(-1)))
+        if sg.master_in is None:
+            handles.append(self.swap.register(sg.segment("master"), dtype=torch.float32, shape=shape,
+                                              home=self.state_home, data=master.reshape(-1)))
         for part in ("exp_avg", "exp_avg_sq"):
-            handles.append(self.manager.register(sg.segment(part), dtype=torch.float32, shape=shape, home=self.state_home))
-        handles.append(self.manager.register(sg.segment("grad"), dtype=torch.float32, shape=shape, home=self.grad_home))
+            handles.append(self.swap.register(sg.segment(part), dtype=torch.float32, shape=shape, home=self.state_home))
+        handles.append(self.swap.register(sg.segment("grad"), dtype=torch.float32, shape=shape, home=self.grad_home))
         for handle in handles:
             handle.wait()
         self.sub_groups.append(sg)
@@ -78,8 +89,7 @@ class AdamDriver:
         `pieces` (the last part of this step's gradient: see `grad_norms`), their norms are taken now, while the
         gradient is in memory, rather than read back from its tier for them."""
         fresh = sg.grad_fresh
-        acc = self.manager.acquire(sg.segment("grad"), self.work_tier, overwrite=fresh)  # fresh: nothing to read
-        try:
+        with self.held(sg, "grad", dirty=True, overwrite=fresh) as acc:  # fresh: nothing to read
             if fresh:
                 acc.copy_(grad)
                 sg.grad_fresh = False
@@ -87,8 +97,6 @@ class AdamDriver:
                 acc.add_(grad)
             sg.norms = None if pieces is None else [
                 (key, torch.linalg.vector_norm(acc.narrow(0, start, length))) for start, length, key in pieces]
-        finally:
-            self.manager.release(sg.segment("grad"), dirty=True)
 
     def grad_norms(self, pieces: Callable[[SubGroup], list[tuple[int, int, int]]]) -> list[tuple[int, torch.Tensor]]:
         """fp32 2-norms of the accumulated gradient's pieces: `pieces(sg)` gives (start, length, key) in the
@@ -102,9 +110,9 @@ class AdamDriver:
             if sg.norms is not None:
                 norms.extend(sg.norms)
                 continue
-            acc = self.manager.acquire(sg.segment("grad"), self.work_tier)
-            norms.extend((key, torch.linalg.vector_norm(acc.narrow(0, start, length))) for start, length, key in pieces(sg))
-            self.manager.release(sg.segment("grad"))
+            with self.held(sg, "grad") as acc:
+                norms.extend((key, torch.linalg.vector_norm(acc.narrow(0, start, length)))
+                             for start, length, key in pieces(sg))
         return norms
 
     @contextlib.contextmanager
@@ -113,11 +121,8 @@ class AdamDriver:
         """`part` of `sg` in the work tier, released afterwards as asked (see SwapManager.fetch and release),
         even if the block fails."""
         name, offset = sg.place(part)
-        tensor = self.manager.acquire(name, self.work_tier, overwrite=overwrite)
-        try:
+        with self.swap.held(name, self.work_tier, dirty=dirty, discard=discard, overwrite=overwrite) as tensor:
             yield tensor.narrow(0, offset, sg.numel)
-        finally:
-            self.manager.release(name, dirty=dirty, discard=discard)
 
     def zero_grad(self) -> None:
         for sg in self.sub_groups:
@@ -139,8 +144,8 @@ class AdamDriver:
         for i, sg in enumerate(self.sub_groups):
             if read_ahead and i + 1 < len(self.sub_groups):
                 after = self.sub_groups[i + 1]
-                parts = STATE + (() if after.grad_fresh else ("grad",))
-                self.manager.prefetch(list(dict.fromkeys(after.place(p)[0] for p in parts)), self.work_tier)
+                parts = STATE_PARTS + (() if after.grad_fresh else ("grad",))
+                self.swap.prefetch(list(dict.fromkeys(after.place(p)[0] for p in parts)), self.work_tier)
             hyper = groups[sg.group]
             with contextlib.ExitStack() as stack:
                 # The grad is spent after the step: dropped unwritten, the next accumulation overwrites it; a
@@ -162,11 +167,8 @@ class AdamDriver:
                     low_precision = out is not None and out.dtype in (torch.bfloat16, torch.float16)
                     low = out if low_precision and not out.is_cuda else None
                     if master.is_cuda:  # optimizer state kept on the GPU (offload_optimizer none)
-                        kernel = torch._fused_adamw_ if hyper["decoupled"] else torch._fused_adam_
-                        device = master.device
-                        scale = None if grad_scale == 1.0 else torch.tensor(1.0 / grad_scale, device=device)
-                        kernel(*([t] for t in tensors), [], [torch.tensor(float(step), device=device)],
-                               amsgrad=False, maximize=False, grad_scale=scale, **options)
+                        torch_fused_step(*tensors, step=step, decoupled=hyper["decoupled"], grad_scale=grad_scale,
+                                         **options)
                     else:
                         adam_step(*tensors, step=step, decoupled=hyper["decoupled"], grad_scale=grad_scale,
                                   out=low, threads=self.threads, **options)

@@ -1,0 +1,81 @@
+"""The swap manager's configuration for an engine: tier budgets, prefetch and live-byte limits, the nvme store.
+
+Where `zero_tiering.host_budget` is unset it is derived from the config (bytes; P = the compute dtype's
+bytes per element, "range" = this rank's part of a unit: its shard from stage 1 on, else the whole unit):
+
+    | term                 | bytes                                                                        |
+    |----------------------|------------------------------------------------------------------------------|
+    | homed on host        | parts x 4 x sum(range) with offload_optimizer cpu (parts: 3, or 4 with a     |
+    |                      | separate fp32 master); + P x sum(shard) with stage 3 offload_param cpu       |
+    | working window       | 4 sub-groups' state: 4 x parts x 4 x sub-group; stage 3: + 4 parameter shards |
+    |                      | (P x largest shard); parameters on nvme: + P x min(max_in_cpu, all shards)   |
+    | prefetch             | 2 sub-groups' state: 2 x parts x 4 x sub-group; stage 3: + P x               |
+    |                      | stage3_prefetch_bucket_size                                                  |
+
+and the host budget is their sum; sub-group = min(largest range, sub_group_size or largest range) elements. DeepSpeed counts its stage-3 limits
+(prefetch bucket, max live parameters, max reuse distance) in parameters; the swap manager in bytes of the
+compute dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+from tiering import NvmeStoreConfig, SwapConfig, Tier
+
+from .config import Config, ConfigError
+from .params.flat_unit import FlatUnit
+
+HOMES: dict[str, Tier] = {"none": "device", "cpu": "host", "nvme": "nvme"}
+"""The tier an offload device setting ("none", "cpu", "nvme") rests a segment in."""
+
+
+def masters_are_params(cfg: Config, dtype: torch.dtype) -> bool:
+    """Stage 3 computing in fp32 with parameters and optimizer state offloaded to the same tier: each unit's
+    parameter shard is its fp32 master (identical values), so the master is not stored a second time and the
+    optimizer updates the shard in place. Elsewhere the master is a copy of its own: the compute dtype is
+    lower, or the parameters rest in another tier than the optimizer works in."""
+    zo = cfg.zero_optimization
+    return (zo.stage == 3 and dtype == torch.float32
+            and zo.offload_param.device == zo.offload_optimizer.device != "none")
+
+
+def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype) -> SwapConfig:
+    """Tier budgets from the zero_tiering section; where unset, the host budget holds everything homed on
+    the host plus a working window: the state of a few sub-groups, a few parameter shards, and (parameters
+    on nvme) up to offload_param.max_in_cpu parameter elements kept in host memory as a cache."""
+    zo, zt = cfg.zero_optimization, cfg.zero_tiering
+    shard_bytes = [4 * u.rank_range(zo.stage >= 1)[1] for u in units]
+    sub_group_bytes = min(max(shard_bytes, default=0), 4 * zo.sub_group_size or max(shard_bytes, default=0))
+    parts = 3 if masters_are_params(cfg, dtype) else 4  # (master,) grad, two moments
+    window = 4 * parts * sub_group_bytes  # the segments of up to four sub-groups
+    offload = zo.offload_optimizer.device
+    homed_on_host = parts * sum(shard_bytes) if offload == "cpu" else 0
+    prefetch = 2 * parts * sub_group_bytes  # read ahead the next sub-groups' state
+    max_live = reuse_distance = None
+    if zo.stage == 3:
+        param_bytes = [u.shard_numel * dtype.itemsize for u in units]
+        window += 4 * max(param_bytes, default=0)
+        homed_on_host += sum(param_bytes) if zo.offload_param.device == "cpu" else 0
+        if zo.offload_param.device == "nvme":  # DeepSpeed's max_in_cpu: parameters cached on host before nvme
+            window += min(zo.offload_param.max_in_cpu * dtype.itemsize, sum(param_bytes))
+        # DeepSpeed counts these in parameters; the swap manager in bytes of the compute dtype.
+        prefetch += zo.prefetch_bucket_size * dtype.itemsize
+        max_live = zo.max_live_parameters * dtype.itemsize
+        reuse_distance = zo.max_reuse_distance * dtype.itemsize
+    paths = {o.nvme_path for o in (zo.offload_optimizer, zo.offload_param) if o.device == "nvme"}
+    if len(paths) > 1:
+        raise ConfigError("zero_optimization.offload_param.nvme_path",
+                          "offload_param and offload_optimizer must share one nvme_path", value=sorted(paths))
+    nvme = None
+    if paths:
+        nvme = NvmeStoreConfig(nvme_path=paths.pop(), budget=zt.nvme_budget, aio=cfg.to_aio_config())
+    return SwapConfig(
+        host_budget=zt.host_budget if zt.host_budget is not None else homed_on_host + window + prefetch,
+        device_budget=zt.device_budget,
+        nvme=nvme,
+        prefetch_bytes=prefetch if zt.prefetch else 0,
+        max_live_bytes=max_live,
+        reuse_distance=reuse_distance,
+        checksums=zt.checksums,
+        pin=zo.offload_optimizer.pin_memory if torch.cuda.is_available() else False,
+    )

@@ -1,0 +1,9 @@
+"""Checkpoints of a ZeroEngine: `save.py` writes them, `load.py` reads them back, `format.py` is the layout on
+disk (shared with zero/export.py), `layout.py` what besides state tensors is recorded, `ranks.py` how ranks
+agree. They read the engine through its public face only: `counters`, `units`, `state_tensors()`,
+`unapplied_gradients()`, `state_loaded()` and the objects it was built with (module, optimizer, scheduler,
+loss scaler, data-parallel group)."""
+from .load import load_checkpoint
+from .save import save_checkpoint
+
+__all__ = ["load_checkpoint", "save_checkpoint"]

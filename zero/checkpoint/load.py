@@ -1,0 +1,177 @@
+"""Loading a checkpoint into a ZeroEngine (engine.load_checkpoint).
+
+Loading verifies every file it reads against the manifest before it changes anything in the engine. A
+checkpoint saved with N ranks loads into M ranks (and into another stage): records are in unit coordinates,
+so each rank reads the ranges `engine.state_tensors()` says it now holds.
+"""
+from __future__ import annotations
+
+import os
+import random
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..optim.driver import STATE_PARTS
+from .format import (
+    CHUNK,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    RecordReader,
+    dtype_name,
+    read_latest,
+    read_manifest,
+    verify_files,
+)
+from .layout import extras, unit_layout
+from .ranks import agree
+
+if TYPE_CHECKING:
+    from ..engine import ZeroEngine
+
+
+def check_fits(engine: ZeroEngine, manifest: dict, tag_dir: str) -> None:
+    """The checkpoint's model (unit layout) and compute dtype must be the engine's."""
+    saved, ours = manifest["units"], unit_layout(engine)
+    where = f"checkpoint {tag_dir!r}"
+    if len(saved) != len(ours):
+        raise CheckpointMismatchError(f"{where} has {len(saved)} units, the engine {len(ours)}: another model or "
+                                      "wrap policy")
+    for index, (a, b) in enumerate(zip(saved, ours)):
+        for key in ("name", "numel", "group"):
+            if a[key] != b[key]:
+                raise CheckpointMismatchError(f"{where}: unit {index} {key} is {a[key]!r} there, {b[key]!r} here")
+        if a["slots"] != b["slots"]:
+            diff = next(((x, y) for x, y in zip(a["slots"], b["slots"]) if x != y), (a["slots"], b["slots"]))
+            raise CheckpointMismatchError(f"{where}: unit {index} ({a['name']!r}) holds {diff[0]} there, "
+                                          f"{diff[1]} here")
+    if manifest["compute_dtype"] != dtype_name(engine.compute_dtype):
+        raise CheckpointMismatchError(f"{where} holds {manifest['compute_dtype']} parameters; the engine computes "
+                                      f"in {dtype_name(engine.compute_dtype)}")
+
+
+def load_checkpoint(engine: ZeroEngine, load_dir: str | os.PathLike, tag: Any = None,
+                    load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True) -> tuple[str | None, Any]:
+    """Load a checkpoint saved by save_checkpoint (any world size, any stage, same model and dtype) into the
+    engine; every rank must call it. Returns (tag directory, client_state), or (None, None) with a warning
+    when no tag is given and `load_dir` has no `latest` (as DeepSpeed does).
+
+    Verifies every file this rank reads against the manifest before changing anything. The state file is
+    unpickled (client_state may hold any object, as in DeepSpeed): load only checkpoints you trust.
+    `load_optimizer_states=False` loads the weights (parameters and fp32 masters) and starts the optimizer
+    afresh (zero moments, step 0, the engine's own hyperparameters and loss scale)."""
+    load_dir = os.fspath(load_dir)
+    if tag is None:
+        tag = read_latest(load_dir)
+        if tag is None:
+            warnings.warn(f"no `latest` file in {load_dir!r}: nothing loaded (pass tag= to load a given "
+                          "checkpoint)", stacklevel=3)
+            return None, None
+    tag_dir = os.path.join(load_dir, str(tag))
+    error: BaseException | None = None
+    try:  # nothing in the engine changes until every rank has verified what it will read
+        if not os.path.isdir(tag_dir):
+            raise CheckpointNotFoundError(tag_dir, f"no checkpoint with tag {tag!r}")
+        manifest = read_manifest(tag_dir)
+        check_fits(engine, manifest, tag_dir)
+        rank, world, saved_world = engine.dp.rank, engine.dp.world_size, manifest["world_size"]
+        same_world = saved_world == world
+        reader = RecordReader(tag_dir, manifest, prefer_rank=rank if same_world else 0)
+        parts = STATE_PARTS if load_optimizer_states else ("master",)
+        ranks = set()
+        for piece in engine.state_tensors():
+            if piece.part == "param" or piece.part in parts:
+                ranks |= reader.ranks_for(piece.unit, piece.part, piece.start, piece.numel)
+        for name, _, _ in extras(engine):
+            if name not in reader.extras:
+                raise CheckpointMismatchError(f"checkpoint {tag_dir!r} has no {name!r}")
+            ranks.add(reader.extras[name].rank)
+        entries = {entry["rank"]: entry for entry in manifest["ranks"]}
+        state_entry = entries[rank if same_world else 0]
+        verify_files(tag_dir, manifest, [entries[r]["data"] for r in sorted(ranks)] + [state_entry["state"]])
+        # The state file is unpickled (client_state may hold any object): load only checkpoints you trust.
+        state = torch.load(os.path.join(tag_dir, state_entry["state"]), map_location="cpu", weights_only=False)
+        if load_optimizer_states and len(state["optimizer"]["param_groups"]) != len(engine.optimizer.param_groups):
+            raise CheckpointMismatchError(f"checkpoint {tag_dir!r} has {len(state['optimizer']['param_groups'])} "
+                                          f"param groups, the engine {len(engine.optimizer.param_groups)}")
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it before raising
+        error = exc
+    agree(engine.dp, error, f"verifying checkpoint {tag_dir!r}")
+    try:
+        with reader:
+            load_tensors(engine, reader, parts)
+    except Exception as exc:
+        raise CheckpointError(f"loading {tag_dir!r} failed part way, after verification: the engine's state is "
+                              f"partly loaded; load again or rebuild the engine ({exc})") from exc
+    apply_state(engine, state, load_optimizer_states, load_lr_scheduler_states, same_world, saved_world)
+    return tag_dir, state["client_state"]
+
+
+def load_tensors(engine: ZeroEngine, reader: RecordReader, parts: tuple[str, ...]) -> None:
+    """Every state tensor read from the checkpoint (the parameters always; optimizer state parts not in
+    `parts` start afresh at zero), then frozen parameters and buffers."""
+    for piece in engine.state_tensors():
+        with piece.held(True) as tensor:
+            if piece.part == "param" or piece.part in parts:
+                fill(reader, piece.unit, piece.part, piece.start, tensor)
+            else:
+                tensor.zero_()
+    for name, tensor, _ in extras(engine):
+        with torch.no_grad():
+            tensor.copy_(reader.read_extra(name))
+    engine.state_loaded()
+
+
+def apply_state(engine: ZeroEngine, state: dict, load_optimizer_states: bool, load_lr_scheduler_states: bool,
+                same_world: bool, saved_world: int) -> None:
+    engine.counters.load_state_dict(state["engine"])
+    if load_optimizer_states:
+        for group, saved in zip(engine.optimizer.param_groups, state["optimizer"]["param_groups"]):
+            group.update(saved)
+        engine.optimizer.step_count = state["optimizer"]["step_count"]
+        if engine.loss_scaler is not None and state["loss_scaler"] is not None:
+            engine.loss_scaler.load_state_dict(state["loss_scaler"])
+    else:
+        engine.optimizer.step_count = 0
+    scheduler = engine.lr_scheduler
+    if load_lr_scheduler_states and scheduler is not None and state["lr_scheduler"] is not None:
+        scheduler.load_state_dict(state["lr_scheduler"])
+    if same_world:
+        set_rng_state(state["rng"])
+    else:
+        warnings.warn(f"checkpoint saved with {saved_world} ranks, loaded into {engine.dp.world_size}: the "
+                      "model and optimizer state are resharded, RNG states are not restored", stacklevel=3)
+
+
+def fill(reader: RecordReader, index: int, part: str, start: int, target: torch.Tensor) -> None:
+    """Read [start, start + numel) of a unit's part into `target` (host: in place; device: via host chunks)."""
+    flat = target.view(-1)
+    if flat.device.type == "cpu":
+        reader.read(index, part, start, flat)
+        return
+    per = max(1, CHUNK // flat.element_size())
+    staging = torch.empty(min(per, flat.numel()), dtype=flat.dtype)
+    for offset in range(0, flat.numel(), per):
+        n = min(per, flat.numel() - offset)
+        flat[offset:offset + n].copy_(reader.read(index, part, start + offset, staging[:n]))
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        try:
+            import numpy as np
+
+            np.random.set_state(state["numpy"])
+        except ImportError:
+            pass
+    if "cuda" in state and torch.cuda.is_available():
+        if len(state["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(state["cuda"])
+        else:
+            warnings.warn(f"CUDA RNG states of {len(state['cuda'])} devices saved, {torch.cuda.device_count()} "
+                          "here: not restored", stacklevel=3)

@@ -1,0 +1,147 @@
+"""`zero.initialize`: deepspeed.initialize's call shape, building a ZeroEngine from a model and a config.
+
+The recipe: load the config; cut the model into units; make the swap manager (budgets.py), the optimizer
+driver and the gradient path; let the placement the stage asks for build the units' state in its tiers; hand
+all of it to the engine. Every collaborator is passed in where it is made.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiering import SwapManager, Tier
+
+from .budgets import HOMES, masters_are_params, swap_config
+from .comm import DataParallel
+from .config import Config, ConfigError, load_config
+from .counters import StepCounters
+from .engine import ZeroEngine
+from .optim.driver import AdamDriver
+from .optim.gradients import Gradients
+from .optim.loss_scaler import LossScaler
+from .optim.lr_schedules import WarmupSchedule
+from .optim.overlapped_step import OverlappedStep
+from .optim.param_groups import ZeroOptimizer, param_groups_from
+from .params.flat_unit import FlatUnit
+from .params.partitioned import PartitionedPlacement
+from .params.placement import Placement
+from .params.resident import ResidentPlacement
+from .params.wrap_policy import split_units
+
+
+def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+               model_parameters: Iterable | None = None, training_data: Any = None, lr_scheduler: Any = None,
+               config: str | os.PathLike | Mapping | None = None, config_params: Mapping | None = None,
+               collate_fn: Any = None, dist_init_required: bool | None = None):
+    """Returns (engine, optimizer, training_dataloader, lr_scheduler), as deepspeed.initialize does.
+
+    `config` (a ds_config.json path or a dict; `config_params` is DeepSpeed's older name) sets batch sizes,
+    precision, optimizer, schedule and offload. `optimizer` may be a torch.optim.Adam/AdamW (or our
+    CPUAdam) whose hyperparameters are taken over; `lr_scheduler` an object or a callable taking the
+    optimizer. One rank needs no process-group set-up; under torchrun the group is joined here.
+    """
+    if model is None:
+        raise ValueError("zero.initialize needs a model")
+    source = config if config is not None else config_params
+    if source is None:
+        source = getattr(args, "deepspeed_config", None)
+    if source is None:
+        raise ConfigError("config", "no config given: pass config='ds_config.json' or a dict")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dp = DataParallel.from_env(device) if dist_init_required is not False else DataParallel()
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    cfg = load_config(source, world_size=dp.world_size, hidden_size=hidden)
+    if cfg.optimizer is not None and optimizer is not None:
+        raise ConfigError("optimizer", "both the config and the call give an optimizer: keep one")
+    dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else torch.float32
+    groups = param_groups_from(model, model_parameters, optimizer, cfg)
+    plan = plan_units(model, groups, dp)
+    swap = SwapManager(swap_config(cfg, [flat for flat, _ in plan], dtype))
+    driver = overlap = None
+    try:
+        state_home = HOMES[cfg.zero_optimization.offload_optimizer.device]
+        work_tier: Tier = "device" if state_home == "device" else "host"
+        grad_home: Tier = "nvme" if state_home == "nvme" else work_tier  # host holds no per-parameter bytes
+        driver = AdamDriver(swap, state_home=state_home, grad_home=grad_home, work_tier=work_tier)
+        counters = StepCounters(cfg.gradient_accumulation_steps)
+        zo = cfg.zero_optimization
+        gradients = Gradients(driver=driver, dp=dp, counters=counters, sharded=zo.stage >= 1,
+                              reduce_scatter=zo.stage >= 2,
+                              param_order={id(p): i for i, p in enumerate(model.parameters())},
+                              largest_unit=max((flat.padded_numel for flat, _ in plan), default=0),
+                              prescale=cfg.prescale_gradients, predivide_factor=cfg.gradient_predivide_factor,
+                              communication_data_type=cfg.communication_data_type)
+        if zo.stage == 3 and cfg.zero_tiering.overlap_step and work_tier == "host":
+            overlap = OverlappedStep()
+        placement = build_placement(model, plan, cfg, swap=swap, driver=driver, gradients=gradients, dp=dp,
+                                    device=device, dtype=dtype, overlap=overlap)
+        zero_opt = ZeroOptimizer(groups)
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            lr_scheduler = lr_scheduler(zero_opt)
+        elif lr_scheduler is None and cfg.scheduler is not None:
+            lr_scheduler = WarmupSchedule(zero_opt, cfg.scheduler)
+        engine = ZeroEngine(module=model, config=cfg, placement=placement, driver=driver, gradients=gradients,
+                            counters=counters, optimizer=zero_opt, lr_scheduler=lr_scheduler, dp=dp, swap=swap,
+                            loss_scaler=loss_scaler(cfg), compute_dtype=dtype, device=device, overlap=overlap)
+    except BaseException:
+        if overlap is not None:
+            overlap.close()
+        if driver is not None:
+            driver.close()
+        swap.close()  # a failed initialize leaves no nvme file and no pinned buffers behind
+        raise
+    loader = None
+    if training_data is not None:
+        sampler = None
+        if dp.world_size > 1:
+            sampler = torch.utils.data.distributed.DistributedSampler(training_data, dp.world_size, dp.rank)
+        loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
+                                             sampler=sampler, collate_fn=collate_fn)
+    return engine, zero_opt, loader, lr_scheduler
+
+
+def plan_units(model: nn.Module, groups: list[dict], dp: DataParallel) -> list[tuple[FlatUnit, nn.Module]]:
+    """Units from the wrap policy, each cut further by param group (a flat buffer has one set of
+    hyperparameters); parameters outside every group are not trained and stay as they are."""
+    group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+    plan = []
+    for name, module, params in split_units(model):
+        by_group: dict[int, list] = {}
+        for pname, p in params:
+            if id(p) in group_of:
+                by_group.setdefault(group_of[id(p)], []).append((pname, p))
+        for g, members in sorted(by_group.items()):
+            unit_name = name + (f"#g{g}" if len(by_group) > 1 else "")
+            plan.append((FlatUnit(unit_name, members, dp.world_size, dp.rank, g), module))
+    return plan
+
+
+def build_placement(model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], cfg: Config, *,
+                    swap: SwapManager, driver: AdamDriver, gradients: Gradients, dp: DataParallel,
+                    device: torch.device, dtype: torch.dtype, overlap: OverlappedStep | None) -> Placement:
+    """The placement the stage asks for, its units built: partitioned parameters for stage 3, resident ones
+    below."""
+    zo = cfg.zero_optimization
+    if zo.stage == 3:
+        return PartitionedPlacement.build(
+            model, plan, driver=driver, param_home=HOMES[zo.offload_param.device], dtype=dtype,
+            sub_group_size=zo.sub_group_size, persistence_threshold=zo.param_persistence_threshold,
+            masters_are_params=masters_are_params(cfg, dtype), swap=swap, dp=dp, device=device,
+            gradients=gradients, wait_for_update=overlap.wait_unit if overlap is not None else None)
+    return ResidentPlacement.build(model, plan, driver=driver, gradients=gradients, dp=dp, device=device,
+                                   dtype=dtype, sharded=zo.stage >= 1, sub_group_size=zo.sub_group_size)
+
+
+def loss_scaler(cfg: Config) -> LossScaler | None:
+    """fp16's loss scaler as the config sets it (dynamic when loss_scale is 0), None without fp16."""
+    if not cfg.fp16.enabled:
+        return None
+    f = cfg.fp16
+    dynamic = f.loss_scale == 0
+    return LossScaler(scale=2.0**f.initial_scale_power if dynamic else f.loss_scale, dynamic=dynamic,
+                      window=f.loss_scale_window, hysteresis=f.hysteresis,
+                      consecutive_hysteresis=f.consecutive_hysteresis, min_scale=f.min_loss_scale)

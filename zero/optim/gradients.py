@@ -1,0 +1,99 @@
+"""Gradients: each unit's gradient reduced across ranks and accumulated in fp32 into its sub-groups, and the
+global gradient norm that clipping and fp16 overflow checks read.
+
+A unit's gradients are flattened into one buffer (the unit's layout), divided as DeepSpeed's gradient
+averaging asks, reduced (all-reduce, or reduce-scatter when gradients are partitioned: stage 2 on), and this
+rank's range is cast to fp32 once and added to the sub-groups' accumulated gradient (AdamDriver.accumulate).
+Norms are taken per parameter piece, keyed by the parameter's place in the model, so they sum in torch's
+clip_grad_norm_ order; on the accumulation boundary they are taken while the gradient is still in memory.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm import DataParallel
+from ..counters import StepCounters
+from ..params.unit import Unit
+from .driver import AdamDriver, SubGroup
+
+COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class Gradients:
+    def __init__(self, *, driver: AdamDriver, dp: DataParallel, counters: StepCounters, sharded: bool,
+                 reduce_scatter: bool, param_order: dict[int, int], largest_unit: int, prescale: bool,
+                 predivide_factor: float, communication_data_type: str | None):
+        """`sharded`: each rank keeps optimizer state for its shard only (stage 1 on); `reduce_scatter`: the
+        reduction leaves each rank its shard only (stage 2 on); `param_order`: id(param) -> its place in
+        the model; `largest_unit`: the largest unit's padded element count (the scratch buffers' size)."""
+        self.driver = driver
+        self.dp = dp
+        self.counters = counters
+        self.sharded = sharded
+        self.reduce_scatter = reduce_scatter
+        self.param_order = param_order
+        self.largest_unit = largest_unit
+        # DeepSpeed's gradient averaging: divide by world_size before the reduction (prescale_gradients), or
+        # by gradient_predivide_factor before it and by world_size / factor after it.
+        self.predivide = dp.world_size if prescale else predivide_factor
+        self.comm_dtype = COMM_DTYPES.get(communication_data_type)
+        self._scratches: dict[str, torch.Tensor] = {}
+
+    def reduce(self, unit: Unit) -> None:
+        """Flatten the unit's gradients (freeing them), reduce them over ranks, add this rank's range in fp32
+        to the accumulated gradient of its sub-groups."""
+        flat, full = unit.flat, unit.full
+        grads = flat.flatten_grads(self._scratch("grads", flat.padded_numel, self.comm_dtype or full.dtype,
+                                                 full.device))
+        world = self.dp.world_size
+        if world > 1 and self.predivide != 1.0:
+            grads.div_(self.predivide)
+        if self.reduce_scatter:
+            shard = self._scratch("shard", flat.shard_numel, grads.dtype, grads.device)
+            self.dp.reduce_scatter_sum(grads, shard)
+        else:
+            self.dp.all_reduce_sum(grads)
+            shard = grads.narrow(0, *flat.rank_range(self.sharded))
+        if world > 1 and self.predivide != world:
+            shard.div_(world / self.predivide)  # the mean over ranks
+        device = torch.device("cpu") if self.driver.work_tier == "host" else shard.device
+        if shard.dtype != torch.float32 or shard.device != device:  # cast to fp32 once, into reused memory
+            shard = self._scratch("fp32", shard.numel(), torch.float32, device).copy_(shard)
+        last = self.counters.at_boundary()  # this step's gradient is complete after this add
+        for sg in unit.sub_groups:
+            self.driver.accumulate(sg, shard.narrow(0, sg.offset, sg.numel),
+                                   self.pieces(unit, sg) if last else None)
+
+    def norm(self, units: list[Unit]) -> torch.Tensor:
+        """The global 2-norm of the accumulated (still loss-scaled) gradient, fp32, computed as torch's
+        clipping does: the norm of the per-parameter norms (per parameter piece on this rank's range)."""
+        pieces = self.driver.grad_norms(lambda sg: self.pieces(units[sg.unit], sg))
+        norms = [norm for _, norm in sorted(pieces, key=lambda kn: kn[0])]
+        local = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), dtype=torch.float32)
+        if self.dp.world_size == 1:
+            return local
+        square = local.double().square().reshape(1)
+        self.dp.all_reduce_sum(square)
+        if not self.sharded:
+            square /= self.dp.world_size  # every rank holds every gradient: counted world_size times
+        return square.sqrt().float().reshape(())
+
+    def pieces(self, unit: Unit, sg: SubGroup) -> list[tuple[int, int, int]]:
+        """(start, length, key) within `sg` of each parameter's part in it: the pieces whose norms torch takes,
+        keyed by the parameter's place in the model so they are summed in torch's order."""
+        lo = unit.flat.rank_range(self.sharded)[0] + sg.offset
+        hi = lo + sg.numel
+        out = []
+        for slot in unit.flat.slots:
+            start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if start < end:
+                out.append((start - lo, end - start, self.param_order[id(slot.param)]))
+        return out
+
+    def _scratch(self, role: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A reused buffer of at least `numel` elements for `role` (gradient reduction runs every micro-batch:
+        fresh memory each time would be page faults on every step)."""
+        buffer = self._scratches.get(role)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._scratches[role] = torch.empty(max(numel, self.largest_unit), dtype=dtype, device=device)
+        return buffer[:numel]

@@ -1,0 +1,57 @@
+"""Placement: how parameters are held, the one place the engine and checkpoints learn it from.
+
+Two implementations: ResidentPlacement (stages 0-2: every unit's full buffer stays on the device) and
+PartitionedPlacement (stage 3: this rank's shard rests in a tier; the full buffer exists only while the unit
+runs). The engine and the checkpoint code call these methods and never branch on the stage.
+"""
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+
+import torch
+
+from .unit import Unit
+
+
+class Placement(ABC):
+    units: list[Unit]
+    sharded: bool
+    """Each rank keeps optimizer state (and, partitioned, parameters) for its shard of each unit only."""
+
+    def rank_range(self, unit: Unit) -> tuple[int, int]:
+        """(start, numel) of the unit's flat buffer this rank keeps in the compute dtype and steps."""
+        return unit.flat.rank_range(self.sharded)
+
+    @abstractmethod
+    def shard(self, unit: Unit, *, write: bool = False, overwrite: bool = False) -> contextlib.AbstractContextManager[torch.Tensor]:
+        """This rank's compute-dtype range of the unit (`rank_range`) for the length of a block. `write`: the
+        block writes it (it becomes the unit's truth); `overwrite`: it writes every element before reading one
+        (nothing needs reading first)."""
+
+    @abstractmethod
+    def gather(self, unit: Unit) -> None:
+        """Make the unit's full buffer hold its values until the matching `release`."""
+
+    @abstractmethod
+    def release(self, unit: Unit) -> None:
+        """Drop one `gather`."""
+
+    @abstractmethod
+    def finish_backward(self) -> None:
+        """After loss.backward(): every unit's gradient reduced into its sub-groups."""
+
+    @abstractmethod
+    def shards_changed(self) -> None:
+        """The ranks' ranges were rewritten (an optimizer step, a checkpoint load): full buffers that exist
+        take the new values."""
+
+    def step_started(self) -> None:
+        """An optimizer step runs on another thread (overlap_step): gathered units refill at their next gather."""
+
+    def adopt_full(self, unit: Unit) -> None:
+        """The values in the unit's (gathered) full buffer become the truth of this rank's range."""
+
+    def close(self) -> None:
+        """Undo what the placement changed on the model (hooks)."""
+

@@ -1,0 +1,87 @@
+"""Unit: the engine's one record per unit (its flattened parameters, its full buffer, its shard, its
+sub-groups) and UnitState, the unit's life within a step, as tiering's Residency is a segment's.
+
+One enum and one table of legal transitions; every change goes through `Unit.to(action)`, which raises
+IllegalTransitionError naming the unit, the action, the states it allows and the state it found. Units whose
+parameters stay resident (stages 0-2) are GATHERED for good; partitioned units (stage 3) move through all
+of it. How many holders a gathered unit has is counted (`refs`), so nested and repeated use keep its bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+from torch import nn
+
+from tiering import IllegalTransitionError
+
+from ..optim.driver import SubGroup
+from .flat_unit import FlatUnit
+
+
+class UnitState(Enum):
+    RELEASED = "released: the full buffer holds no bytes"
+    GATHERED = "gathered: the full buffer holds the current values"
+    BACKWARD = "gathered, its backward begun: gradients awaited"
+    STALE = "gathered across an optimizer step that rewrote its shard: refilled at its next gather"
+
+
+S = UnitState
+TRANSITIONS: dict[str, tuple[frozenset[UnitState], UnitState]] = {
+    "gather": (frozenset({S.RELEASED}), S.GATHERED),
+    "refill": (frozenset({S.STALE}), S.GATHERED),
+    "arm": (frozenset({S.GATHERED}), S.BACKWARD),
+    "grads_ready": (frozenset({S.BACKWARD}), S.GATHERED),
+    "release": (frozenset({S.GATHERED, S.STALE}), S.RELEASED),
+    "stepped": (frozenset({S.GATHERED}), S.STALE),
+}
+del S
+
+
+@dataclass(eq=False)
+class Unit:
+    index: int
+    """Position in the engine's unit list, and in a checkpoint's unit layout."""
+    flat: FlatUnit
+    """The unit's parameters, their offsets in the flat buffer, its padding and this rank's shard."""
+    module: nn.Module
+    """The module whose forward the unit follows (the model itself for the root unit)."""
+    full: torch.Tensor
+    """The full flat buffer in the compute dtype, the parameters views into it; a partitioned unit's storage
+    has size 0 while it is released."""
+    sub_groups: list[SubGroup]
+    """This rank's fp32 optimizer state of the unit, in order of offset."""
+    segment: str | None = None
+    """Swap-manager segment holding this rank's shard in the compute dtype (partitioned units)."""
+    persistent: bool = False
+    """Small enough to stay gathered once gathered (stage3_param_persistence_threshold)."""
+    state: UnitState = UnitState.GATHERED
+    refs: int = 0
+    """Holders of the gathered bytes: forward, backward, a nested call, gathered_parameters."""
+    backward_refs: int = 0
+    """Of `refs`, those its backward drops once every gradient is in."""
+    grads_pending: int = 0
+    """Parameters whose gradient backward has not produced yet (in state BACKWARD)."""
+    hooks: list = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.flat.name
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the full buffer when gathered."""
+        return self.flat.padded_numel * self.full.element_size()
+
+    @property
+    def gathered(self) -> bool:
+        return self.state is not UnitState.RELEASED
+
+    def to(self, action: str) -> None:
+        """Apply `action` (a key of TRANSITIONS); IllegalTransitionError if the table has no such edge."""
+        sources, target = TRANSITIONS[action]
+        if self.state not in sources:
+            raise IllegalTransitionError(f"unit {self.name or 'root'}", action,
+                                         " or ".join(s.name for s in sources), self.state.name)
+        self.state = target
