@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +13,9 @@ import torch
 from zero.train.corpus import split_held_out
 from zero.train import main
 
+from conftest import REPO_ROOT, child_env
 from models import one_thread  # noqa: F401  (autouse fixture)
+from stage3_models import free_port
 
 
 def test_default_job_offloads_and_the_held_out_loss_falls(tmp_path, capsys):
@@ -36,3 +40,29 @@ def test_held_out_part_is_never_trained_on_and_a_short_corpus_is_named():
     assert torch.equal(torch.cat([train, held]), tokens) and held.numel() == 50
     with pytest.raises(ValueError, match="30 tokens is too short"):
         split_held_out(tokens[:30], seq_len=16)
+
+
+CONFIGS = sorted(name for name in os.listdir(os.path.join(REPO_ROOT, "configs")) if name.endswith(".json"))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_shipped_config_trains_the_main_job(name, tmp_path, capsys):
+    """Each config under configs/ (stages 0-3, every offload) trains the main job's model, built on meta, for
+    two steps."""
+    run = main(["--config", os.path.join(REPO_ROOT, "configs", name), "--preset", "tiny", "--steps", "2",
+                "--nvme-path", str(tmp_path / "nvme")])
+    assert len(run.reports) == 2 and all(torch.isfinite(torch.tensor(r.loss)) for r in run.reports)
+    assert "held-out loss" in capsys.readouterr().out
+
+
+def test_under_torchrun_rank_zero_alone_reports(tmp_path):
+    """Two ranks train; the job's lines (model, tiers, steps, held-out loss) are printed once."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+         str(free_port()), "-m", "zero.train", "--preset", "tiny", "--steps", "2", "--nvme-path", str(nvme)],
+        env=child_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for line in ("model: ", "tiers: ", "step 1: loss", "held-out loss: "):
+        assert done.stdout.count(line) == 1, f"{line!r} printed {done.stdout.count(line)} times:\n{done.stdout}"

@@ -69,7 +69,7 @@ class PartitionedPlacement(Placement):
                                          segment if masters_are_params else None)
             full = torch.empty(flat.padded_numel, dtype=dtype, device=device)
             placement._add(Unit(index, flat, module, full, sub_groups, segment,
-                                persistent=flat.numel <= persistence_threshold))
+                                persistent=flat.numel <= persistence_threshold, state=UnitState.RELEASED))
             del master
         placement.model_hooks.append(model._register_state_dict_hook(placement._state_dict_hook(model)))
         materialize.buffers()
@@ -85,7 +85,6 @@ class PartitionedPlacement(Placement):
         unit.flat.bind(unit.full)
         unit.full.untyped_storage().resize_(0)
         unit.flat.unbind()  # released parameters hold no bytes a stray read could reach (they are 0-element)
-        unit.state = UnitState.RELEASED
         self.units.append(unit)
         unit.hooks.append(unit.module.register_forward_pre_hook(lambda m, args: self._pre_forward(unit)))
         unit.hooks.append(unit.module.register_forward_hook(lambda m, args, out: self._post_forward(unit, out)))

@@ -2,6 +2,7 @@
 
     python -m zero.train                              # built-in default: a few minutes on a 2-core CPU
     python -m zero.train --config configs/zero3_nvme.json --preset 124m --steps 100 --data my.txt
+    torchrun --nproc_per_node 2 -m zero.train         # two data-parallel ranks (gloo on CPU); rank 0 reports
 
 The model is built on the meta device and materialized unit by unit straight into the tiers. Data: the
 given text files, or the bytes of this Python's standard library sources, whose last 5% are held out: the
@@ -147,19 +148,21 @@ def main(argv: list[str] | None = None) -> TrainRun:
     engine, _, _, _ = initialize(model=model, config=config)
     tokens, held = split_held_out(text_files(args.data) if args.data else default_corpus(), gpt_config.seq_len)
     micro = engine.config.train_micro_batch_size_per_gpu
-    batches = Batches(tokens, micro, gpt_config.seq_len, args.seed)
+    batches = Batches(tokens, micro, gpt_config.seq_len, args.seed + engine.dp.rank)  # each rank its own data
     held_batch = Batches(held, micro, gpt_config.seq_len, args.seed).next()
     swap = engine.swap
-    print(f"model: {gpt_config.params / 1e6:.1f}M parameters, {gpt_config.n_layer} layers x {gpt_config.n_embd}; "
+    main_rank = engine.dp.rank == 0  # under torchrun, rank 0 alone reports
+    say = print if main_rank else (lambda *args, **kwargs: None)
+    say(f"model: {gpt_config.params / 1e6:.1f}M parameters, {gpt_config.n_layer} layers x {gpt_config.n_embd}; "
           f"training state {fmt_bytes(16 * gpt_config.params)} (fp32 master + Adam + grads), "
           f"stage {engine.stage}, compute {str(engine.compute_dtype).removeprefix('torch.')}")
-    print(f"tiers: device budget {fmt_bytes(swap.device_tier.budget) if swap.device_tier.budget else 'unlimited'}"
+    say(f"tiers: device budget {fmt_bytes(swap.device_tier.budget) if swap.device_tier.budget else 'unlimited'}"
           f" on {engine.device}, host budget {fmt_bytes(swap.pool.budget)}"
           + (f", nvme {swap.store.path} ({swap.store.engine_reason})" if swap.store else ""))
     held_before = held_out_loss(engine, held_batch)
     reports = []
     tokens_per_step = engine.config.train_batch_size * gpt_config.seq_len
-    bar = tqdm(range(args.steps), unit="step", file=sys.stdout, dynamic_ncols=True)
+    bar = tqdm(range(args.steps), unit="step", file=sys.stdout, dynamic_ncols=True, disable=not main_rank)
     for step in bar:
         reports.append(train_step(engine, batches, step))
         report = reports[-1]
@@ -167,17 +170,18 @@ def main(argv: list[str] | None = None) -> TrainRun:
             f"loss {report.loss:.3f} | {tokens_per_step / report.step_s:,.0f} tok/s | "
             f"device {fmt_bytes(swap.device_tier.in_use)} host {fmt_bytes(swap.pool.in_use)}"
             + (f" nvme {fmt_bytes(swap.store.used_bytes)}" if swap.store else ""))
-        tqdm.write(summary_line(report))
+        if main_rank:
+            tqdm.write(summary_line(report))
     held_after = held_out_loss(engine, held_batch)
-    print(f"held-out loss: {held_before:.4f} before training, {held_after:.4f} after {args.steps} steps")
-    if args.summary_json:
+    say(f"held-out loss: {held_before:.4f} before training, {held_after:.4f} after {args.steps} steps")
+    if args.summary_json and main_rank:
         with open(args.summary_json, "w") as f:
             json.dump({"held_out_loss": [held_before, held_after],
                        "steps": [vars(r) | {"compute_s": r.compute_s, "overlap": r.overlap} for r in reports]},
                       f, indent=1)
     engine.close()  # writes the Chrome trace when zero_tiering.trace_path is set
     if args.trace:
-        print(f"Chrome trace: {args.trace}")
+        say(f"Chrome trace: {args.trace}")
     return TrainRun(reports, held_before, held_after)
 
 
