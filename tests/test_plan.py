@@ -1,0 +1,107 @@
+"""`python -m zero.plan`: bytes per tier from the engine's own units and budgets, a chosen config that the engine
+takes, and bad input named."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import zero
+from zero.config import load_config
+from zero.plan.__main__ import main
+from zero.plan.model_source import from_preset
+
+from conftest import child_env
+from models import one_thread  # noqa: F401  (autouse fixture)
+
+DISK = ["--disk-read", "2.0", "--disk-write", "2.5"]
+
+
+def plan(tmp_path, *args: str) -> dict:
+    return main(["--model", "tiny", "--nvme-path", str(tmp_path), *DISK, "--json", *args])
+
+
+def test_every_placement_is_priced_and_the_chosen_config_trains(tmp_path, capsys):
+    out = tmp_path / "ds_config.json"
+    result = plan(tmp_path, "--out", str(out))
+    assert {"predicted_peak_rss_bytes", "predicted_step_s", "predicted_bytes_per_step", "config"} <= result.keys()
+    assert len(result["placements"]) == 3 * 3 + 3 * 3  # stages 0-2 x optimizer, stage 3 x params x optimizer
+    assert result["fits"] and json.loads(out.read_text()) == result["config"]
+    assert "fastest placement that fits" in result["explanation"]
+    fastest = min((p for p in result["placements"] if p["fits"]),
+                  key=lambda p: (p["predicted_step_s"], p["predicted_peak_rss_bytes"]))  # ties: the smaller
+    assert result["placement"] == fastest["placement"]
+    load_config(result["config"])  # a valid ds_config
+    from zero.train import main as train
+
+    run = train(["--config", str(out), "--preset", "tiny", "--steps", "1", "--nvme-path", str(tmp_path / "n")])
+    assert len(run.reports) == 1
+
+
+def test_bytes_per_tier_are_the_engines(tmp_path):
+    """fp32, stage 3, params and optimizer on cpu: the parameter shard is the master, so each (padded) element
+    holds 4 bytes of parameter, 8 of moments and 4 of gradient, all on host."""
+    shape = from_preset("tiny")
+    config = str(tmp_path / "c.json")
+    with open(config, "w") as f:
+        json.dump({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {
+            "stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}, f)
+    result = plan(tmp_path, "--config", config)
+    engine = zero.initialize(model=from_preset("tiny").model, config=config)[0]
+    padded = sum(unit.flat.padded_numel for unit in engine.units)
+    engine.close()
+    assert result["tier_bytes"] == {"device": 0, "host": 16 * padded, "nvme": 0}
+    assert padded >= shape.params and result["predicted_bytes_per_step"] == 0
+
+
+def test_a_machine_too_small_fits_nothing_and_says_why(tmp_path):
+    result = plan(tmp_path, "--ram", "256MiB")
+    assert not result["fits"] and result["explanation"].startswith("nothing fits")
+    assert "RAM" in result["explanation"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "9z"], "model '9z': not a preset"),
+    (["--model", "tiny", "--ram", "lots"], "--ram 'lots'"),
+    (["--model", "tiny", "--ram", "1KiB"], "is not a machine's memory"),
+    (["--model", "tiny", "--nvme-path", "/no/such/dir"], "--nvme-path '/no/such/dir': no such directory"),
+    (["--model", "tiny", "--disk-read", "-1", "--disk-write", "2"], "--disk-read -1.0"),
+    (["--model", "missing.json"], "model 'missing.json': no such file"),
+])
+def test_bad_input_is_named(args, message, tmp_path, capsys):
+    if "--disk-read" not in args:
+        args = [*args, *DISK]
+    if "--nvme-path" not in args:
+        args = [*args, "--nvme-path", str(tmp_path)]
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_hugging_face_config_missing_fields_is_named(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64}))
+    with pytest.raises(SystemExit):
+        main(["--model", str(path), *DISK, "--nvme-path", str(tmp_path)])
+    assert "has no 'hidden_size'" in capsys.readouterr().err
+
+
+def test_a_hugging_face_config_and_a_factory_plan(tmp_path):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=256)
+    config.save_pretrained(tmp_path)
+    llama = main(["--model", str(tmp_path / "config.json"), *DISK, "--nvme-path", str(tmp_path), "--json"])
+    assert llama["fits"] and llama["tier_bytes"]["device"] + llama["tier_bytes"]["host"] > 0
+    factory = main(["--model", "stage3_models:own_gpt", *DISK, "--nvme-path", str(tmp_path), "--json"])
+    assert factory["fits"] and factory["config"]["train_micro_batch_size_per_gpu"] == 4
+
+
+def test_the_command_runs(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "zero.plan", "--model", "tiny", *DISK, "--nvme-path",
+                           str(tmp_path)], env=child_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "fastest placement that fits" in done.stdout and "peak RSS" in done.stdout

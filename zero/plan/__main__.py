@@ -1,0 +1,183 @@
+"""`python -m zero.plan`: will it fit, with which config, and how fast.
+
+    python -m zero.plan --model 1b --layers 4                     # every placement; the fastest that fits
+    python -m zero.plan --model path/to/config.json --ram 64GiB --gpu-memory 80GB --out ds_config.json
+    python -m zero.plan --model 7b --layers 12 --config configs/zero3_nvme_scale.json   # predict this config
+
+For a model (a preset of the main job, a Hugging Face config.json, or `package.module:function`) and a machine
+(RAM, GPU memory, the disk: figures saved by `python -m zero.report --bandwidth PATH`, or given), it prints each
+placement's bytes per tier, predicted peak RSS, device peak, nvme bytes per step and step time, and writes the
+fastest placement that fits as a ds_config.json. See predict.py for what the predictions count.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from tiering.errors import fmt_bytes
+
+from ..config import ConfigError
+from ..report.bandwidth import DEFAULT_FIGURES, DiskFigures, load_figures
+from .machine import Machine, adam_rate, gpu_memory, host_ram, matmul_rate, nvme_directory, parse_memory
+from .model_source import PlanInputError, load_model
+from .predict import PRECISIONS, Prediction, ds_config, host_budget_for, placement_of, placements, predict
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m zero.plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a preset, a config.json, or package.module:function")
+    parser.add_argument("--layers", type=int, help="override the preset's layer count")
+    parser.add_argument("--hidden", type=int, help="override the preset's width")
+    parser.add_argument("--heads", type=int, help="override the preset's head count")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens a sequence (the main job's default)")
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences a micro-batch")
+    parser.add_argument("--precision", choices=sorted(PRECISIONS), help="default: bf16 with CUDA, else fp32")
+    parser.add_argument("--config", help="predict this DeepSpeed-format config only")
+    parser.add_argument("--host-budget", help="zero_tiering.host_budget for --config (as zero.train takes it)")
+    parser.add_argument("--device-budget", help="zero_tiering.device_budget for --config")
+    parser.add_argument("--ram", help="host memory (default: this machine's)")
+    parser.add_argument("--gpu-memory", help="accelerator memory (default: this machine's; 0 without CUDA)")
+    parser.add_argument("--disk", default=str(DEFAULT_FIGURES),
+                        help="disk figures saved by `python -m zero.report --bandwidth` (default: %(default)s)")
+    parser.add_argument("--disk-read", type=float, help="nvme read GB/s (instead of --disk)")
+    parser.add_argument("--disk-write", type=float, help="nvme write GB/s (instead of --disk)")
+    parser.add_argument("--nvme-path", default="/tmp/zero_tiering_nvme", help="where nvme placements keep state")
+    parser.add_argument("--out", help="write the chosen placement's ds_config.json here")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    base_rss = current_rss()
+    try:
+        result = plan(args, base_rss)
+    except (PlanInputError, ConfigError) as exc:
+        print(f"zero.plan: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if args.json:
+        print(json.dumps(result, indent=1))
+    return result
+
+
+def plan(args: argparse.Namespace, base_rss: int) -> dict:
+    shape = load_model(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len)
+    disk = disk_figures(args)
+    precision = args.precision or ("bf16" if torch.cuda.is_available() else "fp32")
+    if args.config:
+        config = given_config(args)
+        precision = placement_of(config).precision
+    dtype = PRECISIONS[precision]
+    machine = Machine(
+        ram_bytes=parse_memory("--ram", args.ram) if args.ram else host_ram(),
+        gpu_bytes=parse_memory("--gpu-memory", args.gpu_memory) if args.gpu_memory else gpu_memory(),
+        disk=disk, matmul_flops=matmul_rate(shape.hidden, args.micro_batch * shape.seq_len, dtype),
+        adam_elements=adam_rate(dtype))
+    nvme_free = None
+    if disk is not None:
+        stat = os.statvfs(nvme_directory(args.nvme_path))
+        nvme_free = stat.f_bavail * stat.f_frsize
+    if args.config:
+        predictions = [predict(shape, machine, config, base_rss, nvme_free)]
+    else:
+        predictions = []
+        for placement in placements(precision, nvme=disk is not None):
+            config = ds_config(placement, micro_batch=args.micro_batch, nvme_path=args.nvme_path)
+            budget = host_budget_for(shape, machine, config, base_rss)
+            if budget is not None:
+                config = ds_config(placement, micro_batch=args.micro_batch, nvme_path=args.nvme_path,
+                                   host_budget=budget)
+            predictions.append(predict(shape, machine, config, base_rss, nvme_free))
+    fitting = [p for p in predictions if p.fits]
+    chosen = min(fitting, key=lambda p: (p.step_s, p.peak_rss_bytes)) if fitting else None
+    if not args.json:
+        report(shape, machine, predictions, chosen)
+    if chosen is not None and args.out:
+        with open(args.out, "w") as f:
+            json.dump(chosen.config, f, indent=1)
+        if not args.json:
+            print(f"wrote {args.out}: python -m zero.train --config {args.out} ...")
+    best = chosen or min(predictions, key=lambda p: p.peak_rss_bytes)
+    return {**best.to_json(), "fits": chosen is not None, "explanation": explain(predictions, chosen),
+            "placements": [p.to_json() for p in predictions]}
+
+
+def given_config(args: argparse.Namespace) -> dict:
+    try:
+        with open(args.config) as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PlanInputError(f"--config {args.config!r}: {exc}") from exc
+    tiering = config.setdefault("zero_tiering", {})
+    for flag, key in (("host_budget", "host_budget"), ("device_budget", "device_budget")):
+        if getattr(args, flag):
+            tiering[key] = getattr(args, flag)
+    config["train_micro_batch_size_per_gpu"] = config.get("train_micro_batch_size_per_gpu", args.micro_batch)
+    return config
+
+
+def disk_figures(args: argparse.Namespace) -> DiskFigures | None:
+    """The disk's figures: given on the command line, or saved by zero.report; None when neither exists (no
+    nvme placement is planned then)."""
+    if (args.disk_read is None) != (args.disk_write is None):
+        raise PlanInputError("--disk-read and --disk-write go together")
+    if args.disk_read is not None:
+        for flag, value in (("--disk-read", args.disk_read), ("--disk-write", args.disk_write)):
+            if not 0 < value < 1000:
+                raise PlanInputError(f"{flag} {value}: GB/s of a disk, between 0 and 1000")
+        return DiskFigures(nvme_path=os.path.abspath(args.nvme_path), read_gbps=args.disk_read,
+                           write_gbps=args.disk_write, mixed_gbps=args.disk_read + args.disk_write,
+                           engine="given", measured_at="", bytes=0)
+    try:
+        return load_figures(args.disk)
+    except ValueError as exc:
+        raise PlanInputError(str(exc)) from exc
+
+
+def explain(predictions: list[Prediction], chosen: Prediction | None) -> str:
+    if chosen is None:
+        tightest = min(predictions, key=lambda p: p.peak_rss_bytes)
+        return (f"nothing fits; the smallest, {tightest.placement.name}, needs: {'; '.join(tightest.why_not)}")
+    faster = [p for p in predictions if p.step_s < chosen.step_s and not p.fits]
+    lines = [f"{chosen.placement.name}: the fastest placement that fits ({chosen.step_s:.2f} s a step, peak RSS "
+             f"{fmt_bytes(chosen.peak_rss_bytes)})."]
+    if faster:
+        quickest = min(faster, key=lambda p: p.step_s)
+        lines.append(f"Faster but not fitting: {quickest.placement.name} ({quickest.step_s:.2f} s): "
+                     f"{'; '.join(quickest.why_not)}.")
+    if chosen.bytes_per_step:
+        lines.append(f"It moves {fmt_bytes(chosen.bytes_per_step)} of nvme I/O a step "
+                     f"(optimizer phase {chosen.optimizer_s:.2f} s).")
+    return " ".join(lines)
+
+
+def report(shape, machine: Machine, predictions: list[Prediction], chosen: Prediction | None) -> None:
+    print(f"model: {shape.params / 1e6:.1f}M trainable parameters, {shape.layers} layers x {shape.hidden}, "
+          f"{shape.seq_len} tokens a sequence")
+    disk = (f"disk {machine.disk.read_gbps:.2f} GB/s read, {machine.disk.write_gbps:.2f} write"
+            if machine.disk else "no disk figures (run python -m zero.report --bandwidth PATH): no nvme placement")
+    print(f"machine: RAM {fmt_bytes(machine.ram_bytes)}, GPU {fmt_bytes(machine.gpu_bytes)}, {disk}; matmul "
+          f"{machine.matmul_flops / 1e9:.0f} GFLOP/s, CPU-Adam {machine.adam_elements / 1e6:.0f} M elements/s")
+    print(f"{'placement':<48} {'device':>10} {'host':>10} {'nvme':>10} {'peak RSS':>10} {'nvme/step':>10} "
+          f"{'step s':>8}  fits")
+    for p in predictions:
+        t = p.tier_bytes
+        print(f"{p.placement.name:<48} {fmt_bytes(t['device']):>10} {fmt_bytes(t['host']):>10} "
+              f"{fmt_bytes(t['nvme']):>10} {fmt_bytes(p.peak_rss_bytes):>10} {fmt_bytes(p.bytes_per_step):>10} "
+              f"{p.step_s:>8.2f}  {'yes' if p.fits else 'no: ' + '; '.join(p.why_not)}")
+    print(explain(predictions, chosen))
+
+
+def current_rss() -> int:
+    """This process's resident bytes now (python, torch and zero imported): the floor of a training process."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""The machine a plan is for: memory (RAM, GPU), the disk under nvme_path (read, write and mixed GB/s, as
+`python -m zero.report --bandwidth` measured them, or given), and this machine's compute rates, measured in a
+second or two: matmul FLOP/s at the model's width in the compute dtype, and CPU-Adam elements per second."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..config.sizes import parse_size
+from ..optim.adam_math import AdamThreads, adam_step
+from ..report.bandwidth import DiskFigures
+from ..report.checks import meminfo
+from .model_source import PlanInputError
+
+
+@dataclass(frozen=True)
+class Machine:
+    ram_bytes: int
+    gpu_bytes: int
+    """0 on a machine without CUDA: the device tier is then host memory, counted in RSS."""
+    disk: DiskFigures | None
+    """None: no nvme placement is planned."""
+    matmul_flops: float
+    """FLOP/s of a (tokens x width) @ (width x 4 width) matmul in the compute dtype."""
+    adam_elements: float
+    """CPU-Adam elements stepped per second (fp32 state, copy-out to the compute dtype)."""
+
+
+def parse_memory(flag: str, text: str) -> int:
+    """A memory figure given on the command line ("24GiB", "80GB"): bytes, or an error naming the flag."""
+    try:
+        nbytes = parse_size(text)
+    except ValueError as exc:
+        raise PlanInputError(f"{flag} {text!r}: {exc}") from exc
+    if flag == "--ram" and nbytes < (256 << 20):
+        raise PlanInputError(f"--ram {text!r}: {nbytes} bytes is not a machine's memory (at least 256MiB)")
+    return nbytes
+
+
+def host_ram() -> int:
+    return meminfo()["MemTotal"]
+
+
+def gpu_memory() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if torch.cuda.is_available() else 0
+
+
+def matmul_rate(width: int, tokens: int, dtype: torch.dtype) -> float:
+    """FLOP/s of the model's typical matmul on this machine (the device when CUDA is present)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    width = max(64, min(width, 4096))
+    tokens = max(64, min(tokens, 2048))
+    a = torch.randn(tokens, width, dtype=dtype, device=device)
+    b = torch.randn(width, 4 * width, dtype=dtype, device=device)
+    a @ b  # warm-up
+    reps, start = 0, time.perf_counter()
+    while reps < 3 or time.perf_counter() - start < 0.3:
+        a @ b
+        reps += 1
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return reps * 2 * tokens * width * 4 * width / (time.perf_counter() - start)
+
+
+def adam_rate(out_dtype: torch.dtype) -> float:
+    """Elements per second of one CPU-Adam step over 4M fp32 elements on torch's threads."""
+    n = 4 << 20
+    p, g, m, v = (torch.rand(n) for _ in range(4))
+    out = torch.empty(n, dtype=out_dtype) if out_dtype != torch.float32 else None
+    with AdamThreads() as threads:
+        times = []
+        for step in range(1, 5):
+            start = time.perf_counter()
+            adam_step(p, g, m, v, step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                      out=out, threads=threads)
+            times.append(time.perf_counter() - start)
+    return n / sorted(times)[len(times) // 2]
+
+
+def nvme_directory(path: str) -> str:
+    if not os.path.isdir(path):
+        raise PlanInputError(f"--nvme-path {path!r}: no such directory")
+    return path

@@ -1,0 +1,108 @@
+"""The model a plan is for, built on the meta device (no memory): a preset of the main job, a Hugging Face
+config.json, or an importable factory `package.module:function`. What the planner needs of it is summed up
+in a ModelShape."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from ..train.gpt import GPT, PRESETS
+
+
+class PlanInputError(ValueError):
+    """A plan's input (model, machine figure, path) is unusable; the message names it and says why."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    model: nn.Module
+    """The model, on meta."""
+    params: int
+    """Trainable parameters."""
+    matmul_params: int
+    """Parameters of the Linear layers (and a tied LM head), what the FLOP count multiplies by tokens."""
+    layers: int
+    hidden: int
+    vocab: int
+    seq_len: int
+
+
+def from_preset(name: str, *, layers: int | None = None, hidden: int | None = None, heads: int | None = None,
+                seq_len: int = 128) -> ModelShape:
+    if name not in PRESETS:
+        raise PlanInputError(f"model {name!r}: not a preset of the main job ({', '.join(sorted(PRESETS))}), an "
+                             "existing config.json, or a factory `package.module:function`")
+    overrides = {"seq_len": seq_len}
+    for field, value in (("n_layer", layers), ("n_embd", hidden), ("n_head", heads)):
+        if value is not None:
+            overrides[field] = value
+    config = replace(PRESETS[name], **overrides)
+    with torch.device("meta"):
+        model = GPT(config)
+    return _shape(model, config.n_layer, config.n_embd, config.vocab_size, seq_len)
+
+
+def from_hf_config(path: str, seq_len: int) -> ModelShape:
+    """A transformers causal LM from its config.json, built from the config (no weights read)."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PlanInputError(f"model config {path!r}: {exc}") from exc
+    for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"):
+        if key not in raw:
+            raise PlanInputError(f"model config {path!r} has no {key!r}: a Hugging Face config.json names "
+                                 "model_type, hidden_size, num_hidden_layers and vocab_size")
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as exc:
+        raise PlanInputError(f"model config {path!r}: planning a Hugging Face model needs transformers "
+                             f"(pip install transformers): {exc}") from exc
+    config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)) if os.path.basename(path) ==
+                                        "config.json" else path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return _shape(model, raw["num_hidden_layers"], raw["hidden_size"], raw["vocab_size"], seq_len)
+
+
+def from_factory(spec: str, seq_len: int) -> ModelShape:
+    """`package.module:function`, called with no arguments under the meta device."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise PlanInputError(f"model factory {spec!r}: {exc}") from exc
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, nn.Module):
+        raise PlanInputError(f"model factory {spec!r} returned {type(model).__name__}, not an nn.Module")
+    config = getattr(model, "config", None)
+    hidden = getattr(config, "hidden_size", None) or max(
+        (m.in_features for m in model.modules() if isinstance(m, nn.Linear)), default=0)
+    layers = getattr(config, "num_hidden_layers", None) or 0
+    vocab = getattr(config, "vocab_size", None) or max(
+        (m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=0)
+    return _shape(model, layers, hidden, vocab, seq_len)
+
+
+def load_model(spec: str, **preset_overrides) -> ModelShape:
+    """A preset name, a path to a config.json, or `package.module:function`."""
+    seq_len = preset_overrides.get("seq_len", 128)
+    if os.path.isfile(spec):
+        return from_hf_config(spec, seq_len)
+    if ":" in spec:
+        return from_factory(spec, seq_len)
+    if spec.endswith(".json") or os.sep in spec:
+        raise PlanInputError(f"model {spec!r}: no such file")
+    return from_preset(spec, **preset_overrides)
+
+
+def _shape(model: nn.Module, layers: int, hidden: int, vocab: int, seq_len: int) -> ModelShape:
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    linear = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)}
+    return ModelShape(model, params, sum(linear.values()) or params, layers, hidden, vocab, seq_len)

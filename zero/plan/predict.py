@@ -1,0 +1,242 @@
+"""What a placement costs on a machine: bytes per tier, predicted peak host RSS and device peak, nvme bytes moved
+and step time, for one rank.
+
+The tiers' budgets come from the engine's own rules (zero/budgets.py) applied to the model's units (the wrap
+policy on the meta model), so the plan and the engine agree on what each tier holds. The rest is a model of
+today's engine, with its terms measured on this machine or counted from the model:
+
+- peak RSS = this process's RSS before planning (python, torch, zero) + the host tier's peak (its homed
+  bytes, plus nvme-homed bytes cached up to the host budget) + the device tier's peak where the device is
+  host memory (no CUDA) + what no budget holds: the root unit's and one block's gradients as autograd leaves
+  them, the gradient reduction's scratch, activations and logits;
+- step time = forward/backward compute (FLOPs / the measured matmul rate, times COMPUTE_OVERHEAD for what is
+  not a matmul) + the part of the parameter reads and gradient writes that compute does not hide + the
+  optimizer phase, which waits for the larger of CPU-Adam and its own nvme reads and writes (these run one
+  after the other on today's engine, at IO_EFFICIENCY of the measured rates: the disk is idle during the
+  forward/backward, see the disk issue);
+- nvme bytes: forward and backward read each parameter shard, backward writes each gradient, the step reads
+  gradients and optimizer state and writes state and parameters back; the share of nvme-homed bytes that
+  the host budget keeps cached (beyond its working window) moves no I/O.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from ..budgets import HOMES, masters_are_params, swap_config
+from ..comm import DataParallel
+from ..config import load_config
+from ..initialize import plan_units
+from ..optim.param_groups import param_groups_from
+from .machine import Machine
+from .model_source import ModelShape
+
+COMPUTE_OVERHEAD = 1.35
+"""Forward/backward time over its matmul FLOPs at the measured matmul rate: layer norms, GELU, softmax,
+attention's small matmuls, the embedding, gathers and copies. Measured on the development machine (2-core
+CPU, GPT presets 124m-7b at 128 tokens a sequence): 1.2-1.5."""
+IO_EFFICIENCY = 0.5
+"""The share of the disk's measured rates today's engine reaches inside a step (requests of one segment each,
+reads waiting on room, write-backs started late). From the disk issue's scale run: 86 GB a step moved at
+1.09 GB/s where reading then writing at fio's rates (2.06, 2.55 GB/s) takes 0.48 of that time."""
+ALLOCATOR_SLACK = 1.10
+"""RSS over the bytes the model above counts: the allocator's free lists and fragmentation."""
+RAM_HEADROOM = 0.9
+"""A plan fits when its peak RSS is within this share of RAM (the OS and page cache need the rest)."""
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Placement:
+    stage: int
+    offload_param: str
+    offload_optimizer: str
+    precision: str
+
+    @property
+    def name(self) -> str:
+        return (f"stage {self.stage}, params {self.offload_param if self.stage == 3 else 'on device'}, "
+                f"optimizer {self.offload_optimizer}, {self.precision}")
+
+
+def placements(precision: str, nvme: bool) -> list[Placement]:
+    """Every placement the engine supports in one precision (nvme ones only where a disk is planned)."""
+    devices = ("none", "cpu", "nvme") if nvme else ("none", "cpu")
+    out = [Placement(stage, "none", optimizer, precision) for stage in (0, 1, 2) for optimizer in devices]
+    out += [Placement(3, param, optimizer, precision) for param in devices for optimizer in devices]
+    return out
+
+
+def ds_config(placement: Placement, *, micro_batch: int, nvme_path: str | None, host_budget: int | None = None,
+              device_budget: int | None = None) -> dict:
+    """The DeepSpeed-format config of a placement (what `zero.train --config` and `zero.initialize` take)."""
+    zero = {"stage": placement.stage, "offload_optimizer": {"device": placement.offload_optimizer},
+            "sub_group_size": 4_000_000}
+    if placement.stage == 3:
+        zero["offload_param"] = {"device": placement.offload_param}
+        zero["stage3_param_persistence_threshold"] = 0
+    for section in ("offload_param", "offload_optimizer"):
+        if zero.get(section, {}).get("device") == "nvme":
+            zero[section]["nvme_path"] = nvme_path
+    config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+              "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+              "zero_optimization": zero}
+    if placement.precision != "fp32":
+        config[placement.precision] = {"enabled": True}
+    tiering = {key: value for key, value in (("host_budget", host_budget), ("device_budget", device_budget))
+               if value is not None}
+    if tiering:
+        config["zero_tiering"] = tiering
+    return config
+
+
+def placement_of(config: dict) -> Placement:
+    cfg = load_config(config)
+    zo = cfg.zero_optimization
+    precision = "bf16" if cfg.bf16.enabled else "fp16" if cfg.fp16.enabled else "fp32"
+    return Placement(zo.stage, zo.offload_param.device if zo.stage == 3 else "none", zo.offload_optimizer.device,
+                     precision)
+
+
+@dataclass
+class Prediction:
+    placement: Placement
+    config: dict
+    tier_bytes: dict[str, int]
+    """Bytes homed in each tier (device, host, nvme)."""
+    peak_rss_bytes: int
+    device_peak_bytes: int
+    read_bytes: int
+    """nvme bytes read per step."""
+    write_bytes: int
+    compute_s: float
+    optimizer_s: float
+    io_s: float
+    step_s: float
+    host_budget: int
+    fits: bool = True
+    why_not: list[str] = field(default_factory=list)
+
+    @property
+    def bytes_per_step(self) -> int:
+        return self.read_bytes + self.write_bytes
+
+    def to_json(self) -> dict:
+        return {"placement": self.placement.name, "predicted_peak_rss_bytes": self.peak_rss_bytes,
+                "predicted_device_peak_bytes": self.device_peak_bytes, "predicted_step_s": self.step_s,
+                "predicted_bytes_per_step": self.bytes_per_step, "predicted_read_bytes": self.read_bytes,
+                "predicted_write_bytes": self.write_bytes, "compute_s": self.compute_s,
+                "optimizer_s": self.optimizer_s, "io_s": self.io_s, "tier_bytes": self.tier_bytes,
+                "host_budget": self.host_budget, "fits": self.fits, "why_not": self.why_not,
+                "config": self.config}
+
+
+def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nvme_free: int | None) -> Prediction:
+    """The costs of training `shape` with `config` (one rank) on `machine`."""
+    cfg = load_config(json.loads(json.dumps(config)), hidden_size=shape.hidden)
+    zo = cfg.zero_optimization
+    placement = placement_of(config)
+    dtype = PRECISIONS[placement.precision]
+    p = dtype.itemsize
+    groups = param_groups_from(shape.model, None, None, cfg)
+    flats = [flat for flat, _ in plan_units(shape.model, groups, DataParallel())]
+    budgets = swap_config(cfg, flats, dtype)
+    derived = swap_config(load_config(working_window_config(config), hidden_size=shape.hidden), flats, dtype)
+    n = sum(flat.padded_numel for flat in flats)
+    largest = max(flat.padded_numel for flat in flats)
+    root = flats[0].padded_numel
+
+    shared = masters_are_params(cfg, dtype)
+    state = (8 if shared else 12) * n  # fp32 moments, and the master unless the parameter shard is it
+    grads, params = 4 * n, p * n
+    state_home = HOMES[zo.offload_optimizer.device]
+    grad_home = "nvme" if state_home == "nvme" else "device" if state_home == "device" else "host"
+    param_home = HOMES[zo.offload_param.device] if zo.stage == 3 else "device"
+    tiers = {"device": 0, "host": 0, "nvme": 0}
+    for home, nbytes in ((state_home, state), (grad_home, grads), (param_home, params)):
+        tiers[home] += nbytes
+
+    # The device tier: what is homed there, and (stage 3) the root unit and a block gathered.
+    gathered = p * (root + largest) if zo.stage == 3 else 0
+    device_peak = tiers["device"] + gathered
+    # The host tier: its homed bytes, and nvme-homed bytes cached up to its budget.
+    window = max(0, derived.host_budget - tiers["host"])
+    host_budget = budgets.host_budget
+    host_peak = min(host_budget, tiers["host"] + tiers["nvme"] + window) if tiers["nvme"] else tiers["host"]
+    cached = max(0, host_budget - tiers["host"] - window)
+    kept = min(1.0, cached / tiers["nvme"]) if tiers["nvme"] else 1.0
+
+    # What no budget holds.
+    micro, seq = cfg.train_micro_batch_size_per_gpu, shape.seq_len
+    tokens = micro * seq
+    autograd = p * (root + largest) if zo.stage == 3 else p * n  # leaves' .grad until reduced
+    fp32_scratch = 4 * largest if (p != 4 or grad_home == "device") else 0
+    scratch = p * largest * (2 if zo.stage >= 2 else 1) + fp32_scratch
+    activations = tokens * shape.hidden * p * 16 * shape.layers + tokens * shape.vocab * (2 * p + 8)
+    unbudgeted = autograd + scratch + activations
+    on_host = host_peak + (device_peak if machine.gpu_bytes == 0 else 0)
+    peak_rss = int(base_rss + ALLOCATOR_SLACK * (on_host + unbudgeted))
+
+    # Time.
+    flops = 3 * (2 * shape.matmul_params * tokens + 4 * shape.layers * micro * seq * seq * shape.hidden)
+    accumulation = cfg.gradient_accumulation_steps
+    compute = accumulation * flops / machine.matmul_flops * COMPUTE_OVERHEAD
+    adam = n / machine.adam_elements
+    read_fb = 2 * params if param_home == "nvme" else 0
+    write_bwd = accumulation * grads if grad_home == "nvme" else 0
+    read_opt = (state + grads if state_home == "nvme" else 0) + (params if shared and param_home == "nvme" else 0)
+    write_opt = (state if state_home == "nvme" else 0) + (params if param_home == "nvme" else 0)
+    moved = 1.0 - kept
+    reads, writes = int(moved * (read_fb + read_opt)), int(moved * (write_bwd + write_opt))
+    disk = machine.disk
+    fb_io = opt_io = 0.0
+    if reads or writes:
+        read_rate, write_rate = (IO_EFFICIENCY * 1e9 * gbps for gbps in (disk.read_gbps, disk.write_gbps))
+        fb_io = moved * (read_fb / read_rate + write_bwd / write_rate)
+        opt_io = moved * (read_opt / read_rate + write_opt / write_rate)
+    optimizer = max(adam, opt_io)
+    step = compute + max(0.0, fb_io - compute) + optimizer
+
+    prediction = Prediction(placement, config, tiers, peak_rss, device_peak, reads, writes, compute, optimizer,
+                            fb_io + opt_io, step, host_budget)
+    if peak_rss > RAM_HEADROOM * machine.ram_bytes:
+        prediction.why_not.append(f"peak RSS {peak_rss / 2**30:.1f} GiB > {RAM_HEADROOM:.0%} of "
+                                  f"{machine.ram_bytes / 2**30:.1f} GiB RAM")
+    if machine.gpu_bytes and device_peak > machine.gpu_bytes:
+        prediction.why_not.append(f"device peak {device_peak / 2**30:.1f} GiB > "
+                                  f"{machine.gpu_bytes / 2**30:.1f} GiB GPU memory")
+    if budgets.device_budget is not None and device_peak > budgets.device_budget:
+        prediction.why_not.append(f"device peak {device_peak / 2**30:.2f} GiB > device budget "
+                                  f"{budgets.device_budget / 2**30:.2f} GiB")
+    if tiers["host"] > host_budget:
+        prediction.why_not.append(f"{tiers['host'] / 2**30:.1f} GiB homed on host > host budget "
+                                  f"{host_budget / 2**30:.1f} GiB")
+    if tiers["nvme"] and nvme_free is not None and tiers["nvme"] > nvme_free:
+        prediction.why_not.append(f"{tiers['nvme'] / 2**30:.1f} GiB on nvme > {nvme_free / 2**30:.1f} GiB free")
+    prediction.fits = not prediction.why_not
+    return prediction
+
+
+def working_window_config(config: dict) -> dict:
+    """`config` with the host budget left to the engine's rule and no parameter cache (max_in_cpu 0): the
+    budget it derives is what is homed on host plus the working window."""
+    config = json.loads(json.dumps(config))
+    config.pop("zero_tiering", None)
+    offload_param = config.get("zero_optimization", {}).get("offload_param")
+    if offload_param is not None:
+        offload_param["max_in_cpu"] = 0
+    return config
+
+
+def host_budget_for(shape: ModelShape, machine: Machine, config: dict, base_rss: int) -> int | None:
+    """For a placement with state on nvme: the host budget that keeps the predicted peak RSS within RAM (more
+    host budget caches more and moves fewer bytes), or None where the derived budget already fits."""
+    probe = predict(shape, machine, config, base_rss, None)
+    if not probe.tier_bytes["nvme"] or probe.peak_rss_bytes <= RAM_HEADROOM * machine.ram_bytes:
+        return None
+    over = probe.peak_rss_bytes - RAM_HEADROOM * machine.ram_bytes
+    budget = int(probe.host_budget - over / ALLOCATOR_SLACK) // (1 << 20) << 20
+    return max(budget, 1 << 28)
