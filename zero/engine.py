@@ -38,7 +38,7 @@ class StateTensor(NamedTuple):
 
     unit: int
     part: str
-    """"param" (the compute dtype) or one of STATE_PARTS (fp32)."""
+    """'param' (the compute dtype) or one of STATE_PARTS (fp32)."""
     start: int
     numel: int
     held: Callable[[bool], ContextManager[torch.Tensor]]
@@ -271,7 +271,6 @@ class ZeroEngine(nn.Module):
         if exclude_frozen_parameters:
             raise ValueError("save_checkpoint(exclude_frozen_parameters=True) is not supported: frozen "
                              "parameters are always saved (they are small next to the optimizer state)")
-
         self._finish_step()
         return checkpoint.save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 
@@ -285,11 +284,9 @@ class ZeroEngine(nn.Module):
                              "into the same model, every parameter checked against its unit layout")
         if load_module_only:
             load_optimizer_states = load_lr_scheduler_states = False
-
         self._finish_step()
         return checkpoint.load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states)
-
+                                          load_lr_scheduler_states=load_lr_scheduler_states)
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:

@@ -27,8 +27,10 @@ from .optim.lr_schedules import WarmupSchedule
 from .optim.overlapped_step import OverlappedStep
 from .optim.param_groups import ZeroOptimizer, param_groups_from
 from .params.flat_unit import FlatUnit
+from .params.materialize import Materializer
 from .params.partitioned import PartitionedPlacement
 from .params.placement import Placement
+from .params.pretrained import PretrainedWeights
 from .params.resident import ResidentPlacement
 from .params.wrap_policy import split_units
 
@@ -36,13 +38,18 @@ from .params.wrap_policy import split_units
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                model_parameters: Iterable | None = None, training_data: Any = None, lr_scheduler: Any = None,
                config: str | os.PathLike | Mapping | None = None, config_params: Mapping | None = None,
-               collate_fn: Any = None, dist_init_required: bool | None = None):
+               collate_fn: Any = None, dist_init_required: bool | None = None,
+               weights: str | os.PathLike | None = None):
     """Returns (engine, optimizer, training_dataloader, lr_scheduler), as deepspeed.initialize does.
 
     `config` (a ds_config.json path or a dict; `config_params` is DeepSpeed's older name) sets batch sizes,
     precision, optimizer, schedule and offload. `optimizer` may be a torch.optim.Adam/AdamW (or our
     CPUAdam) whose hyperparameters are taken over; `lr_scheduler` an object or a callable taking the
     optimizer. One rank needs no process-group set-up; under torchrun the group is joined here.
+
+    `weights` (ours, not DeepSpeed's): a safetensors checkpoint (a `save_pretrained` directory, sharded or not,
+    or our export) whose tensors a model built on meta takes, read unit by unit straight into the tiers: peak
+    host memory is one unit plus the budgets, never the model.
     """
     if model is None:
         raise ValueError("zero.initialize needs a model")
@@ -77,8 +84,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
                               communication_data_type=cfg.communication_data_type)
         if zo.stage == 3 and cfg.zero_tiering.overlap_step and work_tier == "host":
             overlap = OverlappedStep()
-        placement = build_placement(model, plan, cfg, swap=swap, driver=driver, gradients=gradients, dp=dp,
-                                    device=device, dtype=dtype, overlap=overlap)
+        materialize = Materializer(model, PretrainedWeights(weights) if weights is not None else None)
+        placement = build_placement(model, plan, cfg, materialize=materialize, swap=swap, driver=driver,
+                                    gradients=gradients, dp=dp, device=device, dtype=dtype, overlap=overlap)
         zero_opt = ZeroOptimizer(groups)
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(zero_opt)
@@ -121,18 +129,18 @@ def plan_units(model: nn.Module, groups: list[dict], dp: DataParallel) -> list[t
 
 
 def build_placement(model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], cfg: Config, *,
-                    swap: SwapManager, driver: AdamDriver, gradients: Gradients, dp: DataParallel,
+                    materialize: Materializer, swap: SwapManager, driver: AdamDriver, gradients: Gradients, dp: DataParallel,
                     device: torch.device, dtype: torch.dtype, overlap: OverlappedStep | None) -> Placement:
     """The placement the stage asks for, its units built: partitioned parameters for stage 3, resident ones
     below."""
     zo = cfg.zero_optimization
     if zo.stage == 3:
         return PartitionedPlacement.build(
-            model, plan, driver=driver, param_home=HOMES[zo.offload_param.device], dtype=dtype,
+            model, plan, materialize=materialize, driver=driver, param_home=HOMES[zo.offload_param.device], dtype=dtype,
             sub_group_size=zo.sub_group_size, persistence_threshold=zo.param_persistence_threshold,
             masters_are_params=masters_are_params(cfg, dtype), swap=swap, dp=dp, device=device,
             gradients=gradients, wait_for_update=overlap.wait_unit if overlap is not None else None)
-    return ResidentPlacement.build(model, plan, driver=driver, gradients=gradients, dp=dp, device=device,
+    return ResidentPlacement.build(model, plan, materialize=materialize, driver=driver, gradients=gradients, dp=dp, device=device,
                                    dtype=dtype, sharded=zo.stage >= 1, sub_group_size=zo.sub_group_size)
 
 

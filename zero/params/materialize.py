@@ -1,8 +1,10 @@
 """Materializer: real values for a unit's parameters when the model was built on the meta device.
 
 Unit by unit, so a model whose training state exceeds host memory can be initialized: the unit's meta
-parameters get host memory (the Parameter objects keep their identity), then each module that owns them
-runs its own initialization: a transformers model's `_init_weights(module)`, else `reset_parameters()`.
+parameters get host memory (the Parameter objects keep their identity), then take their values from a
+pretrained checkpoint (PretrainedWeights: read by name, straight into them) or, without one, from each owning
+module's own initialization: a transformers model's `_init_weights(module)`, else `reset_parameters()`.
+Frozen parameters (in no unit) and buffers are materialized the same way once the units are done (`rest`).
 """
 from __future__ import annotations
 
@@ -10,12 +12,18 @@ import torch
 from torch import nn
 
 from .flat_unit import FlatUnit
+from .pretrained import PretrainedWeights, PretrainedWeightsError
 
 
 class Materializer:
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, weights: PretrainedWeights | None = None):
         self.model = model
+        self.weights = weights
         self.init_weights = getattr(model, "_init_weights", None)
+        self.names: dict[int, list[str]] = {}
+        """id(tensor) -> every name the model reaches it by (tied weights have several)."""
+        for name, p in model.named_parameters(remove_duplicate=False):
+            self.names.setdefault(id(p), []).append(name)
 
     def __call__(self, unit: FlatUnit) -> None:
         ours = {id(slot.param) for slot in unit.slots if slot.param.is_meta}
@@ -26,13 +34,26 @@ class Materializer:
             if not any(id(p) in ours for p in own):
                 continue
             foreign = [p for p in own if p.is_meta and id(p) not in ours]
-            if foreign:
+            if foreign and self.weights is None:
                 raise ValueError(f"{type(module).__name__} holds meta parameters of several units; give them "
                                  "real values before zero.initialize")
-            for p in own:
-                if p.is_meta:
-                    torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad))
+            self._materialize(module, own)
+
+    def _materialize(self, module: nn.Module, params: list[nn.Parameter]) -> None:
+        for p in params:
+            if p.is_meta:
+                torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad))
+        if self.weights is None:
             self._initialize(module)
+            return
+        with torch.no_grad():
+            for p in params:
+                names = self.names[id(p)]
+                found = self.weights.find(names)
+                if found is None:
+                    raise PretrainedWeightsError(f"{self.weights.path!r} has no tensor for the model's "
+                                                 f"{' / '.join(map(repr, names))} (shape {list(p.shape)})")
+                self.weights.read_into(found, p.data, names[0])
 
     def _initialize(self, module: nn.Module) -> None:
         with torch.no_grad():
@@ -44,9 +65,33 @@ class Materializer:
                 raise ValueError(f"{type(module).__name__} was built on meta and has no reset_parameters(): "
                                  "zero-tiering cannot initialize its parameters")
 
-    def buffers(self) -> None:
-        """Floating meta buffers of modules without parameters (a rotary embedding's `inv_freq`) get their
-        values from the same initialization; one it leaves unset (NaN) is an error naming it."""
+    def rest(self) -> None:
+        """What the units left: frozen meta parameters (in no unit), then buffers; with a checkpoint, check it
+        holds nothing the model has no place for."""
+        for module in self.model.modules():
+            own = [p for p in module.parameters(recurse=False) if p.is_meta]
+            if own:
+                self._materialize(module, own)
+        self._buffers()
+        if self.weights is not None:
+            known = {f"{prefix}{'.' if prefix else ''}{name}" for prefix, module in self.model.named_modules()
+                     for name, _ in module.named_buffers(recurse=False)}
+            self.weights.check_all_used(known)
+
+    def _buffers(self) -> None:
+        """Persistent buffers the checkpoint holds take its values; floating meta buffers of modules without
+        parameters (a rotary embedding's `inv_freq`) get theirs from the same initialization; one it leaves
+        unset (NaN) is an error naming it."""
+        if self.weights is not None:
+            for prefix, module in self.model.named_modules():
+                for name, buffer in list(module.named_buffers(recurse=False)):
+                    full = f"{prefix}.{name}" if prefix else name
+                    found = self.weights.find([full])
+                    if found is None or name in module._non_persistent_buffers_set:
+                        continue
+                    if buffer.is_meta:
+                        module._buffers[name] = buffer = torch.empty_like(buffer, device="cpu")
+                    self.weights.read_into(found, buffer, full)
         if self.init_weights is None:
             return
         for module in self.model.modules():

@@ -47,8 +47,8 @@ class PartitionedPlacement(Placement):
         self.model_hooks: list = []
 
     @classmethod
-    def build(cls, model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], *, driver: AdamDriver,
-              param_home: Tier, dtype: torch.dtype, sub_group_size: int, persistence_threshold: int,
+    def build(cls, model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], *, materialize: Materializer,
+              driver: AdamDriver, param_home: Tier, dtype: torch.dtype, sub_group_size: int, persistence_threshold: int,
               masters_are_params: bool, **collaborators) -> PartitionedPlacement:
         """Unit by unit: materialize (a model built on meta), flatten, keep this rank's shard (the fp32
         master, unless `masters_are_params`, and moments, and the compute-dtype parameter shard, each in its
@@ -57,7 +57,6 @@ class PartitionedPlacement(Placement):
         shard_tier: Tier = "device" if param_home == "device" else "host"
         placement = cls(shard_tier=shard_tier, **collaborators)
         swap, device = placement.swap, placement.device
-        materialize = Materializer(model)
         for index, (flat, module) in enumerate(plan):
             materialize(flat)
             master = flat.flatten(torch.empty(flat.padded_numel, dtype=torch.float32)).narrow(
@@ -72,7 +71,7 @@ class PartitionedPlacement(Placement):
                                 persistent=flat.numel <= persistence_threshold, state=UnitState.RELEASED))
             del master
         placement.model_hooks.append(model._register_state_dict_hook(placement._state_dict_hook(model)))
-        materialize.buffers()
+        materialize.rest()
         for module in model.modules():  # buffers: to the device, floating ones in the compute dtype
             for name, buffer in module.named_buffers(recurse=False):
                 if buffer.is_meta:

@@ -25,15 +25,14 @@ class ResidentPlacement(Placement):
         self.sharded = sharded
 
     @classmethod
-    def build(cls, model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], *, driver: AdamDriver,
-              gradients: Gradients, dp: DataParallel, device: torch.device, dtype: torch.dtype, sharded: bool,
-              sub_group_size: int) -> ResidentPlacement:
+    def build(cls, model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], *, materialize: Materializer,
+              driver: AdamDriver, gradients: Gradients, dp: DataParallel, device: torch.device, dtype: torch.dtype,
+              sharded: bool, sub_group_size: int) -> ResidentPlacement:
         """Materialize the model where it was built on meta, move it to the device, and make each unit's
         fp32 master (this rank's range) from the parameters' values before the cast to the compute dtype."""
-        materialize = Materializer(model)
         for flat, _ in plan:
             materialize(flat)
-        materialize.buffers()
+        materialize.rest()
         model.to(device)
         masters = [flat.flatten(torch.empty(flat.padded_numel, dtype=torch.float32, device=device))
                    for flat, _ in plan]

@@ -22,7 +22,8 @@ from tiering.errors import fmt_bytes
 
 from ..config import ConfigError
 from ..report.bandwidth import DEFAULT_FIGURES, DiskFigures, load_figures
-from .machine import Machine, adam_rate, gpu_memory, host_ram, matmul_rate, nvme_directory, parse_memory
+from .machine import (Machine, adam_rate, gpu_memory, host_ram, matmul_rate, memory_rates, nvme_directory,
+                      parse_memory)
 from .model_source import PlanInputError, load_model
 from .predict import PRECISIONS, Prediction, ds_config, host_budget_for, placement_of, placements, predict
 
@@ -77,7 +78,7 @@ def plan(args: argparse.Namespace, base_rss: int) -> dict:
         ram_bytes=parse_memory("--ram", args.ram) if args.ram else host_ram(),
         gpu_bytes=parse_memory("--gpu-memory", args.gpu_memory) if args.gpu_memory else gpu_memory(),
         disk=disk, matmul_flops=matmul_rate(shape.hidden, args.micro_batch * shape.seq_len, dtype),
-        adam_elements=adam_rate(dtype))
+        adam_elements=adam_rate(dtype), **dict(zip(("copy_bytes", "fresh_bytes"), memory_rates())))
     nvme_free = None
     if disk is not None:
         stat = os.statvfs(nvme_directory(args.nvme_path))
@@ -103,7 +104,10 @@ def plan(args: argparse.Namespace, base_rss: int) -> dict:
         if not args.json:
             print(f"wrote {args.out}: python -m zero.train --config {args.out} ...")
     best = chosen or min(predictions, key=lambda p: p.peak_rss_bytes)
+    rates = {key: getattr(machine, key) for key in ("ram_bytes", "gpu_bytes", "matmul_flops", "adam_elements",
+                                                     "copy_bytes", "fresh_bytes")}
     return {**best.to_json(), "fits": chosen is not None, "explanation": explain(predictions, chosen),
+            "machine": {**rates, "disk": machine.disk and vars(machine.disk)},
             "placements": [p.to_json() for p in predictions]}
 
 

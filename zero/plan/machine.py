@@ -27,6 +27,11 @@ class Machine:
     """FLOP/s of a (tokens x width) @ (width x 4 width) matmul in the compute dtype."""
     adam_elements: float
     """CPU-Adam elements stepped per second (fp32 state, copy-out to the compute dtype)."""
+    copy_bytes: float
+    """Bytes per second a copy between buffers already touched moves (read + written)."""
+    fresh_bytes: float
+    """Bytes per second of memory allocated and touched for the first time (page faults: autograd's fresh
+    gradients and activations every step)."""
 
 
 def parse_memory(flag: str, text: str) -> int:
@@ -56,13 +61,16 @@ def matmul_rate(width: int, tokens: int, dtype: torch.dtype) -> float:
     a = torch.randn(tokens, width, dtype=dtype, device=device)
     b = torch.randn(width, 4 * width, dtype=dtype, device=device)
     a @ b  # warm-up
-    reps, start = 0, time.perf_counter()
-    while reps < 3 or time.perf_counter() - start < 0.3:
-        a @ b
-        reps += 1
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return reps * 2 * tokens * width * 4 * width / (time.perf_counter() - start)
+    rates = []
+    for _ in range(7):  # the median of seven windows: training runs for minutes, so its sustained rate counts
+        reps, start = 0, time.perf_counter()
+        while reps < 2 or time.perf_counter() - start < 0.1:
+            a @ b
+            reps += 1
+        if device == "cuda":
+            torch.cuda.synchronize()
+        rates.append(reps * 2 * tokens * width * 4 * width / (time.perf_counter() - start))
+    return sorted(rates)[len(rates) // 2]
 
 
 def adam_rate(out_dtype: torch.dtype) -> float:
@@ -78,6 +86,21 @@ def adam_rate(out_dtype: torch.dtype) -> float:
                       out=out, threads=threads)
             times.append(time.perf_counter() - start)
     return n / sorted(times)[len(times) // 2]
+
+
+def memory_rates() -> tuple[float, float]:
+    """(copy, fresh) bytes per second over 256 MiB, medians of three."""
+    n = 256 << 20
+    src, dst = torch.ones(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    copies, fresh = [], []
+    for _ in range(3):
+        start = time.perf_counter()
+        dst.copy_(src)
+        copies.append(2 * n / (time.perf_counter() - start))
+        start = time.perf_counter()
+        torch.empty(n, dtype=torch.uint8).fill_(1)
+        fresh.append(n / (time.perf_counter() - start))
+    return sorted(copies)[1], sorted(fresh)[1]
 
 
 def nvme_directory(path: str) -> str:

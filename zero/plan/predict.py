@@ -10,10 +10,11 @@ today's engine, with its terms measured on this machine or counted from the mode
   host memory (no CUDA) + what no budget holds: the root unit's and one block's gradients as autograd leaves
   them, the gradient reduction's scratch, activations and logits;
 - step time = forward/backward compute (FLOPs / the measured matmul rate, times COMPUTE_OVERHEAD for what is
-  not a matmul) + the part of the parameter reads and gradient writes that compute does not hide + the
-  optimizer phase, which waits for the larger of CPU-Adam and its own nvme reads and writes (these run one
-  after the other on today's engine, at IO_EFFICIENCY of the measured rates: the disk is idle during the
-  forward/backward, see the disk issue);
+  not a matmul, plus the bytes the gathers and the gradient path copy / the measured copy rate, plus fresh
+  gradients and activations / the measured first-touch rate) + its parameter reads and gradient writes + the optimizer phase, the larger of CPU-Adam and
+  its own nvme reads and writes. Today's engine overlaps little of its I/O with compute (the disk issue), so
+  the I/O is added, at IO_EFFICIENCY of the disk's measured mixed rate, but for the parameter reads of units
+  small enough for the prefetch budget, which hide behind compute;
 - nvme bytes: forward and backward read each parameter shard, backward writes each gradient, the step reads
   gradients and optimizer state and writes state and parameters back; the share of nvme-homed bytes that
   the host budget keeps cached (beyond its working window) moves no I/O.
@@ -37,10 +38,10 @@ COMPUTE_OVERHEAD = 1.35
 """Forward/backward time over its matmul FLOPs at the measured matmul rate: layer norms, GELU, softmax,
 attention's small matmuls, the embedding, gathers and copies. Measured on the development machine (2-core
 CPU, GPT presets 124m-7b at 128 tokens a sequence): 1.2-1.5."""
-IO_EFFICIENCY = 0.5
-"""The share of the disk's measured rates today's engine reaches inside a step (requests of one segment each,
-reads waiting on room, write-backs started late). From the disk issue's scale run: 86 GB a step moved at
-1.09 GB/s where reading then writing at fio's rates (2.06, 2.55 GB/s) takes 0.48 of that time."""
+IO_EFFICIENCY = 0.42
+"""The share of the disk's measured mixed (read + write) rate today's engine reaches inside a step: requests of
+one segment each, reads waiting for room, write-backs started late. Measured in the disk issue (2026-11-23):
+the README's scale command moved 86 GB a step at 1.09 GB/s where fio's mixed rate on the same disk was 2.58."""
 ALLOCATOR_SLACK = 1.10
 """RSS over the bytes the model above counts: the allocator's free lists and fragmentation."""
 RAM_HEADROOM = 0.9
@@ -183,7 +184,13 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     # Time.
     flops = 3 * (2 * shape.matmul_params * tokens + 4 * shape.layers * micro * seq * seq * shape.hidden)
     accumulation = cfg.gradient_accumulation_steps
-    compute = accumulation * flops / machine.matmul_flops * COMPUTE_OVERHEAD
+    # Per element and micro-batch: gathers copy the shard into the full buffer for forward and backward
+    # (stage 3); the gradient is read from autograd's leaves, written to the reduction's scratch, cast to fp32
+    # where the dtype is lower, added to the sub-group's gradient and read for its norm.
+    copied = (4 * p if zo.stage == 3 else 0) + 2 * p + (p + 4 if p != 4 else 0) + 12
+    fresh = p * n + activations - tokens * shape.vocab * (2 * p + 8)  # new gradients and saved activations
+    memory = accumulation * (copied * n / machine.copy_bytes + fresh / machine.fresh_bytes)
+    compute = accumulation * flops / machine.matmul_flops * COMPUTE_OVERHEAD + memory
     adam = n / machine.adam_elements
     read_fb = 2 * params if param_home == "nvme" else 0
     write_bwd = accumulation * grads if grad_home == "nvme" else 0
@@ -191,14 +198,14 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     write_opt = (state if state_home == "nvme" else 0) + (params if param_home == "nvme" else 0)
     moved = 1.0 - kept
     reads, writes = int(moved * (read_fb + read_opt)), int(moved * (write_bwd + write_opt))
-    disk = machine.disk
-    fb_io = opt_io = 0.0
-    if reads or writes:
-        read_rate, write_rate = (IO_EFFICIENCY * 1e9 * gbps for gbps in (disk.read_gbps, disk.write_gbps))
-        fb_io = moved * (read_fb / read_rate + write_bwd / write_rate)
-        opt_io = moved * (read_opt / read_rate + write_opt / write_rate)
+    io_rate = IO_EFFICIENCY * machine.disk.mixed_gbps * 1e9 if reads or writes else 1.0
+    fb_io = moved * (read_fb + write_bwd) / io_rate
+    opt_io = moved * (read_opt + write_opt) / io_rate
+    # Prefetch reads a unit's shard ahead only when it fits the prefetch budget; those reads hide behind compute.
+    ahead = sum(2 * p * flat.shard_numel for flat in flats if p * flat.shard_numel <= budgets.prefetch_bytes)
+    hidden = min(compute, moved * ahead / io_rate) if param_home == "nvme" else 0.0
     optimizer = max(adam, opt_io)
-    step = compute + max(0.0, fb_io - compute) + optimizer
+    step = compute + fb_io - hidden + optimizer
 
     prediction = Prediction(placement, config, tiers, peak_rss, device_peak, reads, writes, compute, optimizer,
                             fb_io + opt_io, step, host_budget)

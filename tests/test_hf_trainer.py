@@ -1,0 +1,342 @@
+"""The Hugging Face Trainer trains with our engine (zero.integrations.ZeroTrainer): same losses as the plain
+Trainer, exact resume from its checkpoint-N folders, consolidated weights from_pretrained loads, gradient
+checkpointing and a LoRA-style model with frozen base weights under stage 3 with offload, and a config whose
+"auto" the arguments cannot fill named in the error.
+
+Everything is local and small: byte-level windows of a standard-library source file, 2-layer models of
+hidden size 64 built from a config, fp32 on CPU, a fixed seed, ZeRO-3 with parameters and optimizer state on
+nvme under tmp_path, written as the Hugging Face docs' ds_config.json is (every value "auto" it fills).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("accelerate")
+transformers = pytest.importorskip("transformers")
+
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+from torch.optim.lr_scheduler import LambdaLR  # noqa: E402
+
+from zero.config import ConfigError, UnresolvedAutoError  # noqa: E402
+from zero.integrations import EngineOptimizer, EngineScheduler, ZeroTrainer, ZeroTrainingArguments  # noqa: E402
+
+SEQ = 16
+STEPS = 20
+
+
+def dataset(n: int = 96) -> list[dict[str, torch.Tensor]]:
+    """n windows of SEQ bytes of textwrap.py, as token ids (labels = inputs: the model shifts them)."""
+    data = Path(textwrap.__file__).read_bytes()
+    ids = torch.tensor(list(data[: n * SEQ]), dtype=torch.long).view(n, SEQ)
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+
+def gpt2() -> GPT2LMHeadModel:
+    """Tied input and output embeddings, and dropout (the resume must restore the RNG)."""
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4))
+
+
+def hf_docs_zero3(nvme: Path, *, optimizer: bool = True, scheduler: bool = True) -> dict:
+    """The Hugging Face docs' ZeRO-3 ds_config.json, offloading to nvme; without the optimizer or scheduler
+    section the Trainer's own are used."""
+    nvme.mkdir(parents=True, exist_ok=True)
+    config = {
+        "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+                 "hysteresis": 2, "min_loss_scale": 1},
+        "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW",
+                      "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+        "scheduler": {"type": "WarmupDecayLR",
+                      "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
+                                 "total_num_steps": "auto"}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme), "pin_memory": True},
+            "offload_param": {"device": "nvme", "nvme_path": str(nvme), "pin_memory": True},
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "sub_group_size": 1e9,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+            "stage3_max_live_parameters": 1e9,
+            "stage3_max_reuse_distance": 1e9,
+            "stage3_gather_16bit_weights_on_model_save": "auto",
+        },
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "steps_per_print": 2000,
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "wall_clock_breakdown": False,
+    }
+    if not optimizer:
+        del config["optimizer"]
+    if not scheduler:
+        del config["scheduler"]
+    return config
+
+
+def training_args(cls: type, out: Path, **overrides) -> TrainingArguments:
+    base = dict(output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                learning_rate=3e-3, weight_decay=0.01, adam_beta2=0.95, max_grad_norm=0.5, warmup_steps=4,
+                logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0,
+                seed=1234, disable_tqdm=True)
+    base.update(overrides)
+    return cls(**base)
+
+
+def losses(trainer: Trainer) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+
+
+def logged(trainer: Trainer, key: str) -> list[float]:
+    return [e[key] for e in trainer.state.log_history if "loss" in e]
+
+
+class DeepSpeedScheduleTrainer(Trainer):
+    """The plain Trainer stepping DeepSpeed's WarmupDecayLR (log warmup from warmup_min_lr = 0), the schedule
+    the docs' config asks the engine for: optimizer step k runs at the schedule's iteration k - 1."""
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if self.lr_scheduler is None:
+            warmup = max(2, self.args.get_warmup_steps(num_training_steps))
+            total = num_training_steps
+
+            def factor(k: int) -> float:
+                it = k - 1
+                if it < 0:
+                    return 0.0
+                if it < warmup:
+                    return math.log(it + 1) / math.log(warmup)
+                return max(0.0, (total - it) / max(1.0, total - warmup))
+
+            self.lr_scheduler = LambdaLR(optimizer or self.optimizer, factor)
+        return self.lr_scheduler
+
+
+class StopAt(TrainerCallback):
+    """Stops training after optimizer step `step` (the run that is interrupted)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tolerance) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        if tolerance:
+            torch.testing.assert_close(a[name], b[name], **tolerance, msg=lambda m, name=name: f"{name}: {m}")
+        else:
+            assert torch.equal(a[name], b[name]), name
+
+
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_llama_zero3_nvme_from_ds_config_json_trains_like_the_plain_trainer(tmp_path):
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps(hf_docs_zero3(tmp_path / "nvme")))
+    data = dataset()
+    reference = DeepSpeedScheduleTrainer(model=llama(), args=training_args(TrainingArguments, tmp_path / "plain"),
+                                         train_dataset=data)
+    reference.train()
+    trainer = ZeroTrainer(model=llama(), train_dataset=data,
+                          args=training_args(ZeroTrainingArguments, tmp_path / "zero", deepspeed=str(config)))
+    assert trainer.args.deepspeed is None and trainer.args.zero_config == str(config)
+    try:
+        trainer.train()
+        engine = trainer.engine
+        assert engine.stage == 3 and isinstance(trainer.optimizer, EngineOptimizer)
+        zo = engine.config.zero_optimization
+        assert (zo.offload_param.device, zo.offload_optimizer.device) == ("nvme", "nvme")
+        assert (engine.config.gradient_accumulation_steps, engine.config.gradient_clipping) == (2, 0.5)
+        assert engine.global_steps == STEPS and engine.micro_steps == 2 * STEPS
+        ours, theirs = losses(trainer), losses(reference)
+        assert list(ours) == list(range(1, STEPS + 1))
+        assert list(ours.values()) == pytest.approx(list(theirs.values()), rel=1e-5)
+        assert logged(trainer, "grad_norm") == pytest.approx(logged(reference, "grad_norm"), rel=1e-4)
+        assert logged(trainer, "learning_rate") == pytest.approx(logged(reference, "learning_rate"), rel=1e-12)
+
+        trainer.save_model()  # consolidated: model.safetensors + config.json
+        out = tmp_path / "zero"
+        assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+        loaded = LlamaForCausalLM.from_pretrained(out)
+        assert_same_tensors(loaded.state_dict(), engine.module_state_dict())
+        assert_same_tensors(loaded.state_dict(), reference.model.state_dict(), rtol=1e-4, atol=1e-5)
+    finally:
+        trainer.close()
+
+
+@pytest.fixture(scope="module")
+def gpt2_runs(tmp_path_factory):
+    """The plain Trainer, and ours uninterrupted, interrupted after checkpoint-10 and resumed from it: GPT-2,
+    a config without optimizer and scheduler sections (the Trainer's AdamW and linear schedule, built on the
+    engine's optimizer), given as ZeroTrainer(zero_config=...) beside plain TrainingArguments."""
+    tmp = tmp_path_factory.mktemp("gpt2")
+    data = dataset()
+    config = hf_docs_zero3(tmp / "nvme", optimizer=False, scheduler=False)
+    reference = Trainer(model=gpt2(), args=training_args(TrainingArguments, tmp / "plain"), train_dataset=data)
+    reference.train()
+    runs = {"reference": reference}
+    try:
+        runs["whole"] = ZeroTrainer(model=gpt2(), args=training_args(TrainingArguments, tmp / "whole"),
+                                    train_dataset=data, zero_config=config)
+        runs["whole"].train()
+        runs["interrupted"] = ZeroTrainer(
+            model=gpt2(), args=training_args(TrainingArguments, tmp / "interrupted", save_strategy="steps",
+                                             save_steps=10),
+            train_dataset=data, zero_config=config, callbacks=[StopAt(10)])
+        runs["interrupted"].train()
+        runs["interrupted"].close()
+        runs["resumed"] = ZeroTrainer(model=gpt2(), args=training_args(TrainingArguments, tmp / "resumed"),
+                                      train_dataset=data, zero_config=config)
+        runs["resumed"].train(resume_from_checkpoint=str(tmp / "interrupted" / "checkpoint-10"))
+        yield runs
+    finally:
+        for name in ("whole", "interrupted", "resumed"):
+            if name in runs:
+                runs[name].close()
+
+
+def test_gpt2_with_the_trainers_optimizer_and_schedule_trains_like_the_plain_trainer(gpt2_runs):
+    whole, reference = gpt2_runs["whole"], gpt2_runs["reference"]
+    assert isinstance(whole.lr_scheduler, EngineScheduler)
+    assert type(whole.lr_scheduler.scheduler).__name__ == "LambdaLR"  # the Trainer's, stepped by the engine
+    ours, theirs = losses(whole), losses(reference)
+    assert len(ours) == STEPS
+    assert list(ours.values()) == pytest.approx(list(theirs.values()), rel=1e-5)
+    assert logged(whole, "learning_rate") == pytest.approx(logged(reference, "learning_rate"), rel=1e-12)
+
+
+def test_resume_from_checkpoint_continues_bitwise(gpt2_runs, tmp_path):
+    whole, interrupted, resumed = gpt2_runs["whole"], gpt2_runs["interrupted"], gpt2_runs["resumed"]
+    checkpoint = Path(interrupted.args.output_dir) / "checkpoint-10"
+    assert (checkpoint / "latest").read_text() == "global_step10"
+    assert (checkpoint / "trainer_state.json").is_file() and (checkpoint / "rng_state.pth").is_file()
+    assert (checkpoint / "model.safetensors").is_file() and not (checkpoint / "optimizer.pt").exists()
+    assert max(losses(interrupted)) == 10 and resumed.state.global_step == STEPS
+    later = {step: loss for step, loss in losses(whole).items() if step > 10}
+    assert {step: loss for step, loss in losses(resumed).items() if step > 10} == later  # exactly
+    final = resumed.engine.module_state_dict()
+    assert_same_tensors(final, whole.engine.module_state_dict())  # bitwise
+    resumed.save_model(str(tmp_path / "final"))
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "final")
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()  # tied again
+    assert_same_tensors(loaded.state_dict(), final)
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update (LoRA's shape, B starting at zero)."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4, alpha: float = 8.0):
+        super().__init__()
+        self.base = base
+        self.lora_a = nn.Parameter(torch.randn(rank, base.in_features) * 0.1)
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank))
+        self.scale = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_a.t() @ self.lora_b.t()) * self.scale
+
+
+def lora_llama() -> LlamaForCausalLM:
+    model = llama()
+    model.requires_grad_(False)
+    for layer in model.model.layers:
+        layer.self_attn.q_proj = LoRALinear(layer.self_attn.q_proj)
+        layer.self_attn.v_proj = LoRALinear(layer.self_attn.v_proj)
+    model.gradient_checkpointing_enable()
+    return model
+
+
+def test_lora_with_gradient_checkpointing_under_stage3_offload(tmp_path):
+    steps = 8
+    data = dataset()
+    config = hf_docs_zero3(tmp_path / "nvme")
+    reference = DeepSpeedScheduleTrainer(model=lora_llama(), train_dataset=data,
+                                         args=training_args(TrainingArguments, tmp_path / "plain", max_steps=steps))
+    reference.train()
+    model = lora_llama()
+    assert model.is_gradient_checkpointing
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainer = ZeroTrainer(model=model, train_dataset=data, zero_config=config,
+                          args=training_args(TrainingArguments, tmp_path / "zero", max_steps=steps))
+    try:
+        trainer.train()
+        engine = trainer.engine
+        assert list(losses(trainer).values()) == pytest.approx(list(losses(reference).values()), rel=1e-5)
+        # Only the LoRA parameters are in units, so only they have optimizer state and gradients.
+        slots = [slot for unit in engine.units for slot in unit.flat.slots]
+        assert slots and all(slot.param.requires_grad and ".lora_" in slot.name for slot in slots)
+        assert sum(slot.numel for slot in slots) == trainable
+        padded = sum(unit.flat.padded_numel for unit in engine.units)  # one rank: its shard is the whole unit
+        assert sum(sg.numel for sg in engine.driver.sub_groups) == padded
+        moments = sum(seg.nbytes for name, seg in engine.swap.segments.items()
+                      if name.endswith(("/exp_avg", "/exp_avg_sq")))
+        assert moments == 2 * 4 * padded < 4 * sum(t.numel() for t in frozen.values())
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                assert p.grad is None and torch.equal(p, frozen[name]), name
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("changes, error, key", [
+    ({"zero_optimization__stage3_max_live_parameters": "auto"}, UnresolvedAutoError,
+     "zero_optimization.stage3_max_live_parameters"),
+    ({"gradient_accumulation_steps": 4}, ConfigError, "gradient_accumulation_steps"),
+], ids=["auto no argument fills", "written value contradicts the arguments"])
+def test_a_config_the_arguments_cannot_fill_names_the_key(tmp_path, changes, error, key):
+    config = hf_docs_zero3(tmp_path / "nvme")
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split("__")
+        node = config
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    data = dataset(8)
+    # max_steps given: every fact is known when the trainer is made, so the error comes then
+    with pytest.raises(error, match=re.escape(key)) as info:
+        ZeroTrainer(model=llama(), train_dataset=data, zero_config=config,
+                    args=training_args(TrainingArguments, tmp_path / "a"))
+    assert info.value.key == key
+    # epochs instead: the number of steps is known in train(), which raises before any step
+    trainer = ZeroTrainer(model=llama(), train_dataset=data, zero_config=config,
+                          args=training_args(TrainingArguments, tmp_path / "b", max_steps=-1, num_train_epochs=1))
+    with pytest.raises(error, match=re.escape(key)):
+        trainer.train()
+    assert trainer.engine is None and trainer.state.global_step == 0
+
+
+def test_a_trainer_without_a_config_says_how_to_give_one(tmp_path):
+    with pytest.raises(ValueError, match="ZeroTrainingArguments"):
+        ZeroTrainer(model=llama(), args=training_args(TrainingArguments, tmp_path), train_dataset=dataset(8))
