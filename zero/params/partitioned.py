@@ -33,10 +33,12 @@ class PartitionedPlacement(Placement):
     sharded = True
 
     def __init__(self, *, swap: SwapManager, dp: DataParallel, device: torch.device, shard_tier: Tier,
-                 gradients: Gradients, wait_for_update: Callable[[int], None] | None = None):
+                 gradients: Gradients | None, wait_for_update: Callable[[int], None] | None = None):
         """`shard_tier`: where a shard is fetched to for gathering (host when it rests on host or nvme, the
-        gather copying it to the device; device when it rests there). `wait_for_update(index)`: returns once
-        unit `index`'s shard holds the last optimizer step's values (overlap_step: a step may still run)."""
+        gather copying it to the device; device when it rests there). `gradients`: where each unit's gradient
+        goes once its backward is done; None for inference (no backward hooks). `wait_for_update(index)`:
+        returns once unit `index`'s shard holds the last optimizer step's values (overlap_step: a step may
+        still run)."""
         self.swap = swap
         self.dp = dp
         self.device = device
@@ -48,12 +50,13 @@ class PartitionedPlacement(Placement):
 
     @classmethod
     def build(cls, model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], *, materialize: Materializer,
-              driver: AdamDriver, param_home: Tier, dtype: torch.dtype, sub_group_size: int, persistence_threshold: int,
+              driver: AdamDriver | None, param_home: Tier, dtype: torch.dtype, sub_group_size: int, persistence_threshold: int,
               masters_are_params: bool, **collaborators) -> PartitionedPlacement:
         """Unit by unit: materialize (a model built on meta), flatten, keep this rank's shard (the fp32
         master, unless `masters_are_params`, and moments, and the compute-dtype parameter shard, each in its
         tier), and leave the parameters as views of an empty full buffer. Peak host memory is one unit plus
-        the tiers' budgets. `collaborators`: the constructor's arguments."""
+        the tiers' budgets. `driver` None (inference): no optimizer state. `collaborators`: the constructor's
+        arguments."""
         shard_tier: Tier = "device" if param_home == "device" else "host"
         placement = cls(shard_tier=shard_tier, **collaborators)
         swap, device = placement.swap, placement.device
@@ -64,8 +67,9 @@ class PartitionedPlacement(Placement):
             segment = f"{flat.name or 'root'}/param"
             swap.register(segment, dtype=dtype, shape=(flat.shard_numel,), home=param_home,
                           data=master.to(dtype)).wait()
-            sub_groups = driver.add_unit(index, flat.name or "root", master, flat.group, sub_group_size,
-                                         segment if masters_are_params else None)
+            sub_groups = [] if driver is None else driver.add_unit(
+                index, flat.name or "root", master, flat.group, sub_group_size,
+                segment if masters_are_params else None)
             full = torch.empty(flat.padded_numel, dtype=dtype, device=device)
             placement._add(Unit(index, flat, module, full, sub_groups, segment,
                                 persistent=flat.numel <= persistence_threshold, state=UnitState.RELEASED))
@@ -87,8 +91,9 @@ class PartitionedPlacement(Placement):
         self.units.append(unit)
         unit.hooks.append(unit.module.register_forward_pre_hook(lambda m, args: self._pre_forward(unit)))
         unit.hooks.append(unit.module.register_forward_hook(lambda m, args, out: self._post_forward(unit, out)))
-        for slot in unit.flat.slots:
-            unit.hooks.append(slot.param.register_post_accumulate_grad_hook(lambda p: self._grad_ready(unit)))
+        if self.gradients is not None:
+            for slot in unit.flat.slots:
+                unit.hooks.append(slot.param.register_post_accumulate_grad_hook(lambda p: self._grad_ready(unit)))
 
     @contextlib.contextmanager
     def shard(self, unit: Unit, *, write: bool = False, overwrite: bool = False) -> Iterator[torch.Tensor]:

@@ -1,0 +1,106 @@
+"""Inference from the tiers (`zero.init_inference`): greedy generation from weights in host memory or on nvme is
+token for token the in-memory model's, weights far larger than the host budget load and run within it, and a
+config or checkpoint that cannot serve is named."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zero
+from zero.config import ConfigError
+from zero.params.pretrained import PretrainedWeightsError
+
+from conftest import child_env
+from models import one_thread  # noqa: F401  (autouse fixture)
+from test_pretrained import gpt2_config, llama_config, on_meta, saved
+
+PROMPT = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(5))
+
+
+def inference_config(offload: str, nvme_path, **tiering) -> dict:
+    zero_opt = {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_param": {"device": offload}}
+    if offload == "nvme":
+        zero_opt["offload_param"]["nvme_path"] = str(nvme_path)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero_opt}
+    if tiering:
+        config["zero_tiering"] = tiering
+    return config
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_greedy_generation_is_the_in_memory_models(kind, offload, tmp_path):
+    config = gpt2_config() if kind == "gpt2" else llama_config()
+    reference = saved(config, tmp_path / "model")
+    options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    expected = reference.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), **options)
+    engine = zero.init_inference(on_meta(config), inference_config(offload, tmp_path), weights=tmp_path / "model")
+    try:
+        tokens = engine.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), **options)
+        assert torch.equal(tokens, expected)
+        assert not any(unit.gathered for unit in engine.placement.units), "a unit stayed gathered"
+        if offload == "nvme":
+            assert engine.swap.stats.bytes_moved["nvme->host"] > 0, "the weights never came from nvme"
+        assert not any(p.requires_grad for p in engine.module.parameters())
+    finally:
+        engine.close()
+
+
+def test_without_a_config_weights_stay_in_host_memory(tmp_path):
+    reference = saved(gpt2_config(), tmp_path / "model")
+    engine = zero.init_inference(on_meta(gpt2_config()), weights=tmp_path / "model")
+    try:
+        assert torch.equal(engine(PROMPT).logits, reference(PROMPT).logits)
+        assert engine.swap.store is None
+    finally:
+        engine.close()
+
+
+def test_what_cannot_serve_is_named(tmp_path):
+    saved(gpt2_config(), tmp_path / "model")
+    with pytest.raises(ConfigError, match="zero_optimization.stage"):
+        zero.init_inference(on_meta(gpt2_config()), {"train_micro_batch_size_per_gpu": 1,
+                                                    "zero_optimization": {"stage": 2}})
+    with pytest.raises(PretrainedWeightsError, match=r"transformer\.wte\.weight.*shape \[97, 32\].*\[97, 64\]"):
+        zero.init_inference(on_meta(gpt2_config(n_embd=64)), weights=tmp_path / "model")
+    os.unlink(tmp_path / "model" / "model.safetensors")
+    with pytest.raises(PretrainedWeightsError, match="holds neither model.safetensors"):
+        zero.init_inference(on_meta(gpt2_config()), weights=tmp_path / "model")
+
+
+CHILD = r"""
+import json, resource, sys, torch, zero
+from transformers import AutoModelForCausalLM, GPT2Config
+with torch.device("meta"):
+    model = AutoModelForCausalLM.from_config(GPT2Config(**json.loads(sys.argv[1])))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+engine = zero.init_inference(model, json.loads(sys.argv[2]), weights=sys.argv[3])
+engine.generate(torch.zeros(1, 4, dtype=torch.long), max_new_tokens=4, do_sample=False, pad_token_id=0)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+largest = max(unit.flat.padded_numel for unit in engine.placement.units) * 4
+print(json.dumps({"growth": after - before, "largest_unit": largest, "pool_peak": engine.swap.pool.peak_in_use,
+                  "read": engine.swap.stats.bytes_moved["nvme->host"]}))
+engine.close()
+"""
+
+
+def test_weights_four_times_the_host_budget_generate_within_it(tmp_path):
+    """~76 MB of weights, a ~19 MB host budget: loading and generating grow the process by the budget, the device
+    budget and a few copies of the largest unit, never by the model; every token reads the weights again."""
+    shape = {"n_layer": 24, "n_embd": 256, "n_head": 4, "vocab_size": 1024, "n_positions": 64}
+    saved(gpt2_config(**shape), tmp_path / "model")
+    weights = os.path.getsize(tmp_path / "model" / "model.safetensors")
+    budget = weights // 4
+    config = inference_config("nvme", tmp_path, host_budget=budget, device_budget=8 << 20)
+    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(shape), json.dumps(config),
+                           str(tmp_path / "model")], env=child_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["pool_peak"] <= budget and report["read"] >= 4 * (weights - budget)
+    bound = budget + (8 << 20) + 4 * report["largest_unit"] + (32 << 20)
+    assert report["growth"] <= bound < weights + budget, report
