@@ -104,3 +104,22 @@ def test_weights_four_times_the_host_budget_generate_within_it(tmp_path):
     assert report["pool_peak"] <= budget and report["read"] >= 4 * (weights - budget)
     bound = budget + (8 << 20) + 4 * report["largest_unit"] + (32 << 20)
     assert report["growth"] <= bound < weights + budget, report
+
+
+def test_the_command_generates_what_the_model_in_memory_does(tmp_path, capsys):
+    from zero.inference.__main__ import main
+
+    reference = saved(gpt2_config(), tmp_path / "model")
+    prompt = [5, 17, 42]
+    expected = reference.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    new = main(["--model", str(tmp_path / "model"), "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens",
+                "6", "--offload", "nvme", "--nvme-path", str(tmp_path / "nvme")])
+    assert new == expected[0, len(prompt):].tolist()
+    out = capsys.readouterr().out
+    assert f"token ids: {new}" in out and "decode" in out and "read from nvme" in out
+    for args, message in ((["--model", str(tmp_path)], "no config.json there"),
+                          (["--model", str(tmp_path / "model"), "--host-budget", "lots"], "expected a size"),
+                          (["--model", str(tmp_path / "model"), "--prompt-ids", "5,9999"], "outside the vocabulary")):
+        with pytest.raises(SystemExit):
+            main([*args, "--prompt-ids", "1"] if "--prompt-ids" not in args else args)
+        assert message in capsys.readouterr().err

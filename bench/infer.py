@@ -1,0 +1,147 @@
+"""Inference from the tiers against its bound: a GPT-2 shaped model saved with save_pretrained, generated from
+greedily by plain transformers in memory, by zero.init_inference with the weights in host memory, and with the
+weights on nvme under a host budget a quarter of their size (16 MiB at least). Each system runs in its own process (its peak RSS
+is its own); the tokens must be the same.
+
+    python bench/infer.py [--quick] [--layers 12] [--hidden 768] [--new-tokens 16] [--json PATH]
+
+Per system: prefill seconds (a 32-token prompt), decode tokens/s (the median interval between new tokens), peak
+RSS, nvme bytes read per decoded token. The bounds are measured in the same run: host memory, the weight bytes a
+forward copies (read and written once) over the machine's copy rate; nvme, the bytes a token reads over the
+disk's read rate (`zero.report`'s measurement through our NvmeStore, on the same directory).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+SYSTEMS = ("torch", "ours-cpu", "ours-nvme")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def peak_rss() -> int:
+    """This process's own high-water RSS (VmHWM: ru_maxrss of a child also counts its parent's at the fork)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def child(args: argparse.Namespace) -> dict:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    prompt = torch.randint(0, 1000, (1, 32), generator=torch.Generator().manual_seed(0))
+    engine = None
+    if args.child == "torch":
+        model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+    else:
+        import zero
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
+        offload = {"device": "nvme", "nvme_path": args.nvme} if args.child == "ours-nvme" else {"device": "cpu"}
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+            "stage": 3, "offload_param": offload, "stage3_param_persistence_threshold": 0}}
+        if args.child == "ours-nvme":
+            config["zero_tiering"] = {"host_budget": args.host_budget}
+        engine = model = zero.init_inference(model, config, weights=args.model)
+    clock = Clock()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.new_tokens,
+                             do_sample=False, pad_token_id=0, streamer=clock)
+    intervals = [b - a for a, b in zip(clock.times[1:], clock.times[2:])]
+    read = engine.swap.stats.bytes_moved.get("nvme->host", 0) if engine is not None else 0
+    if engine is not None:
+        engine.close()
+    return {"system": args.child, "prefill_s": clock.times[1] - start, "decode_tok_s": 1 / statistics.median(intervals),
+            "peak_rss": peak_rss(),
+            "nvme_read_per_token": read / max(1, args.new_tokens), "tokens": out[0, 32:].tolist()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a tiny model, seconds (what the tests run)")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the model and the nvme tier go")
+    parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--nvme", help=argparse.SUPPRESS)
+    parser.add_argument("--host-budget", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    if args.quick:
+        args.layers, args.hidden, args.new_tokens = 2, 64, 6
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from zero.plan.machine import memory_rates
+    from zero.report.bandwidth import measure
+
+    with tempfile.TemporaryDirectory(dir=args.dir) as work:
+        torch.manual_seed(0)
+        config = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=max(1, args.hidden // 64),
+                            vocab_size=50257 if not args.quick else 1024, n_positions=128)
+        GPT2LMHeadModel(config).save_pretrained(os.path.join(work, "model"))
+        weights = os.path.getsize(os.path.join(work, "model", "model.safetensors"))
+        nvme = os.path.join(work, "nvme")
+        os.makedirs(nvme)
+        disk = measure(nvme, max(64 << 20, min(512 << 20, weights // 4096 * 4096)))
+        copy_rate = memory_rates()[0]
+        records = []
+        for system in SYSTEMS:
+            done = subprocess.run([sys.executable, __file__, "--child", system, "--model", os.path.join(work, "model"),
+                                   "--nvme", nvme, "--host-budget", str(max(weights // 4, 16 << 20)), "--threads", str(args.threads),
+                                   "--new-tokens", str(args.new_tokens)], capture_output=True, text=True)
+            if done.returncode:
+                sys.exit(f"{system} failed:\n{done.stderr[-3000:]}")
+            records.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    same = all(r["tokens"] == records[0]["tokens"] for r in records)
+    memory_bound = copy_rate / (2 * weights)
+    print(f"model: {weights / 1e6:.0f} MB of fp32 weights; copy {copy_rate / 1e9:.1f} GB/s (read + written), disk "
+          f"read {disk.read_gbps:.2f} GB/s; tokens identical: {same}")
+    print(f"{'system':<10} {'prefill s':>10} {'decode tok/s':>13} {'bound tok/s':>12} {'of bound':>9} {'peak RSS MB':>12}")
+    for r in records:
+        bound = None
+        if r["system"] == "ours-cpu":
+            bound = memory_bound
+        elif r["system"] == "ours-nvme" and r["nvme_read_per_token"]:
+            bound = disk.read_gbps * 1e9 / r["nvme_read_per_token"]
+        r["bound_tok_s"] = bound
+        shown = f"{bound:12.2f} {r['decode_tok_s'] / bound:9.2f}" if bound else f"{'':>12} {'':>9}"
+        print(f"{r['system']:<10} {r['prefill_s']:10.3f} {r['decode_tok_s']:13.2f} {shown} {r['peak_rss'] / 1e6:12.0f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"weights_bytes": weights, "copy_bytes_per_s": copy_rate, "disk": vars(disk),
+                       "tokens_identical": same, "records": records}, f, indent=1)
+    if not same:
+        sys.exit("the systems generated different tokens")
+
+
+if __name__ == "__main__":
+    main()
