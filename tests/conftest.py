@@ -12,7 +12,7 @@ import tempfile
 import pytest
 import torch
 
-from tiering import AioConfig, NvmeStore, NvmeStoreConfig
+from tiering import AioConfig, NvmeStore, NvmeStoreConfig, SwapConfig, SwapManager, TieringError
 
 ENGINES = ["libaio", "threads"]
 """Every I/O engine an explicit config can name; `auto` resolves to one of these."""
@@ -105,3 +105,35 @@ def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
+
+
+PAGE = 4096
+MOVE_TIMEOUT = 20.0
+"""Seconds any move may take here (a few pages on a local disk); longer means it will never end."""
+
+
+@pytest.fixture
+def make_manager(tmp_path):
+    """Factory for swap managers closed at teardown; `engine` adds an nvme store on tmp_path."""
+    managers: list[SwapManager] = []
+
+    def make(*, engine: str | None = None, nvme_budget: int | None = None, **config) -> SwapManager:
+        nvme = None
+        if engine is not None:
+            nvme = NvmeStoreConfig(nvme_path=str(tmp_path), budget=nvme_budget, grow_step=4 * PAGE,
+                                   aio=AioConfig(engine=engine))
+        config.setdefault("host_budget", 64 * PAGE)
+        config.setdefault("prefetch_bytes", 0)
+        mgr = SwapManager(SwapConfig(nvme=nvme, **config))
+        managers.append(mgr)
+        return mgr
+
+    yield make
+    for mgr in managers:
+        for seg in list(mgr.segments.values()):  # a move that never ends fails the test instead of hanging close()
+            if seg.move is not None:
+                try:
+                    seg.move.wait(MOVE_TIMEOUT)
+                except TieringError:
+                    pass  # its failure was the test's business
+        mgr.close()
