@@ -56,7 +56,8 @@ def llama() -> LlamaForCausalLM:
 def gpt2() -> GPT2LMHeadModel:
     """Tied input and output embeddings, and dropout (the resume must restore the RNG)."""
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                                      bos_token_id=0, eos_token_id=0))
 
 
 def hf_docs_zero3(nvme: Path, *, optimizer: bool = True, scheduler: bool = True) -> dict:
@@ -185,6 +186,10 @@ def test_llama_zero3_nvme_from_ds_config_json_trains_like_the_plain_trainer(tmp_
         assert logged(trainer, "grad_norm") == pytest.approx(logged(reference, "grad_norm"), rel=1e-4)
         assert logged(trainer, "learning_rate") == pytest.approx(logged(reference, "learning_rate"), rel=1e-12)
 
+        held_out = dataset(8)  # evaluation goes through the engine too (parameters gathered unit by unit)
+        assert trainer.evaluate(held_out)["eval_loss"] == pytest.approx(reference.evaluate(held_out)["eval_loss"],
+                                                                          rel=1e-5)
+
         trainer.save_model()  # consolidated: model.safetensors + config.json
         out = tmp_path / "zero"
         assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
@@ -273,7 +278,8 @@ def lora_llama() -> LlamaForCausalLM:
     for layer in model.model.layers:
         layer.self_attn.q_proj = LoRALinear(layer.self_attn.q_proj)
         layer.self_attn.v_proj = LoRALinear(layer.self_attn.v_proj)
-    model.gradient_checkpointing_enable()
+    # gradient_checkpointing_enable() under its transformers 5 name (the old one warns it is deprecated)
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     return model
 
 
@@ -285,7 +291,10 @@ def test_lora_with_gradient_checkpointing_under_stage3_offload(tmp_path):
                                          args=training_args(TrainingArguments, tmp_path / "plain", max_steps=steps))
     reference.train()
     model = lora_llama()
-    assert model.is_gradient_checkpointing
+    assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
+    calls = []  # a checkpointed layer runs its forward again in backward (the MLP inside it: the layer's own
+    # hooks stay outside the checkpoint)
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda module, args: calls.append(module.training))
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     trainer = ZeroTrainer(model=model, train_dataset=data, zero_config=config,
@@ -294,6 +303,7 @@ def test_lora_with_gradient_checkpointing_under_stage3_offload(tmp_path):
         trainer.train()
         engine = trainer.engine
         assert list(losses(trainer).values()) == pytest.approx(list(losses(reference).values()), rel=1e-5)
+        assert len(calls) == 2 * 2 * steps  # forward and recomputation, 2 micro-batches a step
         # Only the LoRA parameters are in units, so only they have optimizer state and gradients.
         slots = [slot for unit in engine.units for slot in unit.flat.slots]
         assert slots and all(slot.param.requires_grad and ".lora_" in slot.name for slot in slots)
@@ -340,3 +350,16 @@ def test_a_config_the_arguments_cannot_fill_names_the_key(tmp_path, changes, err
 def test_a_trainer_without_a_config_says_how_to_give_one(tmp_path):
     with pytest.raises(ValueError, match="ZeroTrainingArguments"):
         ZeroTrainer(model=llama(), args=training_args(TrainingArguments, tmp_path), train_dataset=dataset(8))
+
+
+def test_an_epoch_that_ends_inside_an_accumulation_window_is_an_error(tmp_path):
+    """10 samples, 2 a batch: 5 micro-batches, and the Trainer steps after the 5th; the engine, accumulating 2,
+    would not, so training stops there saying why (DeepSpeed carries the gradient into the next epoch)."""
+    trainer = ZeroTrainer(model=llama(), train_dataset=dataset(10), zero_config=hf_docs_zero3(tmp_path / "nvme"),
+                          args=training_args(TrainingArguments, tmp_path, max_steps=-1, num_train_epochs=1))
+    try:
+        with pytest.raises(RuntimeError, match="multiple of gradient_accumulation_steps"):
+            trainer.train()
+        assert trainer.state.global_step == 2
+    finally:
+        trainer.close()

@@ -122,9 +122,10 @@ class ZeroTrainer(Trainer):
                 "TrainingArguments(deepspeed=...) hands the config to DeepSpeed through accelerate; to train with "
                 "zero-tiering use zero.integrations.ZeroTrainingArguments(deepspeed=...) (the same arguments), "
                 "or TrainingArguments without deepspeed= and ZeroTrainer(..., zero_config=...)")
-        source = zero_config if zero_config is not None else getattr(args, "zero_config", None)
-        if source is not None and getattr(args, "zero_config", None) is not None and zero_config is not None:
+        from_args = getattr(args, "zero_config", None)
+        if zero_config is not None and from_args is not None:
             raise ValueError("ZeroTrainer: the config is given twice (zero_config= and args.zero_config): keep one")
+        source = zero_config if zero_config is not None else from_args
         if source is None:
             raise ValueError("ZeroTrainer needs a DeepSpeed-format config: ZeroTrainingArguments(deepspeed="
                              "'ds_config.json', ...) or ZeroTrainer(..., zero_config='ds_config.json')")
@@ -216,6 +217,10 @@ class ZeroTrainer(Trainer):
             engine.close()
             raise ValueError(f"the engine computes on {engine.device} but the Trainer puts batches on "
                              f"{self.args.device} (use_cpu=True on a machine with CUDA): make them agree")
+        if isinstance(engine.lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+            # torch warns that the scheduler stepped before its optimizer when the optimizer's own step() never
+            # ran; the engine's step always runs first (in the driver), so say so (torch's flag for it).
+            engine.lr_scheduler.optimizer._opt_called = True
         self.engine = engine
         self.optimizer = EngineOptimizer(engine)
         self.lr_scheduler = EngineScheduler(engine)

@@ -41,7 +41,9 @@ def save_safetensors(engine: ZeroEngine, out_dir: str | os.PathLike, *, write: b
         for unit in engine.units:  # in plan order: unit by unit, slot by slot
             with engine.gathered_parameters([slot.param for slot in unit.flat.slots]):
                 for slot in unit.flat.slots:
-                    f.write_tensor(slot.param.detach())
+                    # A copy: writing exposes the bytes to numpy, which would pin the size of the full
+                    # buffer's storage, and the release resizes it to nothing.
+                    f.write_tensor(slot.param.detach().clone())
         for _, tensor, _ in rest:
             f.write_tensor(tensor.detach())
         f.commit()

@@ -62,18 +62,20 @@ class PartitionedPlacement(Placement):
         swap, device = placement.swap, placement.device
         for index, (flat, module) in enumerate(plan):
             materialize(flat)
-            master = flat.flatten(torch.empty(flat.padded_numel, dtype=torch.float32)).narrow(
-                0, flat.shard_start, flat.shard_numel)
+            # fp32 for the optimizer's master; inference keeps the compute dtype alone.
+            values = flat.flatten(torch.empty(flat.padded_numel, dtype=dtype if driver is None else torch.float32))
+            flat.unbind()  # the materialized parameters go: `values` holds them, one unit's worth at a time
+            master = values.narrow(0, flat.shard_start, flat.shard_numel)
             segment = f"{flat.name or 'root'}/param"
             swap.register(segment, dtype=dtype, shape=(flat.shard_numel,), home=param_home,
                           data=master.to(dtype)).wait()
             sub_groups = [] if driver is None else driver.add_unit(
                 index, flat.name or "root", master, flat.group, sub_group_size,
                 segment if masters_are_params else None)
+            del values, master
             full = torch.empty(flat.padded_numel, dtype=dtype, device=device)
             placement._add(Unit(index, flat, module, full, sub_groups, segment,
                                 persistent=flat.numel <= persistence_threshold, state=UnitState.RELEASED))
-            del master
         placement.model_hooks.append(model._register_state_dict_hook(placement._state_dict_hook(model)))
         materialize.rest()
         for module in model.modules():  # buffers: to the device, floating ones in the compute dtype
