@@ -60,7 +60,7 @@ def init_inference(model: nn.Module, config: str | os.PathLike | Mapping | None 
         swap.close()
         raise
     model.requires_grad_(False)
-    return InferenceEngine(model, placement, swap, dtype, device)
+    return InferenceEngine(model, placement, swap, dtype, device).eval()  # no dropout: inference
 
 
 class InferenceEngine(nn.Module):
