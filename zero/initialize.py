@@ -64,18 +64,18 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
     cfg = load_config(source, world_size=dp.world_size, hidden_size=hidden)
     if cfg.optimizer is not None and optimizer is not None:
         raise ConfigError("optimizer", "both the config and the call give an optimizer: keep one")
+    zo = cfg.zero_optimization
     dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else torch.float32
     groups = param_groups_from(model, model_parameters, optimizer, cfg)
     plan = plan_units(model, groups, dp)
     swap = SwapManager(swap_config(cfg, [flat for flat, _ in plan], dtype))
     driver = overlap = None
     try:
-        state_home = HOMES[cfg.zero_optimization.offload_optimizer.device]
+        state_home = HOMES[zo.offload_optimizer.device]
         work_tier: Tier = "device" if state_home == "device" else "host"
         grad_home: Tier = "nvme" if state_home == "nvme" else work_tier  # host holds no per-parameter bytes
         driver = AdamDriver(swap, state_home=state_home, grad_home=grad_home, work_tier=work_tier)
         counters = StepCounters(cfg.gradient_accumulation_steps)
-        zo = cfg.zero_optimization
         gradients = Gradients(driver=driver, dp=dp, counters=counters, sharded=zo.stage >= 1,
                               reduce_scatter=zo.stage >= 2,
                               param_order={id(p): i for i, p in enumerate(model.parameters())},

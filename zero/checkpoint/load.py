@@ -80,10 +80,10 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str | os.PathLike, tag: Any = 
         rank, world, saved_world = engine.dp.rank, engine.dp.world_size, manifest["world_size"]
         same_world = saved_world == world
         reader = RecordReader(tag_dir, manifest, prefer_rank=rank if same_world else 0)
-        parts = STATE_PARTS if load_optimizer_states else ("master",)
+        parts = ("param", *STATE_PARTS) if load_optimizer_states else ("param", "master")
         ranks = set()
         for piece in engine.state_tensors():
-            if piece.part == "param" or piece.part in parts:
+            if piece.part in parts:
                 ranks |= reader.ranks_for(piece.unit, piece.part, piece.start, piece.numel)
         for name, _, _ in extras(engine):
             if name not in reader.extras:
@@ -111,11 +111,11 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str | os.PathLike, tag: Any = 
 
 
 def load_tensors(engine: ZeroEngine, reader: RecordReader, parts: tuple[str, ...]) -> None:
-    """Every state tensor read from the checkpoint (the parameters always; optimizer state parts not in
-    `parts` start afresh at zero), then frozen parameters and buffers."""
+    """Every state tensor in `parts` read from the checkpoint (the others, optimizer moments not loaded, start
+    afresh at zero), then frozen parameters and buffers."""
     for piece in engine.state_tensors():
         with piece.held(True) as tensor:
-            if piece.part == "param" or piece.part in parts:
+            if piece.part in parts:
                 fill(reader, piece.unit, piece.part, piece.start, tensor)
             else:
                 tensor.zero_()
