@@ -21,6 +21,7 @@ from tiering import (
     TieringError,
 )
 from tiering.residency import TIER_ORDER, TRANSITIONS
+from tiering.timeline import Timeline
 from tiering.trace import Trace
 
 from conftest import MOVE_TIMEOUT, PAGE  # noqa: F401  (make_manager: the fixture, from conftest)
@@ -474,6 +475,18 @@ def test_budget_error_carries_the_numbers_and_changes_nothing(make_manager):
 
 
 # -- stats and timeline ------------------------------------------------------------------------------------
+
+def test_busy_seconds_is_the_union_of_the_lanes_intervals():
+    """A read and a write in flight together keep the disk busy once: busy time is the union across lanes."""
+    timeline = Timeline()
+    timeline.add("r", "nvme->host", 10.0, 14.0)
+    timeline.add("w", "host->nvme", 12.0, 16.0)  # overlaps the read by 2 s
+    timeline.add("w2", "host->nvme", 20.0, 21.0)
+    timeline.add("c", "compute", 0.0, 30.0)
+    assert timeline.busy_seconds("nvme->host") == 4.0
+    assert timeline.busy_seconds("nvme->host", "host->nvme") == 7.0  # [10, 16] and [20, 21]
+    assert timeline.busy_seconds("nvme->host", "host->nvme", since=11.0) == 5.0  # spans starting at 12 and 20
+
 
 def test_stats_count_bytes_per_tier_pair_peaks_and_stalls(make_manager):
     mgr = make_manager(engine="threads", device_budget=4 * PAGE)

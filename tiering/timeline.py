@@ -67,10 +67,11 @@ class Timeline:
         finally:
             self.add(name, lane, start, time.perf_counter(), **args)
 
-    def busy_seconds(self, lane: str, since: float = 0.0) -> float:
-        """Length of the union of `lane`'s spans that start at or after `since`."""
+    def busy_seconds(self, *lanes: str, since: float = 0.0) -> float:
+        """Length of the union of the spans on any of `lanes` that start at or after `since`: a read and a write
+        in flight together are busy once, not twice."""
         with self._lock:
-            intervals = sorted((s, e) for _, l, s, e, _ in self.spans if l == lane and s >= since)
+            intervals = sorted((s, e) for _, l, s, e, _ in self.spans if l in lanes and s >= since)
         total, end = 0.0, -1.0
         for s, e in intervals:
             if s > end:
