@@ -2,8 +2,9 @@
 gradient, 16 B/element) on nvme, stepped by the AdamDriver through the swap manager under a small host
 budget, against the I/O bound measured on the same store in the same run.
 
-A step must read 16 B/element (master, moments, gradient) and write back 12 B/element (master, moments);
-the bound is read bytes / read GB/s + written bytes / write GB/s, both measured here just before.
+A step must read 16 B/element (master, moments, gradient) and write back 12 B/element (master, moments), the
+reads ahead and the write-backs in flight together: the bound is those 28 B/element over the mixed (read +
+write at once) GB/s measured on the same store just before.
 
     python bench/adam_stream.py [--quick] [--elements 500M] [--json PATH]
 """
@@ -30,26 +31,33 @@ def parse_count(text: str) -> int:
     return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
-def disk_gbps(manager: SwapManager, nbytes: int, chunk: int) -> tuple[float, float]:
-    """Sequential write then read GB/s of `nbytes` through the manager's store, in `chunk`-sized requests
-    kept several deep (as the driver's prefetch and write-back keep them)."""
+def disk_gbps(manager: SwapManager, nbytes: int, chunk: int) -> tuple[float, float, float]:
+    """Sequential write, read, and mixed (reading one region while writing another, as a streamed step reads
+    ahead while it writes back) GB/s of `nbytes` per direction through the manager's store, in `chunk`-sized
+    requests kept several deep (as the driver's prefetch and write-back keep them)."""
     store = manager.store
-    extents = [store.allocate(chunk) for _ in range(max(1, nbytes // chunk))]
-    buffers = [aligned_empty(chunk) for _ in range(4)]
-    result = []
-    for op in (store.write, store.read):
-        start = time.perf_counter()
-        handles = []
-        for i, extent in enumerate(extents):
+    count = max(1, nbytes // chunk)
+    first, second = ([store.allocate(chunk) for _ in range(count)] for _ in range(2))
+    buffers = [aligned_empty(chunk) for _ in range(8)]
+
+    def timed(jobs: list) -> float:
+        start, handles = time.perf_counter(), []
+        for i, (op, extent) in enumerate(jobs):
             if len(handles) >= len(buffers):
                 handles.pop(0).wait()
             handles.append(op(extent, buffers[i % len(buffers)]))
         for handle in handles:
             handle.wait()
-        result.append(len(extents) * chunk / (time.perf_counter() - start) / 1e9)
-    for extent in extents:
+        return time.perf_counter() - start
+
+    write_s = timed([(store.write, e) for e in first] + [(store.write, e) for e in second])
+    read_s = timed([(store.read, e) for e in first])
+    mixed_s = timed([job for pair in zip(((store.read, e) for e in first), ((store.write, e) for e in second))
+                     for job in pair])
+    for extent in first + second:
         store.free(extent)
-    return result[0], result[1]
+    moved = count * chunk
+    return 2 * moved / write_s / 1e9, moved / read_s / 1e9, 2 * moved / mixed_s / 1e9
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -78,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
         for k in range(groups):
             numel = min(per, total - k * per)
             driver.add_unit(k, f"sg{k}", torch.randn(numel, generator=generator), 0, 0)
-        write_gbps, read_gbps = disk_gbps(manager, min(2 << 30, 4 * state_bytes), min(16 * MiB, 4 * per))
+        write_gbps, read_gbps, mixed_gbps = disk_gbps(manager, min(2 << 30, 4 * state_bytes), min(16 * MiB, 4 * per))
         out = torch.empty(per, dtype=torch.bfloat16)  # the copy-out target, reused
 
         @contextlib.contextmanager
@@ -108,13 +116,14 @@ def main(argv: list[str] | None = None) -> dict:
         hit_rate = manager.stats.hit_rate
         manager.close()
     step_s = statistics.median(times)
-    bound = 16 * total / (read_gbps * 1e9) + 12 * total / (write_gbps * 1e9)
+    bound = 28 * total / (mixed_gbps * 1e9)
     result = {"elements": total, "sub_group": per, "step_s": step_s, "io_bound_s": bound,
               "fraction_of_bound": bound / step_s, "read_gbps": read_gbps, "write_gbps": write_gbps,
+              "mixed_gbps": mixed_gbps,
               "host_budget": host_budget, "peak_host_bytes": peak_host, "hit_rate": hit_rate,
               "checksums": args.checksums}
     print(f"{total / 1e6:.0f}M elements in {groups} sub-groups of {per / 1e6:.0f}M on nvme; disk here: "
-          f"read {read_gbps:.2f} GB/s, write {write_gbps:.2f} GB/s")
+          f"read {read_gbps:.2f} GB/s, write {write_gbps:.2f} GB/s, mixed {mixed_gbps:.2f} GB/s")
     print(f"  step {step_s:.2f} s, I/O bound {bound:.2f} s: {bound / step_s:.2f}x the bound; "
           f"host peak {peak_host / MiB:.0f} MiB of a {host_budget / MiB:.0f} MiB budget; hit rate {hit_rate:.2f}")
     if args.json:
