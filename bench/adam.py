@@ -5,9 +5,9 @@ foreach, and DeepSpeed's DeepSpeedCPUAdam when `deepspeed` imports (never a depe
 is allocated once and touched before timing (fresh memory runs near 1 GB/s on this VM), and every optimizer
 steps those same buffers: torch's and DeepSpeed's state is pointed at them. With copy-out, each step also
 leaves the updated params in a bf16 (or fp16) tensor: ours in the same pass, the others by a copy after
-their step. Thread counts: torch.set_num_threads for torch and DeepSpeed (its OpenMP is torch's), an
-AdamThreads of that many threads for ours. The machine is shared and noisy, so the optimizers are timed in
-a rotating order, `--steps` times each after a warm-up step, and the median is kept.
+their step. Thread counts: torch.set_num_threads for every system, set once outside the timed steps (torch's
+and DeepSpeed's pools follow it), and an AdamThreads of that many threads for ours. The machine is shared and
+noisy, so the optimizers are timed in a rotating order, `--steps` times each after a warm-up step, and the median is kept.
 
     python3 bench/adam.py                         # 10M, 100M, 500M params; several minutes, ~10 GB RAM
     python3 bench/adam.py --quick                 # seconds; what the test suite runs
@@ -32,8 +32,6 @@ from zero.optim.adam_math import AdamThreads, adam_step  # noqa: E402  (the chec
 IMPLS = ("ours", "torch-fused", "torch-foreach", "deepspeed")
 BYTES_PER_PARAM = 28
 """Adam's memory traffic: reads param, grad, exp_avg, exp_avg_sq; writes param, exp_avg, exp_avg_sq."""
-ROOFLINE_GBPS = 35.0
-"""A C AdamW loop's memory traffic on the development machine, 2 threads (ANCHORS.md)."""
 HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 DEFAULTS = dict(sizes="10M,100M,500M", threads="1,2", steps=7)
 QUICK = dict(sizes="50K,1.1M", threads="1,2", steps=2)
@@ -72,7 +70,7 @@ def torch_adamw(kind: str) -> Callable[[Buffers, int, bool], Callable[[], None]]
         opt = torch.optim.AdamW([param], **HYPER, **{kind: True})
         opt.state[param] = {"step": torch.zeros((), dtype=torch.float32), "exp_avg": buf.exp_avg,
                             "exp_avg_sq": buf.exp_avg_sq}
-        return under_threads(threads.count, opt.step, buf if copy_out else None)
+        return with_copy_out(opt.step, buf if copy_out else None)
     return make
 
 
@@ -83,20 +81,16 @@ def deepspeed_adam(buf: Buffers, threads: AdamThreads, copy_out: bool) -> Callab
     param.grad = buf.grad
     opt = DeepSpeedCPUAdam([param], adamw_mode=True, **HYPER)
     opt.state[param] = {"step": 0, "exp_avg": buf.exp_avg, "exp_avg_sq": buf.exp_avg_sq}
-    return under_threads(threads.count, opt.step, buf if copy_out else None)
+    return with_copy_out(opt.step, buf if copy_out else None)
 
 
-def under_threads(threads: int, step: Callable[[], object], copy_to: Buffers | None) -> Callable[[], None]:
-    """`step` (then the copy-out, when `copy_to` is given) with torch's intra-op pool at `threads`."""
+def with_copy_out(step: Callable[[], object], copy_to: Buffers | None) -> Callable[[], None]:
+    """`step`, then the copy-out when `copy_to` is given (torch's intra-op pool is set by `measure`, outside
+    the timed region)."""
     def run() -> None:
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            step()
-            if copy_to is not None:
-                copy_to.out.copy_(copy_to.param)
-        finally:
-            torch.set_num_threads(before)
+        step()
+        if copy_to is not None:
+            copy_to.out.copy_(copy_to.param)
     return run
 
 
@@ -122,8 +116,10 @@ def measure(numel: int, impls: list[str], threads: list[int], steps: int,
     round / ours in the round): pairs taken close together, so the machine's slow swings cancel."""
     buf = Buffers(numel, out_dtype)
     records, paired = [], {}
+    before = torch.get_num_threads()
     for t in threads:
-        workers = AdamThreads(t)  # ours runs on these; the others get t as torch's intra-op thread count
+        torch.set_num_threads(t)  # every system's intra-op pool, set outside the timed region
+        workers = AdamThreads(t)  # ours runs on these
         for copy_out in (False, True):
             runs = {impl: MAKERS[impl](buf, workers, copy_out) for impl in impls}
             times: dict[str, list[float]] = {impl: [] for impl in impls}
@@ -143,22 +139,22 @@ def measure(numel: int, impls: list[str], threads: list[int], steps: int,
                 for fused, foreach, mine in zip(times["torch-fused"], times["torch-foreach"], times["ours"]))
             print(f"  measured {numel} params, {t} threads, copy_out={copy_out}", file=sys.stderr)
         workers.close()
+    torch.set_num_threads(before)
     return records, paired
 
 
 def print_table(records: list[dict], paired: dict[tuple, float], out_name: str) -> None:
     impls = [i for i in IMPLS if any(r["impl"] == i for r in records)]
     rate = {(r["impl"], r["params"], r["threads"], r["copy_out"]): r["params_per_s"] for r in records}
-    print(f"| params | threads | copy-out | {' | '.join(impls)} | ours / best torch | paired | ours GB/s | "
-          f"of {ROOFLINE_GBPS:.0f} GB/s |")
-    print("|---" * (len(impls) + 7) + "|")
+    print(f"| params | threads | copy-out | {' | '.join(impls)} | ours / best torch | paired | ours GB/s |")
+    print("|---" * (len(impls) + 6) + "|")
     for params, t, copy_out in sorted({k[1:] for k in rate}):
         cells = [f"{rate[(i, params, t, copy_out)] / 1e6:.0f}" for i in impls]
         best_torch = max(rate[(i, params, t, copy_out)] for i in ("torch-fused", "torch-foreach"))
         gbps = rate[("ours", params, t, copy_out)] * (BYTES_PER_PARAM + 2 * copy_out) / 1e9
         print(f"| {params / 1e6:g}M | {t} | {out_name if copy_out else 'no'} | {' | '.join(cells)} | "
               f"{rate[('ours', params, t, copy_out)] / best_torch:.2f}x | {paired[(params, t, copy_out)]:.2f}x | "
-              f"{gbps:.1f} | {gbps / ROOFLINE_GBPS:.0%} |")
+              f"{gbps:.1f} |")
     print(f"\nMparams/s, median of timed steps. paired: median over rounds of best torch time / ours, each round "
           f"timing every optimizer once.\nGB/s counts {BYTES_PER_PARAM} B/param (+2 with copy-out).")
 
