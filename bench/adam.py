@@ -7,7 +7,8 @@ steps those same buffers: torch's and DeepSpeed's state is pointed at them. With
 leaves the updated params in a bf16 (or fp16) tensor: ours in the same pass, the others by a copy after
 their step. Thread counts: torch.set_num_threads for every system, set once outside the timed steps (torch's
 and DeepSpeed's pools follow it), and an AdamThreads of that many threads for ours. The machine is shared and
-noisy, so the optimizers are timed in a rotating order, `--steps` times each after a warm-up step, and the median is kept.
+noisy, so the optimizers are timed in a rotating order, `--steps` times each after a warm-up step, and the
+median is kept.
 
     python3 bench/adam.py                         # 10M, 100M, 500M params; several minutes, ~10 GB RAM
     python3 bench/adam.py --quick                 # seconds; what the test suite runs
