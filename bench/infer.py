@@ -1,7 +1,7 @@
 """Inference from the tiers against its bound: a GPT-2 shaped model saved with save_pretrained, generated from
 greedily by plain transformers in memory, by zero.init_inference with the weights in host memory, and with the
-weights on nvme under a host budget a quarter of their size (16 MiB at least). Each system runs in its own process (its peak RSS
-is its own); the tokens must be the same.
+weights on nvme under a host budget a quarter of their size (16 MiB at least). Each system runs in its own
+process (its peak RSS is its own); the tokens must be the same.
 
     python bench/infer.py [--quick] [--layers 12] [--hidden 768] [--new-tokens 16] [--json PATH]
 
@@ -116,7 +116,8 @@ def main() -> None:
         records = []
         for system in SYSTEMS:
             done = subprocess.run([sys.executable, __file__, "--child", system, "--model", os.path.join(work, "model"),
-                                   "--nvme", nvme, "--host-budget", str(max(weights // 4, 16 << 20)), "--threads", str(args.threads),
+                                   "--nvme", nvme, "--host-budget", str(max(weights // 4, 16 << 20)),
+                                   "--threads", str(args.threads),
                                    "--new-tokens", str(args.new_tokens)], capture_output=True, text=True)
             if done.returncode:
                 sys.exit(f"{system} failed:\n{done.stderr[-3000:]}")
@@ -125,7 +126,8 @@ def main() -> None:
     memory_bound = copy_rate / (2 * weights)
     print(f"model: {weights / 1e6:.0f} MB of fp32 weights; copy {copy_rate / 1e9:.1f} GB/s (read + written), disk "
           f"read {disk.read_gbps:.2f} GB/s; tokens identical: {same}")
-    print(f"{'system':<10} {'prefill s':>10} {'decode tok/s':>13} {'bound tok/s':>12} {'of bound':>9} {'peak RSS MB':>12}")
+    print(f"{'system':<10} {'prefill s':>10} {'decode tok/s':>13} {'bound tok/s':>12} {'of bound':>9} "
+          f"{'peak RSS MB':>12}")
     for r in records:
         bound = None
         if r["system"] == "ours-cpu":

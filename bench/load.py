@@ -66,7 +66,8 @@ def main() -> dict:
                      "zero_tiering": {"host_budget": budget}}
         start = time.perf_counter()
         engine = zero.initialize(model=model, config=ds_config, weights=model_dir)[0]
-        record = {"weights_bytes": weights, "host_budget": budget, "peak_rss": vm_hwm(), "limit": budget + (1 << 30), "pool_peak": engine.swap.pool.peak_in_use,
+        record = {"weights_bytes": weights, "host_budget": budget, "peak_rss": vm_hwm(), "limit": budget + (1 << 30),
+                  "pool_peak": engine.swap.pool.peak_in_use,
                   "nvme_bytes": engine.swap.store.used_bytes, "load_s": time.perf_counter() - start}
         engine.close()
     print(f"weights {weights / 1e9:.2f} GB, host budget {budget / 1e9:.2f} GB: peak RSS {record['peak_rss'] / 1e9:.2f}"
