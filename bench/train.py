@@ -6,8 +6,9 @@ RSS is its own.
     python bench/train.py [--quick] [--preset 124m] [--steps 5] [--json PATH] [--png PATH]
 
 Per system: median step time over the measured steps (after warm-up), tokens/s, peak RSS, peak device memory
-(the device tier's accounting; torch.cuda.max_memory_allocated under CUDA), compute and I/O seconds per
-step, and bytes moved per tier pair.
+(the device tier's accounting; torch.cuda.max_memory_allocated under CUDA), compute seconds per step (each
+measured step's time less its own stall), I/O seconds (the union of the nvme lanes' busy time), bytes moved per
+tier pair, and the bytes each process read from and wrote to storage (/proc/self/io: every system's own I/O).
 """
 from __future__ import annotations
 
@@ -47,6 +48,14 @@ def ds_config(offload: str, nvme_path: str, micro_batch: int, lr: float = 1e-4) 
             config["zero_optimization"][section]["nvme_path"] = nvme_path
         config["aio"] = {"block_size": 8 << 20, "queue_depth": 8, "single_submit": False, "overlap_events": True}
     return config
+
+
+def disk_bytes() -> dict[str, int]:
+    """Bytes this process has read from and written to storage (/proc/self/io), whatever system moves them:
+    every record carries its own I/O, DeepSpeed's and plain torch's included."""
+    with open("/proc/self/io") as f:
+        fields = dict(line.split(": ") for line in f.read().splitlines())
+    return {"read": int(fields["read_bytes"]), "write": int(fields["write_bytes"])}
 
 
 def child(args: argparse.Namespace) -> dict:
@@ -109,15 +118,18 @@ def child(args: argparse.Namespace) -> dict:
             engine.step()
         device_peak = lambda: 0  # noqa: E731 (CPU accelerator: all host memory)
 
-    times = []
+    times, computes, disk = [], [], []
+    stall = (lambda: engine.swap.stats.stall_seconds) if system.startswith("ours") else (lambda: 0.0)
     for i in range(args.warmup + args.steps):
-        start = time.perf_counter()
+        stall0, disk0, start = stall(), disk_bytes(), time.perf_counter()
         step()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        if i >= args.warmup:  # each measured step's own compute: its time less its own stall
+            times.append(elapsed)
+            computes.append(elapsed - (stall() - stall0))
+            disk.append({key: value - disk0[key] for key, value in disk_bytes().items()})
     if system.startswith("ours"):
         moved = dict(engine.swap.stats.bytes_moved)
-        stall = engine.swap.stats.stall_seconds
         engine.close()
     step_s = statistics.median(times)
     io = statistics.median(io_s[args.warmup:]) if io_s[args.warmup:] else 0.0
@@ -128,8 +140,9 @@ def child(args: argparse.Namespace) -> dict:
         "tokens_per_s": args.micro_batch * gpt.seq_len / step_s,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "peak_device_bytes": device_peak(),
-        "compute_s": step_s - (stall / (args.warmup + args.steps) if system.startswith("ours") else 0.0),
+        "compute_s": statistics.median(computes),
         "io_s": io,
+        "disk_bytes": {key: statistics.median(d[key] for d in disk) for key in disk[0]},
         "bytes_moved": moved,
         "steps": times,
     }
