@@ -65,10 +65,13 @@ class AdamDriver:
         `chunk` elements (0: one), stepped with param group `group`; moments and gradient start at zero. With
         `master_in`, the fp32 segment that already holds the master (see SubGroup.master_in)."""
         chunk = chunk or master.numel()
-        return [self._add(SubGroup(f"{name}/{k}", min(chunk, master.numel() - offset), group, unit, offset,
-                                   master_in=None if master_in is None else (master_in, offset)),
-                          master.narrow(0, offset, min(chunk, master.numel() - offset)))
-                for k, offset in enumerate(range(0, master.numel(), chunk))]
+        sub_groups = []
+        for k, offset in enumerate(range(0, master.numel(), chunk)):
+            numel = min(chunk, master.numel() - offset)
+            sg = SubGroup(f"{name}/{k}", numel, group, unit, offset,
+                          master_in=None if master_in is None else (master_in, offset))
+            sub_groups.append(self._add(sg, master.narrow(0, offset, numel)))
+        return sub_groups
 
     def _add(self, sg: SubGroup, master: torch.Tensor) -> SubGroup:
         shape = (sg.numel,)
