@@ -9,6 +9,7 @@ nvme under tmp_path, written as the Hugging Face docs' ds_config.json is (every 
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -35,6 +36,8 @@ from torch.optim.lr_scheduler import LambdaLR  # noqa: E402
 
 from zero.config import ConfigError, UnresolvedAutoError  # noqa: E402
 from zero.integrations import EngineOptimizer, EngineScheduler, ZeroTrainer, ZeroTrainingArguments  # noqa: E402
+
+from test_config import HF_ZERO3  # noqa: E402  (the Hugging Face docs' ZeRO-3 ds_config)
 
 SEQ = 16
 STEPS = 20
@@ -64,36 +67,9 @@ def hf_docs_zero3(nvme: Path, *, optimizer: bool = True, scheduler: bool = True)
     """The Hugging Face docs' ZeRO-3 ds_config.json, offloading to nvme; without the optimizer or scheduler
     section the Trainer's own are used."""
     nvme.mkdir(parents=True, exist_ok=True)
-    config = {
-        "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-                 "hysteresis": 2, "min_loss_scale": 1},
-        "bf16": {"enabled": "auto"},
-        "optimizer": {"type": "AdamW",
-                      "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-        "scheduler": {"type": "WarmupDecayLR",
-                      "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
-                                 "total_num_steps": "auto"}},
-        "zero_optimization": {
-            "stage": 3,
-            "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme), "pin_memory": True},
-            "offload_param": {"device": "nvme", "nvme_path": str(nvme), "pin_memory": True},
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "sub_group_size": 1e9,
-            "reduce_bucket_size": "auto",
-            "stage3_prefetch_bucket_size": "auto",
-            "stage3_param_persistence_threshold": "auto",
-            "stage3_max_live_parameters": 1e9,
-            "stage3_max_reuse_distance": 1e9,
-            "stage3_gather_16bit_weights_on_model_save": "auto",
-        },
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "steps_per_print": 2000,
-        "train_batch_size": "auto",
-        "train_micro_batch_size_per_gpu": "auto",
-        "wall_clock_breakdown": False,
-    }
+    config = copy.deepcopy(HF_ZERO3)
+    for section in ("offload_optimizer", "offload_param"):
+        config["zero_optimization"][section] = {"device": "nvme", "nvme_path": str(nvme), "pin_memory": True}
     if not optimizer:
         del config["optimizer"]
     if not scheduler:
