@@ -207,6 +207,27 @@ def gpt2_runs(tmp_path_factory):
                 runs[name].close()
 
 
+def test_pretrained_weights_go_straight_into_the_tiers_and_train_like_the_model_in_memory(tmp_path):
+    """A save_pretrained checkpoint, loaded by a model built on meta unit by unit (zero_weights=), trains as the
+    same checkpoint loaded in memory does under the plain Trainer."""
+    gpt2().save_pretrained(tmp_path / "pretrained")
+    data = dataset()
+    reference = DeepSpeedScheduleTrainer(model=GPT2LMHeadModel.from_pretrained(tmp_path / "pretrained"),
+                                         args=training_args(TrainingArguments, tmp_path / "plain", max_steps=4),
+                                         train_dataset=data)
+    reference.train()
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config.from_pretrained(tmp_path / "pretrained"))
+    trainer = ZeroTrainer(model=model, train_dataset=data, zero_weights=tmp_path / "pretrained",
+                          args=training_args(ZeroTrainingArguments, tmp_path / "zero", max_steps=4,
+                                             deepspeed=hf_docs_zero3(tmp_path / "nvme")))
+    try:
+        trainer.train()
+        assert list(losses(trainer).values()) == pytest.approx(list(losses(reference).values()), rel=1e-5)
+    finally:
+        trainer.close()
+
+
 def test_gpt2_with_the_trainers_optimizer_and_schedule_trains_like_the_plain_trainer(gpt2_runs):
     whole, reference = gpt2_runs["whole"], gpt2_runs["reference"]
     assert isinstance(whole.lr_scheduler, EngineScheduler)

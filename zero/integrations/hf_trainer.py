@@ -111,12 +111,15 @@ class ZeroTrainer(Trainer):
     """`transformers.Trainer` training with zero-tiering's engine; see the module docstring.
 
     `zero_config`: a DeepSpeed-format config (path or dict), needed unless `args` is a ZeroTrainingArguments
-    with one. Everything else is the Trainer's. After training, `trainer.engine` is the ZeroEngine;
+    with one. `zero_weights`: a safetensors checkpoint (a save_pretrained directory) a model built on the meta
+    device takes, unit by unit straight into the tiers (zero.initialize's `weights`). Everything else is the
+    Trainer's. After training, `trainer.engine` is the ZeroEngine;
     `close()` frees its buffers and nvme files (under stage 3 the model then holds no weights: save first).
     """
 
     def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None, *rest: Any,
-                 zero_config: str | os.PathLike | Mapping | None = None, **kwargs: Any):
+                 zero_config: str | os.PathLike | Mapping | None = None,
+                 zero_weights: str | os.PathLike | None = None, **kwargs: Any):
         if args is not None and getattr(args, "deepspeed", None):
             raise ValueError(
                 "TrainingArguments(deepspeed=...) hands the config to DeepSpeed through accelerate; to train with "
@@ -132,6 +135,7 @@ class ZeroTrainer(Trainer):
         if isinstance(source, str) and source.lstrip().startswith("{"):
             source = json.loads(source)  # a JSON string, as the command line gives dict arguments
         self.zero_config = source
+        self.zero_weights = zero_weights
         self.engine: ZeroEngine | None = None
         super().__init__(model, args, *rest, **kwargs)
         if self.args.max_steps > 0:  # every fact "auto" needs is known: report a bad config now, not in train()
@@ -212,7 +216,7 @@ class ZeroTrainer(Trainer):
             scheduler = lambda zero_optimizer: self._trainer_scheduler(num_training_steps, zero_optimizer)  # noqa: E731
         with preserved_rng():  # building the engine draws nothing from the run's random streams
             engine, _, _, _ = initialize(model=model, model_parameters=groups, optimizer=optimizer,
-                                         lr_scheduler=scheduler, config=config)
+                                         lr_scheduler=scheduler, config=config, weights=self.zero_weights)
         if engine.device.type != self.args.device.type:
             engine.close()
             raise ValueError(f"the engine computes on {engine.device} but the Trainer puts batches on "
