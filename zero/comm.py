@@ -12,6 +12,16 @@ import torch
 import torch.distributed as dist
 
 
+def local_device() -> torch.device:
+    """The device this process computes on: with CUDA, GPU LOCAL_RANK under torchrun (made the current one, so
+    every allocation and NCCL collective lands there), else the current GPU; the CPU without CUDA."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 class DataParallel:
     def __init__(self, group: dist.ProcessGroup | None = None):
         self.group = group
@@ -29,8 +39,14 @@ class DataParallel:
         return cls()
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            dist.all_reduce(tensor, group=self.group)
+        if self.world_size == 1:
+            return tensor
+        if tensor.device.type == "cpu" and dist.get_backend(self.group) == "nccl":
+            # NCCL reduces device memory only (a host tensor: the gradient norm with the optimizer offloaded).
+            on_device = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+            dist.all_reduce(on_device, group=self.group)
+            return tensor.copy_(on_device)
+        dist.all_reduce(tensor, group=self.group)
         return tensor
 
     def reduce_scatter_sum(self, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

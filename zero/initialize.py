@@ -16,7 +16,7 @@ from torch import nn
 from tiering import SwapManager, Tier
 
 from .budgets import HOMES, masters_are_params, swap_config
-from .comm import DataParallel
+from .comm import DataParallel, local_device
 from .config import Config, ConfigError, load_config
 from .counters import StepCounters
 from .engine import ZeroEngine
@@ -58,7 +58,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
         source = getattr(args, "deepspeed_config", None)
     if source is None:
         raise ConfigError("config", "no config given: pass config='ds_config.json' or a dict")
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = local_device()
     dp = DataParallel.from_env(device) if dist_init_required is not False else DataParallel()
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     cfg = load_config(source, world_size=dp.world_size, hidden_size=hidden)

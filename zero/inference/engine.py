@@ -20,7 +20,7 @@ from torch import nn
 from tiering import SwapManager
 
 from ..budgets import HOMES, swap_config
-from ..comm import DataParallel
+from ..comm import DataParallel, local_device
 from ..config import ConfigError, load_config
 from ..initialize import plan_units
 from ..params.materialize import Materializer
@@ -46,7 +46,7 @@ def init_inference(model: nn.Module, config: str | os.PathLike | Mapping | None 
         raise ConfigError("zero_optimization.stage", "inference streams partitioned weights: use stage 3",
                           value=zo.stage)
     dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else torch.float32
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = local_device()
     model.requires_grad_(True)  # every weight is planned into a unit (units hold trainable parameters)
     plan = plan_units(model, [{"params": list(model.parameters())}], DataParallel())
     swap = SwapManager(swap_config(cfg, [flat for flat, _ in plan], dtype))
