@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tiering import aligned_empty
+
 from .flat_unit import FlatUnit
 from .pretrained import PretrainedWeights, PretrainedWeightsError
 
@@ -42,7 +44,7 @@ class Materializer:
     def _materialize(self, module: nn.Module, params: list[nn.Parameter]) -> None:
         for p in params:
             if p.is_meta:
-                torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad))
+                torch.utils.swap_tensors(p, nn.Parameter(host_empty(p.shape, p.dtype), p.requires_grad))
         if self.weights is None:
             self._initialize(module)
             return
@@ -105,3 +107,11 @@ class Materializer:
                 if module._buffers[n].isnan().any():
                     raise ValueError(f"buffer {n!r} of {type(module).__name__} was built on meta and its "
                                      "model's _init_weights does not set it: give it real values")
+
+
+def host_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor in an anonymous mapping of its own, unmapped when it dies. A model is materialized one unit
+    at a time: tensors from malloc of up to 32 MiB come from glibc's heap once it has raised its mmap
+    threshold, and freed ones stay in the process (measured: 0.5 GB retained after loading a 3 GB model)."""
+    numel = torch.Size(shape).numel()
+    return aligned_empty(numel * dtype.itemsize)[: numel * dtype.itemsize].view(dtype).view(shape)

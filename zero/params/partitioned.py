@@ -24,7 +24,7 @@ from ..comm import DataParallel
 from ..optim.driver import AdamDriver
 from ..optim.gradients import Gradients
 from .flat_unit import FlatUnit
-from .materialize import Materializer
+from .materialize import Materializer, host_empty
 from .placement import Placement
 from .unit import Unit, UnitState
 
@@ -63,7 +63,7 @@ class PartitionedPlacement(Placement):
         for index, (flat, module) in enumerate(plan):
             materialize(flat)
             # fp32 for the optimizer's master; inference keeps the compute dtype alone.
-            values = flat.flatten(torch.empty(flat.padded_numel, dtype=dtype if driver is None else torch.float32))
+            values = flat.flatten(host_empty((flat.padded_numel,), dtype if driver is None else torch.float32))
             flat.unbind()  # the materialized parameters go: `values` holds them, one unit's worth at a time
             master = values.narrow(0, flat.shard_start, flat.shard_numel)
             segment = f"{flat.name or 'root'}/param"
