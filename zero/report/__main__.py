@@ -18,10 +18,10 @@ from pathlib import Path
 
 from tiering import TieringError
 from tiering.errors import fmt_bytes
-from zero.config.sizes import parse_size
-from zero.report.bandwidth import DEFAULT_FIGURES, DiskFigures, check_size, load_figures, measure, save_figures
-from zero.report.checks import Check, run_checks
-from zero.train.run import DEFAULT_CONFIG
+from ..config.sizes import parse_size
+from .bandwidth import DEFAULT_FIGURES, DiskFigures, check_size, load_figures, measure, save_figures
+from .checks import Check, run_checks
+from ..train.run import DEFAULT_CONFIG
 
 MAIN_JOB_NVME = DEFAULT_CONFIG["zero_optimization"]["offload_param"]["nvme_path"]
 REMEASURE = "python -m zero.report --bandwidth DIR measures and saves them"
