@@ -24,24 +24,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from load import vm_hwm  # noqa: E402  (bench/ is the script's directory)
+from zero.inference.__main__ import Clock  # noqa: E402
+
 SYSTEMS = ("torch", "ours-cpu", "ours-nvme")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
-def peak_rss() -> int:
-    """This process's own high-water RSS (VmHWM: ru_maxrss of a child also counts its parent's at the fork)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def child(args: argparse.Namespace) -> dict:
@@ -74,7 +60,7 @@ def child(args: argparse.Namespace) -> dict:
     if engine is not None:
         engine.close()
     return {"system": args.child, "prefill_s": clock.times[1] - start, "decode_tok_s": 1 / statistics.median(intervals),
-            "peak_rss": peak_rss(),
+            "peak_rss": vm_hwm(),
             "nvme_read_per_token": read / max(1, args.new_tokens), "tokens": out[0, 32:].tolist()}
 
 

@@ -27,6 +27,7 @@ AutoModelForCausalLM.from_config(GPT2Config.from_dict(json.loads(sys.argv[1]))).
 
 
 def vm_hwm() -> int:
+    """This process's own high-water RSS (VmHWM: ru_maxrss of a child also counts its parent's at the fork)."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 

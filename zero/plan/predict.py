@@ -35,15 +35,17 @@ from .machine import Machine
 from .model_source import ModelShape
 
 COMPUTE_OVERHEAD = 1.35
-"""Forward/backward time over its matmul FLOPs at the measured matmul rate: layer norms, GELU, softmax,
-attention's small matmuls, the embedding, gathers and copies. Measured on the development machine (2-core
-CPU, GPT presets 124m-7b at 128 tokens a sequence): 1.2-1.5."""
+"""Forward/backward time over its matmul FLOPs at the measured matmul rate, for what is not a matmul: layer
+norms, GELU, softmax, attention's small matmuls, the embedding. Set by hand, not fitted: with it the 124m
+cpu-offload prediction came within 3% of its measured step (bench/RESULTS.md), so that case is no independent
+check of it."""
 IO_EFFICIENCY = 0.42
 """The share of the disk's measured mixed (read + write) rate today's engine reaches inside a step: requests of
 one segment each, reads waiting for room, write-backs started late. Measured in the disk issue (2026-11-23):
 the README's scale command moved 86 GB a step at 1.09 GB/s where fio's mixed rate on the same disk was 2.58."""
 ALLOCATOR_SLACK = 1.10
-"""RSS over the bytes the model above counts: the allocator's free lists and fragmentation."""
+"""RSS over the bytes the model above counts (the allocator's free lists and fragmentation): an allowance, not
+a measurement."""
 RAM_HEADROOM = 0.9
 """A plan fits when its peak RSS is within this share of RAM (the OS and page cache need the rest)."""
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
