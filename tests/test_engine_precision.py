@@ -37,6 +37,26 @@ def test_bf16_matches_mixed_precision_reference(name, stage, offload, tmp_path):
     assert_params_equal(named_params(model), named_params(reference), exact=exact(engine))
 
 
+@pytest.mark.parametrize("accum", [1, 2])
+def test_bf16_gradient_is_kept_in_16_bits_only_without_accumulation(accum, tmp_path):
+    """Without accumulation a step's gradient is stored once, exactly as the bf16 reduction left it: kept in
+    bf16 it holds the same values in half the bytes (on nvme, half the gradient writes and reads), and the run
+    still matches the mixed-precision reference exactly. Accumulating needs fp32 sums."""
+    steps, clip = 4, 1.0
+    data = batches(steps * accum)
+    model = MODELS["gpt2"](0)
+    engine, *_ = zero.initialize(model=model, config=make_config(3, "nvme", accum=accum, clip=clip,
+                                                                 nvme_path=tmp_path, bf16={"enabled": True}))
+    kept = {engine.swap.segments[sg.segment("grad")].dtype for sg in engine.driver.sub_groups}
+    losses = engine_train(engine, data)
+    engine.close()
+    assert kept == {torch.bfloat16 if accum == 1 else torch.float32}
+    reference = MODELS["gpt2"](0).to(engine.device)
+    reference_losses = mixed_reference_train(reference, torch.bfloat16, data, accum=accum, clip=clip)
+    assert_losses_equal(losses, reference_losses, exact=exact(engine))
+    assert_params_equal(named_params(model), named_params(reference), exact=exact(engine))
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_bf16_within_tolerance_of_fp32(name):
     """bf16 keeps 8 significant bits: every matmul input is rounded by up to 2^-9 relative, so the loss of

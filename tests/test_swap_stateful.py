@@ -291,8 +291,9 @@ class SwapMachine(RuleBasedStateMachine):
         self.pinned_tier[name] = None
         self.spent.add(name)
         seg = self.mgr.segments[name]
-        if seg.state.moving:  # a device copy whose home has no host buffer yet: moved down like any eviction
-            assert seg.state == Residency.TO_HOST and self.home[name] == "host", seg.state
+        if seg.state in (Residency.TO_HOST, Residency.DEVICE) and self.home[name] == "host":
+            # A device copy whose home has no host buffer yet: moved down like any eviction, or, when host room
+            # is only being made (a write under way), left for a later eviction: release never waits.
             return
         assert seg.state.tier == self.home[name], f"{name} discarded but {seg.state}"
         assert (seg.device is None or self.home[name] == "device") and (seg.host is None or self.home[name] != "nvme")

@@ -179,21 +179,34 @@ class Eviction:
 
     def _write_back(self, seg: Segment) -> Handle:
         """Write the host copy to nvme, then free it. On failure the host copy stays, still current."""
+        def landed() -> None:
+            seg.nvme_current = True
+            self._drop_host(seg)
+
+        return self._write(seg, "write", landed)
+
+    def _clean(self, seg: Segment) -> Handle:
+        """Write-behind: write a dirty host copy to nvme and keep it, so that making room later drops it at
+        once instead of waiting for a write. A fetch meanwhile waits for the write (the bytes must not change
+        under it). On failure the copy stays dirty, and evicting it writes it (and reports the error) as
+        before."""
+        def landed() -> None:
+            seg.nvme_current = True
+
+        return self._write(seg, "clean", landed)
+
+    def _write(self, seg: Segment, action: str, landed) -> Handle:
         if seg.extent is None:
             seg.extent = self.store.allocate(seg.nbytes, seg.name)
             self.stats.peak_bytes["nvme"] = max(self.stats.peak_bytes["nvme"], self.store.used_bytes)
         if self.config.checksums:
             seg.checksum = checksum(seg.storage("host"))
-        final, start = self._begin(seg, "write", "write", None)
-
-        def landed() -> None:
-            seg.nvme_current = True
-            self._drop_host(seg)
+        final, start = self._begin(seg, action, action, None)
 
         def written(h: Handle) -> None:
-            self._settle(seg, "host->nvme", start, "write", final, h.error, landed)
-            if h.error is None:
-                self._prefetch_ahead()  # the room this write-back freed may be what a prefetch was waiting for
+            self._settle(seg, "host->nvme", start, action, final, h.error, landed)
+            if h.error is None:  # the room this write freed (or made free to take) may be what a prefetch waits for
+                self._prefetch_ahead()
 
         self.store.write(seg.extent, seg.host.storage, seg.nbytes).add_done_callback(written)
         return final

@@ -23,6 +23,7 @@ class Residency(Enum):
     DEVICE = "on device"
     TO_HOST = "device->host in flight"
     WRITING = "host->nvme in flight"
+    CLEANING = "host->nvme in flight, the host copy kept"
 
     @property
     def tier(self) -> Tier | None:
@@ -65,6 +66,10 @@ TRANSITIONS: dict[str, tuple[frozenset[Residency], Residency]] = {
     "write_done": (frozenset({R.WRITING}), R.NVME),
     "write_failed": (frozenset({R.WRITING}), R.HOST),
     "drop_host": (frozenset({R.HOST}), R.NVME),
+    # Write-behind: a dirty host copy written out early and kept, so evicting it later drops it at once.
+    "clean": (frozenset({R.HOST}), R.CLEANING),
+    "clean_done": (frozenset({R.CLEANING}), R.HOST),
+    "clean_failed": (frozenset({R.CLEANING}), R.HOST),
     # A spent segment is fetched by allocating its buffer: nothing to read or copy.
     "claim_host": (frozenset({R.NVME}), R.HOST),
     "claim_device": (frozenset({R.HOST}), R.DEVICE),

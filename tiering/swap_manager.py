@@ -207,6 +207,8 @@ class SwapManager(Eviction):
                     if self._evict_step(seg, blocking=False).kind is not Kind.DONE:
                         break  # a device copy needing a host buffer at home: moved, as any eviction
                 return completed(name)
+            if self._write_behind(seg):
+                return completed(name)
             distance = self.config.reuse_distance
             # Evict early only a device copy, and only when the trace says its next use is far (without a trace
             # nobody knows). A host copy stays until room is short: Belady's rule then keeps what a step reuses,
@@ -217,6 +219,22 @@ class SwapManager(Eviction):
                 return completed(name)
             step = self._evict_step(seg, blocking=False)
             return step.handle if step.kind is Kind.STARTED else completed(name)
+
+    def _write_behind(self, seg: Segment) -> bool:
+        """Start writing a released dirty host copy to nvme now, keeping it (see `_clean`), when it cannot stay
+        until its next use anyway: the trace says more bytes than the host budget are fetched before then, so
+        Belady's rule will have evicted it. Its write then runs while compute goes on, not when a read is
+        waiting for its room. Without a trace nobody knows, and nothing is written early. True if the write
+        started."""
+        if (seg.state != Residency.HOST or seg.home != "nvme" or seg.nvme_current or seg.spent or self._closing):
+            return False
+        if not self.trace.ready or self.trace.next_use_bytes(seg.name) <= self._budget("host"):
+            return False
+        try:
+            self._clean(seg)
+        except TieringError:  # no room on nvme now: evicting it later writes it and reports the error
+            return False
+        return True
 
     def evict(self, name: str) -> Handle:
         """Move the segment down to its home tier, writing back what lower tiers lack; frees its room above.

@@ -23,6 +23,7 @@ import torch
 from tiering import NvmeStoreConfig, SwapConfig, Tier
 
 from .config import Config, ConfigError
+from .optim.gradients import COMM_DTYPES
 from .params.flat_unit import FlatUnit
 
 HOMES: dict[str, Tier] = {"none": "device", "cpu": "host", "nvme": "nvme"}
@@ -37,6 +38,14 @@ def masters_are_params(cfg: Config, dtype: torch.dtype) -> bool:
     zo = cfg.zero_optimization
     return (zo.stage == 3 and dtype == torch.float32
             and zo.offload_param.device == zo.offload_optimizer.device != "none")
+
+
+def grad_dtype(cfg: Config, dtype: torch.dtype) -> torch.dtype:
+    """What the accumulated gradient is kept in (AdamDriver.grad_dtype): without accumulation each step's
+    gradient is stored once, exactly as the reduction leaves it (in the communication or compute dtype), so
+    16 bits lose nothing; accumulating sums in fp32."""
+    reduced = COMM_DTYPES.get(cfg.communication_data_type) or dtype
+    return reduced if cfg.gradient_accumulation_steps == 1 else torch.float32
 
 
 def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype) -> SwapConfig:

@@ -15,7 +15,7 @@ from torch import nn
 
 from tiering import SwapManager, Tier
 
-from .budgets import HOMES, masters_are_params, swap_config
+from .budgets import HOMES, grad_dtype, masters_are_params, swap_config
 from .comm import DataParallel, local_device
 from .config import Config, ConfigError, load_config
 from .counters import StepCounters
@@ -74,7 +74,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
         state_home = HOMES[zo.offload_optimizer.device]
         work_tier: Tier = "device" if state_home == "device" else "host"
         grad_home: Tier = "nvme" if state_home == "nvme" else work_tier  # host holds no per-parameter bytes
-        driver = AdamDriver(swap, state_home=state_home, grad_home=grad_home, work_tier=work_tier)
+        driver = AdamDriver(swap, state_home=state_home, grad_home=grad_home, work_tier=work_tier,
+                            grad_dtype=grad_dtype(cfg, dtype))
         counters = StepCounters(cfg.gradient_accumulation_steps)
         gradients = Gradients(driver=driver, dp=dp, counters=counters, sharded=zo.stage >= 1,
                               reduce_scatter=zo.stage >= 2,

@@ -53,9 +53,15 @@ class SubGroup:
 
 
 class AdamDriver:
-    def __init__(self, swap: SwapManager, *, state_home: Tier, grad_home: Tier, work_tier: Tier):
+    def __init__(self, swap: SwapManager, *, state_home: Tier, grad_home: Tier, work_tier: Tier,
+                 grad_dtype: torch.dtype = torch.float32):
+        """`grad_dtype`: what the accumulated gradient is kept in. 16 bits where each step's gradient is
+        stored once, exactly as the reduction left it (no accumulation): the same values as fp32 in half the
+        bytes written and read back; the step casts them to fp32 once."""
         self.swap = swap
         self.state_home, self.grad_home, self.work_tier = state_home, grad_home, work_tier
+        self.grad_dtype = grad_dtype
+        self._grad_fp32: torch.Tensor | None = None  # where a 16-bit gradient is cast for the step (reused)
         self.sub_groups: list[SubGroup] = []
         self.threads = AdamThreads()  # the step on as many threads as torch uses (see adam_step)
 
@@ -81,7 +87,7 @@ class AdamDriver:
                                               home=self.state_home, data=master.reshape(-1)))
         for part in ("exp_avg", "exp_avg_sq"):
             handles.append(self.swap.register(sg.segment(part), dtype=torch.float32, shape=shape, home=self.state_home))
-        handles.append(self.swap.register(sg.segment("grad"), dtype=torch.float32, shape=shape, home=self.grad_home))
+        handles.append(self.swap.register(sg.segment("grad"), dtype=self.grad_dtype, shape=shape, home=self.grad_home))
         for handle in handles:
             handle.wait()
         self.sub_groups.append(sg)
@@ -96,10 +102,15 @@ class AdamDriver:
             if fresh:
                 acc.copy_(grad)
                 sg.grad_fresh = False
-            else:
+                total = grad  # the values `acc` now holds, in fp32
+            elif acc.dtype == torch.float32:
                 acc.add_(grad)
+                total = acc
+            else:  # a second backward without a step, gradient kept in 16 bits: added in fp32, then rounded
+                acc.copy_(acc.float().add_(grad))
+                total = acc.float()  # the norms are those of what the step will read
             sg.norms = None if pieces is None else [
-                (key, torch.linalg.vector_norm(acc.narrow(0, start, length))) for start, length, key in pieces]
+                (key, torch.linalg.vector_norm(total.narrow(0, start, length))) for start, length, key in pieces]
 
     def grad_norms(self, pieces: Callable[[SubGroup], list[tuple[int, int, int]]]) -> list[tuple[int, torch.Tensor]]:
         """fp32 2-norms of the accumulated gradient's pieces: `pieces(sg)` gives (start, length, key) in the
@@ -114,7 +125,7 @@ class AdamDriver:
                 norms.extend(sg.norms)
                 continue
             with self.held(sg, "grad") as acc:
-                norms.extend((key, torch.linalg.vector_norm(acc.narrow(0, start, length)))
+                norms.extend((key, torch.linalg.vector_norm(acc.narrow(0, start, length).float()))
                              for start, length, key in pieces(sg))
         return norms
 
@@ -145,10 +156,8 @@ class AdamDriver:
         state before stepping each one (where the swap manager's trace does not cover these fetches);
         `on_done(sg)` is called as each sub-group's weights are written."""
         for i, sg in enumerate(self.sub_groups):
-            if read_ahead and i + 1 < len(self.sub_groups):
-                after = self.sub_groups[i + 1]
-                parts = STATE_PARTS + (() if after.grad_fresh else ("grad",))
-                self.swap.prefetch(list(dict.fromkeys(after.place(p)[0] for p in parts)), self.work_tier)
+            if read_ahead:
+                self.swap.prefetch(self._ahead(i + 1), self.work_tier)
             hyper = groups[sg.group]
             with contextlib.ExitStack() as stack:
                 # The grad is spent after the step: dropped unwritten, the next accumulation overwrites it; a
@@ -157,6 +166,8 @@ class AdamDriver:
                     stack.enter_context(self.held(sg, part, dirty=part != "grad", discard=part == "grad",
                                                   overwrite=part == "grad" and sg.grad_fresh))
                     for part in ("master", "grad", "exp_avg", "exp_avg_sq"))
+                if grad.dtype != torch.float32:
+                    grad = self._in_fp32(grad)
                 if sg.grad_fresh:
                     grad.zero_()
                 elif clip is not None:
@@ -181,6 +192,29 @@ class AdamDriver:
             sg.norms = None
             if on_done is not None:
                 on_done(sg)
+
+    def _ahead(self, first: int) -> list[str]:
+        """The segments the step reads from sub-group `first` on, as many as the swap manager's prefetch
+        allowance holds (it stops at the first that finds no room): a deep queue keeps the disk busy."""
+        names, nbytes = [], 0
+        for sg in self.sub_groups[first:]:
+            for part in STATE_PARTS + (() if sg.grad_fresh else ("grad",)):
+                name = sg.place(part)[0]
+                size = self.swap.segments[name].nbytes
+                if nbytes + size > self.swap.config.prefetch_bytes:
+                    return names
+                if name not in names:
+                    names.append(name)
+                    nbytes += size
+        return names
+
+    def _in_fp32(self, grad: torch.Tensor) -> torch.Tensor:
+        """`grad` cast to fp32 into a buffer reused by every sub-group (one step runs at a time)."""
+        scratch = self._grad_fp32
+        if scratch is None or scratch.numel() < grad.numel() or scratch.device != grad.device:
+            largest = max(sg.numel for sg in self.sub_groups)
+            scratch = self._grad_fp32 = torch.empty(largest, dtype=torch.float32, device=grad.device)
+        return scratch[: grad.numel()].copy_(grad)
 
     def close(self) -> None:
         self.threads.close()

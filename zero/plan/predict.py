@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..budgets import HOMES, masters_are_params, swap_config
+from ..budgets import HOMES, grad_dtype, masters_are_params, swap_config
 from ..comm import DataParallel
 from ..config import load_config
 from ..initialize import plan_units
@@ -154,7 +154,7 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
 
     shared = masters_are_params(cfg, dtype)
     state = (8 if shared else 12) * n  # fp32 moments, and the master unless the parameter shard is it
-    grads, params = 4 * n, p * n
+    grads, params = grad_dtype(cfg, dtype).itemsize * n, p * n
     state_home = HOMES[zo.offload_optimizer.device]
     grad_home = "nvme" if state_home == "nvme" else "device" if state_home == "device" else "host"
     param_home = HOMES[zo.offload_param.device] if zo.stage == 3 else "device"
