@@ -48,7 +48,9 @@ class FioFile:
         # fio may print notes before the JSON document on stdout.
         report = json.loads(done.stdout[done.stdout.index("{"):])
         job = report["jobs"][0]
-        moved, rate = job[direction]["io_bytes"], job[direction]["bw_bytes"]
+        # A mixed job ("rw": half reads, half writes at once) moves the file's bytes in both directions together.
+        sides = ("read", "write") if direction == "rw" else (direction,)
+        moved, rate = (sum(job[side][key] for side in sides) for key in ("io_bytes", "bw_bytes"))
         if moved != self.size or rate <= 0:
             raise RuntimeError(f"fio moved {moved} of {self.size} bytes at {rate} B/s ({direction} {self.path})")
         seconds = moved / rate

@@ -1,5 +1,5 @@
 """The benchmarks' --quick modes run end to end and write their records (no speed thresholds: the machine is
-shared and noisy): bench/infer.py, bench/load.py and bench/adam_stream.py."""
+shared and noisy): bench/infer.py, bench/load.py, bench/adam_stream.py and bench/stream.py."""
 from __future__ import annotations
 
 import json
@@ -40,3 +40,15 @@ def test_adam_stream_bound_is_its_bytes_over_the_mixed_rate(tmp_path):
     result = quick("adam_stream.py", tmp_path)
     assert result["mixed_gbps"] > 0 and result["step_s"] > 0
     assert abs(result["io_bound_s"] - 28 * result["elements"] / (result["mixed_gbps"] * 1e9)) < 1e-9
+
+
+def test_stream_bounds_each_step_by_fio_and_the_in_memory_step(tmp_path):
+    result = quick("stream.py", tmp_path)
+    fio = result["fio_mixed_gbps"]
+    mixed = (fio["before"] + fio["after"]) / 2 * 1e9
+    assert result["in_memory_step_s"] > 0 and result["peak_rss_bytes"] > 0 and len(result["losses"]) == 3
+    for step in result["steps"]:
+        moved = step["read_bytes"] + step["write_bytes"]
+        assert abs(step["bound_s"] - max(result["in_memory_step_s"], moved / mixed)) < 1e-9
+        assert 0 <= step["disk_idle"] <= 1 and step["vs_bound"] > 0
+    assert sum(step["read_bytes"] for step in result["steps"]) > 0  # the quick model does stream through nvme

@@ -1,0 +1,158 @@
+"""The disk in a real training step: ours streaming a model's state through nvme, against the bound measured in
+the same run on the same path.
+
+Three measurements, in one run:
+1. fio's mixed rate (reads and writes at once, O_DIRECT, 8 MiB blocks, queue depth 32) on the nvme_path, before
+   and after the training run (the disk drifts; the bound uses their mean);
+2. the same model's step with everything in memory (stage 0, no offload, same precision): the compute;
+3. ours with the given config (default: the README's scale config), step by step.
+
+Per measured step: bytes read and written, realized GB/s against fio's, the disk's idle fraction (1 - the union
+of the nvme lanes' busy time / the step), and step / max(compute, bytes / fio mixed). Medians over the measured
+steps; the first step against a later one (the first runs without a trace). Each run is its own process, so
+peak RSS is its own.
+
+    python bench/stream.py [--quick] [--preset 1b --layers 4 --host-budget 1GiB] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from fio import FioFile, fio_binary  # noqa: E402  (bench/ is the script's directory)
+
+GiB = 1 << 30
+
+
+def train(args: argparse.Namespace, config: dict, summary: str, *, offloaded: bool) -> tuple[dict, int]:
+    """Run `python -m zero.train` with `config` in a child process: its summary and its peak RSS in bytes."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(config, f)
+    command = [sys.executable, "-m", "zero.train", "--config", f.name, "--preset", args.preset,
+               "--steps", str(args.steps), "--summary-json", summary, "--seq-len", str(args.seq_len)]
+    if args.layers:
+        command += ["--layers", str(args.layers)]
+    if offloaded:
+        command += ["--nvme-path", args.dir, "--host-budget", args.host_budget,
+                    "--device-budget", args.device_budget]
+    try:
+        with tempfile.TemporaryFile("w+") as err:
+            child = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, text=True)
+            _, status, usage = os.wait4(child.pid, 0)  # the child's own rusage: its peak RSS alone
+            code = os.waitstatus_to_exitcode(status)
+            err.seek(0)
+            if code:
+                raise RuntimeError(f"{' '.join(command)} exited {code}:\n{err.read()[-3000:]}")
+    finally:
+        os.unlink(f.name)
+    with open(summary) as f:
+        return json.load(f), usage.ru_maxrss * 1024
+
+
+def fio_mixed(directory: str, size: int) -> float:
+    """fio's mixed read+write rate on `directory`, bytes/s (both directions together)."""
+    file = FioFile(directory, size, 8 << 20, 32)
+    try:
+        seconds, _ = file.run("rw")
+    finally:
+        file.close()
+    return size / seconds
+
+
+def in_memory(config: dict) -> dict:
+    """`config` with everything in memory: stage 0, no offload, the same precision and optimizer."""
+    config = json.loads(json.dumps(config))
+    config["zero_optimization"] = {"stage": 0}
+    config["zero_tiering"] = {"device_budget": "1TiB"}
+    return config
+
+
+def per_step(step: dict, mixed: float, compute: float) -> dict:
+    read = step["bytes_moved"].get("nvme->host", 0)
+    written = step["bytes_moved"].get("host->nvme", 0)
+    moved = read + written
+    bound = max(compute, moved / mixed)
+    return {"step": step["step"], "step_s": step["step_s"], "read_bytes": read, "write_bytes": written,
+            "realized_gbps": moved / step["step_s"] / 1e9, "of_fio": moved / step["step_s"] / mixed,
+            "disk_idle": 1 - min(step["io_s"], step["step_s"]) / step["step_s"],
+            "bound_s": bound, "vs_bound": step["step_s"] / bound}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a tiny model, three steps, a small fio file")
+    parser.add_argument("--config", default=os.path.join(ROOT, "configs", "zero3_nvme_scale.json"))
+    parser.add_argument("--preset", default="1b")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians (the first included)")
+    parser.add_argument("--host-budget", default="1GiB")
+    parser.add_argument("--device-budget", default="512MiB")
+    parser.add_argument("--fio-size", default=str(2 * GiB), help="bytes fio reads and writes, per measurement")
+    parser.add_argument("--dir", default=None, help="nvme_path (default: a temporary directory)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.preset, args.layers, args.seq_len, args.steps, args.warmup = "tiny", 0, 64, 3, 1
+        args.host_budget, args.device_budget, args.fio_size = "8MiB", "4MiB", str(64 << 20)
+    if fio_binary() is None:
+        raise SystemExit("bench/stream.py needs fio (apt-get install fio): it is the yardstick")
+    with open(args.config) as f:
+        config = json.load(f)
+    with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+        args.dir = directory
+        summary = os.path.join(directory, "summary.json")
+        mixed_before = fio_mixed(directory, int(args.fio_size))
+        memory, memory_rss = train(args, in_memory(config), summary, offloaded=False)
+        ours, ours_rss = train(args, config, summary, offloaded=True)
+        mixed_after = fio_mixed(directory, int(args.fio_size))
+    mixed = (mixed_before + mixed_after) / 2
+    compute = statistics.median(s["step_s"] for s in memory["steps"][args.warmup:])
+    steps = [per_step(s, mixed, compute) for s in ours["steps"]]
+    measured = steps[args.warmup:]
+    result = {
+        "model": {"preset": args.preset, "layers": args.layers, "seq_len": args.seq_len},
+        "config": os.path.relpath(args.config, ROOT), "host_budget": args.host_budget,
+        "fio_mixed_gbps": {"before": mixed_before / 1e9, "after": mixed_after / 1e9},
+        "in_memory_step_s": compute, "in_memory_peak_rss_bytes": memory_rss,
+        "peak_rss_bytes": ours_rss,
+        "losses": [s["loss"] for s in ours["steps"]],
+        "steps": steps,
+        "median": {key: statistics.median(s[key] for s in measured)
+                   for key in ("step_s", "read_bytes", "write_bytes", "realized_gbps", "of_fio", "disk_idle",
+                               "bound_s", "vs_bound")},
+        "first_vs_later": steps[0]["step_s"] / statistics.median(s["step_s"] for s in steps[1:]),
+    }
+    print_result(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def print_result(r: dict) -> None:
+    fio = r["fio_mixed_gbps"]
+    print(f"fio mixed on the nvme_path: {fio['before']:.2f} GB/s before, {fio['after']:.2f} GB/s after")
+    print(f"in memory: {r['in_memory_step_s']:.2f} s/step, peak RSS {r['in_memory_peak_rss_bytes'] / GiB:.2f} GiB; "
+          f"ours: peak RSS {r['peak_rss_bytes'] / GiB:.2f} GiB")
+    print(f"{'step':>4} {'s':>7} {'read GB':>8} {'write GB':>8} {'GB/s':>6} {'of fio':>7} {'idle':>6} "
+          f"{'bound s':>8} {'vs bound':>8}")
+    for s in r["steps"] + [dict(r["median"], step="med")]:
+        print(f"{s['step']:>4} {s['step_s']:7.2f} {s['read_bytes'] / 1e9:8.2f} {s['write_bytes'] / 1e9:8.2f} "
+              f"{s['realized_gbps']:6.2f} {s['of_fio']:7.2f} {s['disk_idle']:6.0%} {s['bound_s']:8.2f} "
+              f"{s['vs_bound']:8.2f}")
+    print(f"first step / later steps: {r['first_vs_later']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
