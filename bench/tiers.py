@@ -6,9 +6,15 @@ candidate engine) and fio (the yardstick: same file size, block size, queue dept
 is swept with the other two held at a reference value. The machine is shared and noisy, so every target is
 timed `--reps` times, interleaved with the others in a rotating order, and the median is reported.
 
+Several `--dir`s measure our store striped over all of them (one file, engine and queue per directory), each
+transfer cut into `--segments` extents moved at once, as the swap manager keeps several segments in flight;
+fio and aiofiles stay on the first directory: one disk, the yardstick the striped store should beat by the
+number of disks.
+
     python3 bench/tiers.py                       # the default sweep, a couple of minutes
     python3 bench/tiers.py --quick               # seconds; what the test suite runs
     python3 bench/tiers.py --size 2GiB --block-sizes 1M,8M --queue-depths 32 --reps 5   # vs fio at scale
+    python3 bench/tiers.py --dir /mnt/nvme0 --dir /mnt/nvme1 --segments 4   # a store striped over two disks
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fio import FioFile, fio_binary  # noqa: E402  (bench/ is the script's directory)
-from tiering import AioConfig, NvmeStore, NvmeStoreConfig, TieringError, aligned_empty  # noqa: E402
+from tiering import AioConfig, NvmeStore, NvmeStoreConfig, TieringError, aligned_empty, gather  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 ENGINES = ("libaio", "threads", "aiofiles")
@@ -81,53 +87,67 @@ def sweep(sizes: list[int], block_sizes: list[int], queue_depths: list[int]) -> 
     return sorted(points)
 
 
-def record(pair: str, direction: str, engine: str, point: Point, seconds: float) -> dict:
+def record(pair: str, direction: str, engine: str, point: Point, seconds: float, **layout: int) -> dict:
     """One measurement, in the key names scripts read. pair "host-nvme" (direction "write" or "read"; engine
-    libaio, threads, aiofiles or fio) or "device-host" (direction "h2d" or "d2h"; engine "pageable" or
-    "pinned"; one copy of the whole size, so block_size = bytes and queue_depth = 1)."""
+    libaio, threads, aiofiles or fio; `layout`: dirs, the directories the bytes were spread over, and
+    segments, the extents one transfer was cut into) or "device-host" (direction "h2d" or "d2h"; engine
+    "pageable" or "pinned"; one copy of the whole size, so block_size = bytes and queue_depth = 1)."""
     return dict(pair=pair, direction=direction, engine=engine, block_size=point.block_size,
-                queue_depth=point.queue_depth, bytes=point.size, seconds=seconds, gbps=point.size / seconds / 1e9)
+                queue_depth=point.queue_depth, bytes=point.size, seconds=seconds, gbps=point.size / seconds / 1e9,
+                **layout)
 
 
 class StoreTarget:
-    """One extent of an NvmeStore on `engine`, written once before anything is timed (the state fio's
-    laid-out file is in). The threads engine gets `queue_depth` workers: its requests in flight."""
+    """`segments` extents of `point.size / segments` bytes in an NvmeStore over `directories` on `engine`,
+    written once before anything is timed (the state fio's laid-out file is in). The store places them on
+    its files in turn. Each file's engine has its own queue; the threads engine gets `queue_depth` workers:
+    its requests in flight."""
 
-    def __init__(self, engine: str, directory: str, point: Point, buffer: torch.Tensor):
+    def __init__(self, engine: str, directories: list[str], segments: int, point: Point, buffer: torch.Tensor):
         self.name = engine
         aio = AioConfig(engine=engine, block_size=point.block_size, queue_depth=point.queue_depth,
                         intra_op_parallelism=point.queue_depth)
-        self.store = NvmeStore(NvmeStoreConfig(nvme_path=directory, grow_step=point.size, aio=aio))
+        part = point.size // segments
+        self.store = NvmeStore(NvmeStoreConfig(nvme_path=directories, grow_step=part, aio=aio))
         try:
-            self.extent = self.store.allocate(point.size, "bench")
-            self.buffer = buffer
+            self.extents = [self.store.allocate(part, "bench") for _ in range(segments)]
+            self.buffers = [buffer[i * part:(i + 1) * part] for i in range(segments)]
             self.run("write")
         except BaseException:
             self.store.close()
             raise
 
     def run(self, direction: str) -> tuple[float, float]:
-        """Wall and process CPU seconds of one whole-extent transfer."""
+        """Wall and process CPU seconds of one transfer of every extent, all started at once."""
         move = self.store.write if direction == "write" else self.store.read
         wall, cpu = time.perf_counter(), time.process_time()
-        move(self.extent, self.buffer).wait()
+        gather(move(extent, buffer) for extent, buffer in zip(self.extents, self.buffers)).wait()
         return time.perf_counter() - wall, time.process_time() - cpu
 
     def close(self) -> None:
         self.store.close()
 
 
-def open_target(name: str, directory: str, point: Point, buffer: torch.Tensor):
+def open_target(name: str, directories: list[str], segments: int, point: Point, buffer: torch.Tensor):
+    """fio and aiofiles on the first directory (one disk, one file); our store over all of them."""
     if name == "fio":
-        return FioFile(directory, point.size, point.block_size, point.queue_depth)
+        return FioFile(directories[0], point.size, point.block_size, point.queue_depth)
     if name == "aiofiles":
         from aiofiles_path import AiofilesFile  # aiofiles is a bench extra: without it, this path is skipped
 
-        return AiofilesFile(directory, point.size, point.block_size, point.queue_depth, buffer)
-    return StoreTarget(name, directory, point, buffer)
+        return AiofilesFile(directories[0], point.size, point.block_size, point.queue_depth, buffer)
+    return StoreTarget(name, directories, segments, point, buffer)
 
 
-def measure_nvme(directory: str, points: list[Point], names: list[str], reps: int) -> tuple[list[dict], dict]:
+def layout(name: str, directories: list[str], segments: int) -> dict[str, int]:
+    """The `dirs` and `segments` of a host-nvme record (see `record`)."""
+    if name in ("fio", "aiofiles"):
+        return {"dirs": 1, "segments": 1}
+    return {"dirs": len(directories), "segments": segments}
+
+
+def measure_nvme(directories: list[str], segments: int, points: list[Point], names: list[str],
+                 reps: int) -> tuple[list[dict], dict]:
     """Records for host<->nvme, and the median CPU % of each (engine, direction, point) for the table.
 
     A target that cannot run here (no libaio, no O_DIRECT, no aiofiles, fio failing) is dropped with the
@@ -144,7 +164,7 @@ def measure_nvme(directory: str, points: list[Point], names: list[str], reps: in
         try:
             for name in list(names):
                 try:
-                    targets.append(open_target(name, directory, point, buffer))
+                    targets.append(open_target(name, directories, segments, point, buffer))
                 except (TieringError, OSError, RuntimeError, ImportError) as exc:
                     print(f"note: {name} skipped for the rest of the run: {exc}", file=sys.stderr)
                     names.remove(name)
@@ -152,7 +172,7 @@ def measure_nvme(directory: str, points: list[Point], names: list[str], reps: in
                     if i == 1 and isinstance(targets[-1], StoreTarget):
                         print(f"note: {name}: {targets[-1].store.engine_reason}", file=sys.stderr)
             if not targets:
-                raise SystemExit(f"nothing can be measured in {directory}: see the notes above")
+                raise SystemExit(f"nothing can be measured in {', '.join(directories)}: see the notes above")
             samples = {(t.name, d): [] for t in targets for d in DIRECTIONS}
             for rep in range(reps):
                 order = targets[rep % len(targets):] + targets[: rep % len(targets)]
@@ -165,7 +185,7 @@ def measure_nvme(directory: str, points: list[Point], names: list[str], reps: in
         fio = {d: statistics.median(s for s, _ in samples["fio", d]) for d in DIRECTIONS} if "fio" in names else {}
         for (name, direction), runs in samples.items():
             seconds = statistics.median(s for s, _ in runs)
-            rec = record("host-nvme", direction, name, point, seconds)
+            rec = record("host-nvme", direction, name, point, seconds, **layout(name, directories, segments))
             if direction in fio and name != "fio":
                 rec["fio_gbps"] = point.size / fio[direction] / 1e9
             records.append(rec)
@@ -207,15 +227,16 @@ def print_table(records: list[dict], cpu: dict) -> None:
     def fmt(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
-    print("| pair | direction | engine | size | block | QD | GB/s | CPU % | fio GB/s | fio CPU % | x fio |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| pair | direction | engine | dirs | segments | size | block | QD | GB/s | CPU % | fio GB/s | fio CPU % "
+          "| x fio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         point = Point(r["bytes"], r["block_size"], r["queue_depth"])
         fio = r.get("fio_gbps")
-        cells = [r["pair"], r["direction"], r["engine"], short(r["bytes"]), short(r["block_size"]),
-                 str(r["queue_depth"]), fmt(r["gbps"], ".2f"), fmt(cpu.get((r["engine"], r["direction"], point)), ".0f"),
-                 fmt(fio, ".2f"), fmt(cpu.get(("fio", r["direction"], point)), ".0f"),
-                 fmt(None if fio is None else r["gbps"] / fio, ".2f")]
+        cells = [r["pair"], r["direction"], r["engine"], str(r.get("dirs", "-")), str(r.get("segments", "-")),
+                 short(r["bytes"]), short(r["block_size"]), str(r["queue_depth"]), fmt(r["gbps"], ".2f"),
+                 fmt(cpu.get((r["engine"], r["direction"], point)), ".0f"), fmt(fio, ".2f"),
+                 fmt(cpu.get(("fio", r["direction"], point)), ".0f"), fmt(None if fio is None else r["gbps"] / fio, ".2f")]
         print("| " + " | ".join(cells) + " |")
 
 
@@ -251,7 +272,11 @@ def plot(records: list[dict], path: str) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=f"seconds, for the test suite: {QUICK}")
-    parser.add_argument("--dir", help="directory for the NVMe files (default: a new temp dir under $TMPDIR or /tmp)")
+    parser.add_argument("--dir", action="append", metavar="DIR",
+                        help="directory for the NVMe files (default: a new temp dir under $TMPDIR or /tmp); "
+                             "repeated: our store striped over all of them, fio and aiofiles on the first")
+    parser.add_argument("--segments", type=int,
+                        help="extents each transfer of our store is cut into, moved at once (default: one per --dir)")
     parser.add_argument("--size", help=f"bytes per measurement, a list: the transfer-size axis ({DEFAULTS['size']})")
     parser.add_argument("--block-sizes", help=f"bytes per I/O request ({DEFAULTS['block_sizes']})")
     parser.add_argument("--queue-depths", help=f"requests in flight ({DEFAULTS['queue_depths']})")
@@ -272,12 +297,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if unknown := set(args.engines) - set(ENGINES):
         parser.error(f"unknown engines {sorted(unknown)}: choose from {', '.join(ENGINES)}")
-    if min(args.reps, *args.size, *args.block_sizes, *args.queue_depths) < 1:
-        parser.error("--reps, --size, --block-sizes and --queue-depths must be positive")
+    args.segments = len(args.dir or [None]) if args.segments is None else args.segments
+    if min(args.reps, args.segments, *args.size, *args.block_sizes, *args.queue_depths) < 1:
+        parser.error("--reps, --segments, --size, --block-sizes and --queue-depths must be positive")
     if any(b % 4096 for b in args.block_sizes) or any(s % b for s in args.size for b in args.block_sizes):
         parser.error("block sizes must be multiples of 4 KiB and every --size a multiple of every block size")
-    if args.dir and not os.path.isdir(args.dir):
-        parser.error(f"--dir {args.dir!r} is not a directory")
+    if any(s % (args.segments * 4096) for s in args.size):
+        parser.error(f"every --size must cut into {args.segments} segments of whole 4 KiB blocks")
+    for directory in args.dir or []:
+        if not os.path.isdir(directory):
+            parser.error(f"--dir {directory!r} is not a directory")
+    if args.dir and len({os.path.abspath(d) for d in args.dir}) < len(args.dir):
+        parser.error(f"--dir names a directory twice: {args.dir}")
     return args
 
 
@@ -290,13 +321,15 @@ def main(argv: list[str] | None = None) -> None:
         names.append("fio")
     else:
         print("note: fio not installed (apt-get install fio): no yardstick", file=sys.stderr)
-    directory = args.dir or tempfile.mkdtemp(prefix="zt-bench-")
-    print(f"note: NVMe files in {directory}; {os.cpu_count()} CPUs; torch {torch.__version__}", file=sys.stderr)
+    directories = args.dir or [tempfile.mkdtemp(prefix="zt-bench-")]
+    print(f"note: NVMe files in {', '.join(directories)} ({args.segments} segments per transfer of our store); "
+          f"{os.cpu_count()} CPUs; torch {torch.__version__}", file=sys.stderr)
     try:
-        records, cpu = measure_nvme(directory, sweep(args.size, args.block_sizes, args.queue_depths), names, args.reps)
+        records, cpu = measure_nvme(directories, args.segments, sweep(args.size, args.block_sizes, args.queue_depths),
+                                    names, args.reps)
     finally:
         if not args.dir:
-            os.rmdir(directory)
+            os.rmdir(directories[0])
     if torch.cuda.is_available():
         records += measure_device(args.size, args.reps)
     else:

@@ -283,6 +283,19 @@ BAD = [
         "device": "nvme"}}), ConfigError, "zero_optimization.offload_param.nvme_path", "nvme"),
     ("nvme optimizer without path", with_keys(MINIMAL, zero_optimization={"stage": 2, "offload_optimizer": {
         "device": "nvme", "nvme_path": ""}}), ConfigError, "zero_optimization.offload_optimizer.nvme_path", "nvme"),
+    # nvme_path as a list of directories (our extension): not empty, strings, each directory once
+    ("empty nvme_path list", with_keys(MINIMAL, zero_optimization={"stage": 3, "offload_param": {
+        "device": "nvme", "nvme_path": []}}), ConfigError, "zero_optimization.offload_param.nvme_path",
+     "[]: an empty list names no directory"),
+    ("nvme_path list of non-strings", with_keys(MINIMAL, zero_optimization={"stage": 2, "offload_optimizer": {
+        "device": "nvme", "nvme_path": ["/mnt/nvme0", 1]}}), ConfigError,
+     "zero_optimization.offload_optimizer.nvme_path", "['/mnt/nvme0', 1]: expected a directory path"),
+    ("nvme_path list naming a directory twice", with_keys(MINIMAL, zero_optimization={"stage": 2, "offload_optimizer": {
+        "device": "nvme", "nvme_path": ["/mnt/nvme0", "/mnt/nvme0/"]}}), ConfigError,
+     "zero_optimization.offload_optimizer.nvme_path", "names the directory '/mnt/nvme0' twice"),
+    ("nvme_path neither string nor list", with_keys(MINIMAL, zero_optimization={"stage": 2, "offload_optimizer": {
+        "device": "nvme", "nvme_path": {"dir": "/mnt"}}}), ConfigError,
+     "zero_optimization.offload_optimizer.nvme_path", "a string or a list"),
     # DeepSpeed keys we do not support
     ("hpZ", with_keys(MINIMAL, zero_optimization={"stage": 3, "zero_hpz_partition_size": 8}),
      UnsupportedKeyError, "zero_optimization.zero_hpz_partition_size", "does not support"),
@@ -379,6 +392,16 @@ def test_invalid_json_names_the_file(tmp_path: Path):
     path.write_text('{"train_batch_size": 8,}')
     with pytest.raises(ConfigError, match="broken.json: not valid JSON"):
         load_config(path)
+
+
+def test_nvme_path_may_list_several_directories():
+    """A list (our extension) loads as a tuple, a DeepSpeed string as itself; the store gets the directories."""
+    zero = load_config(with_keys(MINIMAL, zero_optimization={"stage": 3, "offload_param": {
+        "device": "nvme", "nvme_path": ["/mnt/nvme0", "/mnt/nvme1"]}})).zero_optimization
+    assert zero.offload_param.nvme_path == ("/mnt/nvme0", "/mnt/nvme1")
+    assert load_config(with_keys(MINIMAL, zero_optimization={"stage": 3, "offload_param": NVME})
+                       ).zero_optimization.offload_param.nvme_path == NVME["nvme_path"]
+    assert OffloadParamConfig(device="nvme", nvme_path=["/a", "/b"]).nvme_path == ("/a", "/b")
 
 
 def test_sections_built_in_python_are_validated_too():

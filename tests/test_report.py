@@ -43,6 +43,21 @@ def test_disk_path(tmp_path, capsys):
     assert checks["engine"]["found"].startswith("libaio")
 
 
+def test_each_directory_of_a_striped_nvme_path_is_checked(tmp_path, capsys):
+    first, second = tmp_path / "nvme0", tmp_path / "nvme1"
+    first.mkdir()
+    second.mkdir()
+    status = main(["--nvme-path", str(first), str(second), "--save", str(tmp_path / "none.json"), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert status == 0 and out["nvme_path"] == [str(first), str(second)]
+    paths = [c["found"] for c in out["checks"] if c["name"] == "nvme path"]
+    assert [p.split(":")[0] for p in paths] == [str(first), str(second)]
+    assert sum(c["name"] == "O_DIRECT" for c in out["checks"]) == 2
+    (stripes,) = [c for c in out["checks"] if c["name"] == "stripes"]
+    assert stripes["verdict"] == "WARN" and "share one device" in stripes["found"]  # both on tmp_path's disk
+    assert os.listdir(first) == os.listdir(second) == []
+
+
 def test_tmpfs_path(capsys):
     if not os.path.isdir("/dev/shm") or filesystem("/dev/shm")[0] != "tmpfs":
         pytest.skip("/dev/shm is absent or not a tmpfs here")

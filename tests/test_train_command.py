@@ -12,6 +12,7 @@ import torch
 
 from zero.train.corpus import split_held_out
 from zero.train import main
+from zero.train.run import load_ds_config, parse_args
 
 from conftest import REPO_ROOT, child_env
 from models import one_thread  # noqa: F401  (autouse fixture)
@@ -66,3 +67,13 @@ def test_under_torchrun_rank_zero_alone_reports(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     for line in ("model: ", "tiers: ", "step 1: loss", "held-out loss: "):
         assert done.stdout.count(line) == 1, f"{line!r} printed {done.stdout.count(line)} times:\n{done.stdout}"
+
+
+def test_nvme_path_takes_one_directory_or_several(tmp_path):
+    """One --nvme-path stays DeepSpeed's string; several become the list that stripes the tier; each is made."""
+    one = load_ds_config(parse_args(["--nvme-path", str(tmp_path / "a")]))["zero_optimization"]
+    assert one["offload_param"]["nvme_path"] == one["offload_optimizer"]["nvme_path"] == str(tmp_path / "a")
+    dirs = [str(tmp_path / "b"), str(tmp_path / "c")]
+    two = load_ds_config(parse_args(["--nvme-path", *dirs]))["zero_optimization"]
+    assert two["offload_param"]["nvme_path"] == two["offload_optimizer"]["nvme_path"] == dirs
+    assert all(os.path.isdir(d) for d in [str(tmp_path / "a"), *dirs])

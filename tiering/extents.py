@@ -8,10 +8,12 @@ from .aligned import ALIGNMENT, align_up
 
 
 class Extent(NamedTuple):
-    """A range of the store file: `offset` and `length` are multiples of 4 KiB."""
+    """A range of a store file: `offset` and `length` are multiples of 4 KiB; `file` is which of the store's
+    files (one per nvme directory, in the order given) holds it."""
 
     offset: int
     length: int
+    file: int = 0
 
     @property
     def end(self) -> int:
@@ -33,6 +35,7 @@ class ExtentAllocator:
         self._free_offsets: list[int] = [0] if capacity else []
         self._free_lengths: dict[int, int] = {0: capacity} if capacity else {}
         self._used: dict[int, int] = {}
+        self._used_bytes = 0  # kept as a count: a striped store compares its files' use on every allocation
 
     @property
     def capacity(self) -> int:
@@ -40,7 +43,7 @@ class ExtentAllocator:
 
     @property
     def used_bytes(self) -> int:
-        return sum(self._used.values())
+        return self._used_bytes
 
     @property
     def free_bytes(self) -> int:
@@ -71,13 +74,15 @@ class ExtentAllocator:
         if size > length:
             self._insert_free(best + length, size - length)
         self._used[best] = length
+        self._used_bytes += length
         return Extent(best, length)
 
     def free(self, extent: Extent) -> None:
         if self._used.get(extent.offset) != extent.length:
             raise ValueError(f"{extent} is not an allocated extent of this store")
         del self._used[extent.offset]
-        offset, length = extent
+        offset, length = extent.offset, extent.length
+        self._used_bytes -= length
         i = bisect.bisect_left(self._free_offsets, offset)
         if i < len(self._free_offsets) and self._free_offsets[i] == offset + length:
             length += self._free_lengths.pop(self._free_offsets.pop(i))

@@ -1,162 +1,140 @@
-"""NvmeStore: one preallocated file per store under the user's nvme_path, carved into 4 KiB-aligned extents
-and read or written asynchronously through an I/O engine."""
+"""NvmeStore: the nvme tier's bytes, in one preallocated file per directory of the user's nvme_path (one
+directory per SSD), carved into 4 KiB-aligned extents and read or written asynchronously, each file through
+its own I/O engine."""
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
-import secrets
 import threading
 from dataclasses import dataclass, field
 
 import torch
 
 from .aio_config import AioConfig
-from .aligned import ALIGNMENT, align_up, check_io_buffer
-from .engines import choose_engine
-from .errors import (
-    BudgetExceededError,
-    NvmePathError,
-    StoreFullError,
-    StoreRangeError,
-    TieringConfigError,
-)
-from .extents import Extent, ExtentAllocator
+from .aligned import ALIGNMENT, align_up
+from .errors import BudgetExceededError, StoreFullError, TieringConfigError
+from .extents import Extent
 from .handle import Handle
-from .stale import sweep as sweep_stale, this_host
-
-GiB = 1 << 30
-SWAP_SUFFIX = ".swap"
-SWAP_PREFIX = "zt-"
+from .stale import StaleReport
+from .store_file import StoreFile
 
 
 @dataclass(frozen=True, kw_only=True)
 class NvmeStoreConfig:
-    nvme_path: str
-    """Directory on a local SSD. Must exist and be writable; the store creates one file in it and removes
-    only that file when closed."""
+    nvme_path: str | os.PathLike | tuple[str | os.PathLike, ...]
+    """Directory on a local SSD, or a list of directories, one per SSD (kept as a tuple): the store creates
+    one file in each, with its own engine and queue, and places every segment whole in one of them (see
+    NvmeStore). Each must exist and be writable; the store removes only its own files when closed."""
 
     budget: int | None = None
-    """Hard cap on the store file's size in bytes; None: as much as the filesystem gives."""
+    """Hard cap on the size of the store's files together, in bytes; None: as much as the filesystems give."""
 
     grow_step: int = 256 << 20
-    """The file grows (fallocate) by at least this many bytes when no free extent fits a request."""
+    """A file grows (fallocate) by at least this many bytes when no free extent fits a request."""
 
     aio: AioConfig = field(default_factory=AioConfig)
-    """I/O engine settings."""
+    """I/O engine settings, for each file's engine."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.nvme_path, (str, os.PathLike)) or not str(self.nvme_path):
-            raise TieringConfigError("nvme_path", self.nvme_path, "a directory path")
+        if isinstance(self.nvme_path, list):
+            object.__setattr__(self, "nvme_path", tuple(self.nvme_path))
+        paths = self.nvme_path if isinstance(self.nvme_path, tuple) else (self.nvme_path,)
+        if not paths or not all(isinstance(p, (str, os.PathLike)) and os.fspath(p) for p in paths):
+            raise TieringConfigError("nvme_path", self.nvme_path, "a directory path, or a non-empty list of them")
+        directories = self.directories
+        for i, directory in enumerate(directories):
+            if directory in directories[:i]:
+                raise TieringConfigError("nvme_path", self.nvme_path,
+                                         f"names the directory {directory!r} twice: each holds one file of the store")
         if self.budget is not None and (not isinstance(self.budget, int) or self.budget < ALIGNMENT):
             raise TieringConfigError("nvme budget", self.budget, f"None or an integer >= {ALIGNMENT}")
         if not isinstance(self.grow_step, int) or self.grow_step <= 0 or self.grow_step % ALIGNMENT:
             raise TieringConfigError("grow_step", self.grow_step, f"a positive multiple of {ALIGNMENT}")
 
-
-def swap_file_name() -> str:
-    """`zt-<host>-<pid>-<random>.swap`: unique per store, and says which process made it."""
-    return f"{SWAP_PREFIX}{this_host()}-{os.getpid()}-{secrets.token_hex(4)}{SWAP_SUFFIX}"
+    @property
+    def directories(self) -> tuple[str, ...]:
+        """Every directory of nvme_path, absolute, in the order given."""
+        paths = self.nvme_path if isinstance(self.nvme_path, tuple) else (self.nvme_path,)
+        return tuple(os.path.abspath(os.fspath(p)) for p in paths)
 
 
 class NvmeStore:
-    """Extents of one file, moved to and from aligned host buffers by an I/O engine.
+    """Extents in one StoreFile per directory of nvme_path, each file with its own engine, queue and lock.
 
-    Two stores on the same nvme_path (two ranks, two processes) use two files created with O_EXCL, and each
-    holds an exclusive flock on its own file while open, so a leftover file whose lock can be taken is
-    provably stale. `close()` removes the store's own file and nothing else.
+    Every extent lies whole in one file: the least-used one (ties: the earlier directory), so segments
+    allocated one after another alternate between the files, and so do the reads that bring them back in
+    the same order. Why not cut every segment across all files instead? The swap manager keeps several
+    segments of 16-64 MB in flight (prefetch along the trace, eviction write-back, the optimizer's
+    read-ahead), which already keeps every device busy, so N directories on N SSDs give ~N times the
+    bandwidth either way; whole extents keep each transfer one request stream on one file, need no split
+    handles or stripe arithmetic, and a checksum or I/O error names the one file holding the bytes
+    (`path_of`). The cost: a lone blocking transfer moves at one device's speed.
+
+    A file that cannot take a segment (its disk is full, or growing it would pass the budget, which covers
+    all files together) passes it to the next; only when none can is the error raised, the one of the file
+    tried first. With one directory the store is that one file: same name, same errors as ever.
     """
 
     def __init__(self, config: NvmeStoreConfig):
         self.config = config
-        directory = os.path.abspath(os.fspath(config.nvme_path))
-        if not os.path.isdir(directory):
-            reason = "does not exist" if not os.path.exists(directory) else "is not a directory"
-            raise NvmePathError(directory, reason)
-        if not os.access(directory, os.W_OK | os.X_OK):
-            raise NvmePathError(directory, "is not writable by this process")
-        self.path = os.path.join(directory, swap_file_name())
-        self._fd, self.direct_io, detail = self._open(self.path)
-        self._closed = False
+        files: list[StoreFile] = []
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            self._engine, self.engine_reason = choose_engine(config.aio, self.path, self.direct_io, detail)
+            for directory in config.directories:
+                files.append(StoreFile(directory, config.aio, config.grow_step))
         except BaseException:
-            self._remove_file()
+            for file in files:
+                file.close()
             raise
-        self.engine_name = self._engine.name
-        self._extents = ExtentAllocator()
+        self.files = tuple(files)
+        """One per directory of nvme_path, in its order; `Extent.file` indexes this."""
+        self.path = ", ".join(f.path for f in files)
+        """The store's file; with several directories their paths joined by ', ' (for messages: `path_of`
+        names the one file an extent lies in)."""
+        self.direct_io = all(f.direct_io for f in files)
+        self.engine_name = "+".join(dict.fromkeys(f.engine_name for f in files))
+        self.engine_reason = "; ".join(dict.fromkeys(f.engine_reason for f in files))
+        self.stale = StaleReport(", ".join(f.stale.directory for f in files),
+                                 [s for f in files for s in f.stale.removed], [s for f in files for s in f.stale.kept])
+        """What the files' sweeps found in their directories (tiering/stale.py), all of it in one report."""
         self._lock = threading.Lock()
-        self.stale = sweep_stale(directory, self.path)
-        """Swap files of dead processes found in nvme_path as this store opened (its own file locked first):
-        the provably stale ones removed, all reported with a StaleSwapFileWarning (tiering/stale.py)."""
-
-    @staticmethod
-    def _open(path: str) -> tuple[int, bool, str]:
-        """Create the file with O_DIRECT if the filesystem takes it; say why not otherwise."""
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        try:
-            return os.open(path, flags | os.O_DIRECT, 0o600), True, "O_DIRECT"
-        except PermissionError as exc:
-            raise NvmePathError(os.path.dirname(path), f"cannot create a file: {exc.strerror}") from exc
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise NvmePathError(os.path.dirname(path), f"cannot create a file: {exc.strerror}") from exc
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-            detail = "the filesystem refuses O_DIRECT (EINVAL)"
-        return os.open(path, flags, 0o600), False, detail
 
     # -- space -------------------------------------------------------------------------------------------
 
     @property
     def capacity(self) -> int:
-        return self._extents.capacity
+        return sum(f.capacity for f in self.files)
 
     @property
     def used_bytes(self) -> int:
-        return self._extents.used_bytes
+        return sum(f.used_bytes for f in self.files)
 
     def allocate(self, nbytes: int, what: str = "") -> Extent:
-        """An extent of `nbytes` rounded up to 4 KiB, growing the file if no free range fits.
+        """An extent of `nbytes` rounded up to 4 KiB in the least-used file that can hold it, growing that
+        file if no free range fits.
 
         Raises BudgetExceededError (tier 'nvme') past the store's budget and StoreFullError when the
-        filesystem cannot give the bytes (ENOSPC, EFBIG); the store is unchanged after either.
+        filesystem cannot give the bytes (ENOSPC, EFBIG), each only when no file can take the extent; the
+        store is unchanged after either.
         """
         if nbytes < 0:
             raise ValueError(f"cannot allocate {nbytes} bytes")
-        with self._lock:
-            self._check_open()
-            extent = self._extents.allocate(nbytes)
-            if extent is None:
-                self._grow_for(align_up(max(nbytes, 1)), what)
-                extent = self._extents.allocate(nbytes)
-            return extent
+        budget = self.config.budget
+        with self._lock:  # one allocation at a time: the budget covers the files together
+            refused: BudgetExceededError | StoreFullError | None = None
+            for index in sorted(range(len(self.files)), key=lambda i: self.files[i].used_bytes):
+                file = self.files[index]
+                try:
+                    extent = file.allocate(nbytes, None if budget is None else budget - self.capacity)
+                except StoreFullError as exc:
+                    refused = refused or exc
+                    continue
+                if extent is not None:
+                    return extent._replace(file=index)
+                refused = refused or BudgetExceededError("nvme", budget, self.used_bytes, align_up(max(nbytes, 1)),
+                                                         what, file.path)
+            raise refused
 
     def free(self, extent: Extent) -> None:
-        with self._lock:
-            self._extents.free(extent)
-
-    def _grow_for(self, length: int, what: str) -> None:
-        old = self._extents.capacity
-        need = length - self._extents.tail_free()
-        budget = self.config.budget
-        grow = max(need, self.config.grow_step)
-        if budget is not None:
-            if old + need > budget:
-                raise BudgetExceededError("nvme", budget, self._extents.used_bytes, length, what, self.path)
-            grow = min(grow, budget - old)
-        try:
-            os.posix_fallocate(self._fd, old, grow)
-        except OSError as exc:
-            if exc.errno == errno.EOPNOTSUPP:  # no fallocate here (ramfs, some network fs): sparse growth
-                os.ftruncate(self._fd, old + grow)
-            else:
-                os.ftruncate(self._fd, old)  # give back a partial allocation
-                raise StoreFullError(self.path, grow, old, exc) from exc
-        self._extents.grow(old + grow)
+        self._file(extent).free(extent)
 
     # -- I/O ---------------------------------------------------------------------------------------------
 
@@ -167,55 +145,32 @@ class NvmeStore:
         keeps `buffer` alive until done; the caller must not change it before then. A write is done only
         when every byte reached the file; otherwise `wait()` raises IOFailedError naming path and offset.
         """
-        return self._submit("write", extent, buffer, nbytes)
+        return self._file(extent).submit("write", extent, buffer, nbytes)
 
     def read(self, extent: Extent, buffer: torch.Tensor, nbytes: int | None = None) -> Handle:
         """Start reading `nbytes` (rounded up to 4 KiB) of `extent` into `buffer`; see `write`."""
-        return self._submit("read", extent, buffer, nbytes)
+        return self._file(extent).submit("read", extent, buffer, nbytes)
 
-    def _submit(self, op: str, extent: Extent, buffer: torch.Tensor, nbytes: int | None) -> Handle:
-        self._check_open()
-        nbytes = extent.length if nbytes is None else nbytes
-        length = align_up(nbytes) if nbytes else 0
-        if extent.offset < 0 or extent.offset % ALIGNMENT or extent.length % ALIGNMENT:
-            raise StoreRangeError(self.path, extent.offset, extent.length, self.capacity, f"{op} of an unaligned or negative extent")
-        if nbytes < 0 or length > extent.length:
-            raise StoreRangeError(self.path, extent.offset, nbytes, extent.length, f"{op} past its extent")
-        if extent.offset + length > self.capacity:
-            raise StoreRangeError(self.path, extent.offset, length, self.capacity, f"{op} past the end of the store")
-        check_io_buffer(buffer, length, f"{op} of {nbytes} bytes at offset {extent.offset} in {self.path!r}")
-        handle = Handle(self._engine.blocks(length), label=f"{op} {self.path}@{extent.offset}+{length}", keepalive=buffer)
-        if length:
-            self._engine.submit(op, self._fd, self.path, buffer.data_ptr(), length, extent.offset, handle)
-        return handle
+    def path_of(self, extent: Extent) -> str:
+        """The file `extent` lies in."""
+        return self._file(extent).path
+
+    def _file(self, extent: Extent) -> StoreFile:
+        if not 0 <= extent.file < len(self.files):
+            raise ValueError(f"{extent} names file {extent.file}; this store has {len(self.files)}: {self.path}")
+        return self.files[extent.file]
 
     def sync(self) -> None:
-        """fsync the file: what was written survives a power loss (O_DIRECT alone skips only the page cache)."""
-        self._check_open()
-        os.fsync(self._fd)
+        """fsync the files: what was written survives a power loss (O_DIRECT alone skips only the page cache)."""
+        for file in self.files:
+            file.sync()
 
     # -- life --------------------------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"store {self.path!r} is closed")
-
-    def _remove_file(self) -> None:
-        """Unlink our file, if the name still points at the file we created."""
-        try:
-            if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
-                os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        os.close(self._fd)
-
     def close(self) -> None:
-        """Wait for in-flight I/O, then remove the store's file. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._engine.close()
-        self._remove_file()
+        """Wait for in-flight I/O, then remove the store's files. Idempotent."""
+        for file in self.files:
+            file.close()
 
     def __enter__(self) -> NvmeStore:
         return self

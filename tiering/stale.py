@@ -74,7 +74,7 @@ class StaleReport:
 
 
 def this_host() -> str:
-    """The host as a store's file name spells it (nvme_store.swap_file_name calls this): the hostname with
+    """The host as a store's file name spells it (store_file.swap_file_name calls this): the hostname with
     '-' made '_' (the name's fields are separated by '-'), or 'host' when it is empty."""
     return socket.gethostname().replace("-", "_") or "host"
 

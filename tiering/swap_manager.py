@@ -425,7 +425,8 @@ class SwapManager(Eviction):
             if error is None and self.config.checksums:
                 actual = checksum(seg.storage("host"))
                 if actual != seg.checksum:
-                    error = ChecksumMismatchError(seg.name, self.store.path, seg.extent.offset, seg.checksum, actual)
+                    error = ChecksumMismatchError(seg.name, self.store.path_of(seg.extent), seg.extent.offset, seg.checksum,
+                                                  actual)
             with self._lock:
                 self._account("nvme->host", seg, start)
                 if error is not None:

@@ -71,10 +71,12 @@ def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype) -> SwapC
         prefetch += zo.prefetch_bucket_size * dtype.itemsize
         max_live = zo.max_live_parameters * dtype.itemsize
         reuse_distance = zo.max_reuse_distance * dtype.itemsize
-    paths = {o.nvme_path for o in (zo.offload_optimizer, zo.offload_param) if o.device == "nvme"}
+    paths = {(o.nvme_path,) if isinstance(o.nvme_path, str) else o.nvme_path
+             for o in (zo.offload_optimizer, zo.offload_param) if o.device == "nvme"}
     if len(paths) > 1:
         raise ConfigError("zero_optimization.offload_param.nvme_path",
-                          "offload_param and offload_optimizer must share one nvme_path", value=sorted(paths))
+                          "offload_param and offload_optimizer must share one nvme_path (the same directories, in "
+                          "the same order)", value=sorted((p[0] if len(p) == 1 else list(p) for p in paths), key=str))
     nvme = None
     if paths:
         nvme = NvmeStoreConfig(nvme_path=paths.pop(), budget=zt.nvme_budget, aio=cfg.to_aio_config())

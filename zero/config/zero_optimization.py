@@ -2,6 +2,7 @@
 the stage-3 prefetch and persistence knobs. Names, aliases and defaults are DeepSpeed's."""
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from typing import Literal
@@ -12,9 +13,25 @@ from .schema import Section, Unsupported, setting
 Device = Literal["none", "cpu", "nvme"]
 
 
-def _check_nvme_path(device: str, nvme_path: str | None) -> None:
+def _check_nvme_path(device: str, nvme_path: str | tuple[str, ...] | None) -> None:
     if device == "nvme" and not nvme_path:
         raise ConfigError("nvme_path", 'required when device is "nvme": a directory on a local SSD')
+
+
+def _nvme_directories(value: object) -> object:
+    """A list of directories (our extension: DeepSpeed takes one string) as a tuple, checked: not empty, each
+    a non-empty string, no directory twice. Anything else is left to the type check."""
+    if not isinstance(value, (list, tuple)):
+        return value
+    if not value:
+        raise ValueError("an empty list names no directory: give one directory, or several (one per SSD)")
+    if not all(isinstance(path, str) and path for path in value):
+        raise ValueError("expected a directory path (a string) or a list of them")
+    directories = [os.path.abspath(path) for path in value]
+    for i, directory in enumerate(directories):
+        if directory in directories[:i]:
+            raise ValueError(f"names the directory {directory!r} twice: each holds one file of the store")
+    return tuple(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,8 +42,9 @@ class OffloadParamConfig(Section):
     device: Device = "none"
     """Tier: "none" (device memory), "cpu" (host memory) or "nvme" (files under nvme_path)."""
 
-    nvme_path: str | None = None
-    """Directory on a local SSD for the nvme tier; required with device "nvme"."""
+    nvme_path: str | tuple[str, ...] | None = setting(None, convert=_nvme_directories)
+    """Directory on a local SSD for the nvme tier; required with device "nvme". A list of directories (one
+    per SSD; our extension) spreads the segments over them: a file and an I/O queue in each."""
 
     buffer_count: int = setting(5, ge=0)
     """Host buffers staging parameter reads from nvme."""
@@ -53,8 +71,9 @@ class OffloadOptimizerConfig(Section):
     device: Device = "none"
     """Tier: "none" (device memory), "cpu" (host memory) or "nvme" (files under nvme_path)."""
 
-    nvme_path: str | None = None
-    """Directory on a local SSD for the nvme tier; required with device "nvme"."""
+    nvme_path: str | tuple[str, ...] | None = setting(None, convert=_nvme_directories)
+    """Directory on a local SSD for the nvme tier; required with device "nvme". A list of directories (one
+    per SSD; our extension) spreads the segments over them: a file and an I/O queue in each."""
 
     buffer_count: int = setting(4, ge=0)
     """Host buffers staging optimizer state to and from nvme (DeepSpeed advises >= 4 for Adam)."""

@@ -3,6 +3,7 @@ short of OK, what to do.
 
     python -m zero.report                                  # the checks, on the main job's nvme path
     python -m zero.report --nvme-path /mnt/nvme --json     # on another path, as JSON
+    python -m zero.report --nvme-path /mnt/nvme0 /mnt/nvme1   # each directory of a striped nvme_path
     python -m zero.report --bandwidth /mnt/nvme            # also measure it; save the figures for the planner
 
 Exit status: 1 when a check FAILs (a missing nvme path, a failed measurement), 2 for bad arguments, else 0.
@@ -80,9 +81,9 @@ def figures_check(file: Path) -> tuple[Check, DiskFigures | None]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zero.report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nvme-path", metavar="DIR",
-                        help=f"the directory to check (default: the --bandwidth DIR, else the main job's "
-                             f"{MAIN_JOB_NVME} if it exists, else /tmp)")
+    parser.add_argument("--nvme-path", metavar="DIR", nargs="+",
+                        help=f"the directory to check, or several: each directory of an nvme_path list (default: "
+                             f"the --bandwidth DIR, else the main job's {MAIN_JOB_NVME} if it exists, else /tmp)")
     parser.add_argument("--bandwidth", metavar="DIR", type=directory_arg,
                         help="measure sequential read, write and mixed GB/s in DIR through NvmeStore")
     parser.add_argument("--bandwidth-size", metavar="SIZE", type=size_arg, default=1 << 30,
@@ -93,11 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
     args = parser.parse_args(argv)
     if args.nvme_path:
-        nvme_path = os.path.abspath(args.nvme_path)
+        nvme_paths = [os.path.abspath(path) for path in args.nvme_path]
     else:
-        nvme_path = args.bandwidth or (MAIN_JOB_NVME if os.path.isdir(MAIN_JOB_NVME) else "/tmp")
+        nvme_paths = [args.bandwidth or (MAIN_JOB_NVME if os.path.isdir(MAIN_JOB_NVME) else "/tmp")]
 
-    checks = run_checks(nvme_path)
+    checks = run_checks(nvme_paths)
     if args.bandwidth:
         if not args.json:
             print(f"measuring {fmt_bytes(args.bandwidth_size)} per direction in {args.bandwidth} ...", file=sys.stderr)
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     checks.append(check)
 
     if args.json:
+        nvme_path = nvme_paths[0] if len(nvme_paths) == 1 else nvme_paths  # as a config's nvme_path spells it
         print(json.dumps({"checks": [asdict(c) for c in checks], "nvme_path": nvme_path,
                           "figures": figures and asdict(figures), "figures_file": str(args.save)}, indent=2))
     else:

@@ -148,5 +148,21 @@ def fio() -> Check:
     return Check("fio", "WARN", "not on PATH: bench/tiers.py has no yardstick", "apt-get install fio")
 
 
-def run_checks(nvme_path: str) -> list[Check]:
-    return [*python_torch(), cpu_adam(), libaio(), *nvme(nvme_path), *memory(), fio()]
+def stripes(paths: list[str]) -> list[Check]:
+    """Directories of one nvme_path list that share a device: their files compete for one disk's bandwidth."""
+    devices: dict[int, list[str]] = {}
+    for path in paths:
+        if os.path.isdir(path):
+            devices.setdefault(os.stat(path).st_dev, []).append(path)
+    shared = [group for group in devices.values() if len(group) > 1]
+    if not shared:
+        return [Check("stripes", "OK", f"{len(paths)} directories on {len(devices)} devices")] if len(paths) > 1 else []
+    return [Check("stripes", "WARN", "; ".join(f"{', '.join(group)} share one device" for group in shared)
+                  + ": striping over them adds no bandwidth", "give one directory per SSD")]
+
+
+def run_checks(nvme_path: str | list[str]) -> list[Check]:
+    """Every check; with a list of directories (an nvme_path striped over several), the nvme ones for each."""
+    paths = [nvme_path] if isinstance(nvme_path, str) else list(nvme_path)
+    return [*python_torch(), cpu_adam(), libaio(), *(c for path in paths for c in nvme(path)), *stripes(paths),
+            *memory(), fio()]

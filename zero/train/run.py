@@ -91,7 +91,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps")
     parser.add_argument("--data", nargs="*", help="text files (default: the Python standard library's sources)")
-    parser.add_argument("--nvme-path", help="override every nvme_path in the config")
+    parser.add_argument("--nvme-path", nargs="+", metavar="DIR",
+                        help="override every nvme_path in the config; several directories (one per SSD) spread "
+                             "the nvme tier over them")
     parser.add_argument("--device-budget", help="override zero_tiering.device_budget (e.g. 64MiB)")
     parser.add_argument("--host-budget", help="override zero_tiering.host_budget")
     parser.add_argument("--trace", help="write a Chrome trace (Perfetto) of the run here")
@@ -112,8 +114,10 @@ def load_ds_config(args: argparse.Namespace) -> dict:
         offload = zo.get(section)
         if offload and offload.get("device") == "nvme":
             if args.nvme_path:
-                offload["nvme_path"] = args.nvme_path
-            os.makedirs(offload["nvme_path"], exist_ok=True)
+                offload["nvme_path"] = args.nvme_path[0] if len(args.nvme_path) == 1 else args.nvme_path
+            paths = offload["nvme_path"]
+            for path in [paths] if isinstance(paths, str) else paths:
+                os.makedirs(path, exist_ok=True)
     if args.lr is not None:
         config.setdefault("optimizer", {"type": "AdamW"}).setdefault("params", {})["lr"] = args.lr
         schedule = config.get("scheduler", {}).get("params", {})
