@@ -1,7 +1,8 @@
 """The device tier: accelerator memory under a hard budget, and the host<->device copy path.
 
 Without CUDA the device tier is host memory counted against the device budget (every code path runs and is
-tested on CPU); its buffers come from a pool so steps reuse memory instead of faulting in fresh pages.
+tested on CPU); its buffers come from a pool so steps reuse memory instead of faulting in fresh pages, and its
+copies run on a copy worker with completion events, asynchronous as on a GPU (see copy_stream).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .aligned import align_up
+from .copy_stream import CopyEvent, copy_stream_for
 from .errors import BudgetExceededError
 from .handle import Handle
 from .host_pool import HostBuffer, HostBufferPool, HostPoolConfig
@@ -34,21 +36,20 @@ class DeviceBuffer:
 
 class DeviceTier:
     def __init__(self, budget: int | None, device: torch.device | None = None):
-        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = _indexed(device or torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         self.budget = budget
         self._lock = threading.Lock()
         self.in_use = 0
         self.peak = 0
-        if self.device.type == "cpu":
-            self._pool = HostBufferPool(HostPoolConfig(budget=budget if budget is not None else 1 << 62, pin=False))
-            self._copy_stream = None
-        else:
-            self._pool = None
-            # The one stream for host<->device copies: moves overlap the compute stream's kernels.
-            self._copy_stream = torch.cuda.Stream(self.device)
-        # One mover thread runs copies in submission order and completes their handles, so every handle in
-        # tiering is completed by a thread and callers never poll streams.
-        self._mover = ThreadPoolExecutor(1, thread_name_prefix="tiering-mover")
+        self.pool = (HostBufferPool(HostPoolConfig(budget=budget if budget is not None else 1 << 62, pin=False))
+                     if self.device.type == "cpu" else None)
+        """Without CUDA: where the tier's memory comes from (with CUDA: the caching allocator)."""
+        self._stream = copy_stream_for(self.device)
+        # Completes the handles of copies, waiting on their events in the order the copies run: neither the
+        # caller nor the copy stream ever waits for a copy to end, so copies pipeline. Handles in tiering are
+        # completed by threads; callers never poll streams.
+        self._completer = ThreadPoolExecutor(1, thread_name_prefix="tiering-copy-done")
+        self._submit_lock = threading.Lock()
 
     def free_bytes(self) -> int | None:
         return None if self.budget is None else self.budget - self.in_use
@@ -56,15 +57,15 @@ class DeviceTier:
     def charge(self, nbytes: int) -> int:
         """Bytes a copy of `nbytes` takes from the budget: the CPU stand-in's pool hands out whole 4 KiB pages,
         and the budget counts what is really held (else its pool refuses what the budget allowed)."""
-        return align_up(max(nbytes, 1)) if self._pool is not None else max(nbytes, 1)
+        return align_up(max(nbytes, 1)) if self.pool is not None else max(nbytes, 1)
 
     def allocate(self, nbytes: int, what: str) -> DeviceBuffer | HostBuffer:
         """Device storage for `nbytes`; raises BudgetExceededError past the budget (callers evict first)."""
         with self._lock:
             if self.budget is not None and self.in_use + self.charge(nbytes) > self.budget:
                 raise BudgetExceededError("device", self.budget, self.in_use, self.charge(nbytes), what)
-            if self._pool is not None:
-                buffer = self._pool.acquire(nbytes, what)  # within its budget: in_use is the pool's in_use
+            if self.pool is not None:
+                buffer = self.pool.acquire(nbytes, what)  # within its budget: it lends no more than in_use counts
             else:
                 buffer = DeviceBuffer(torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device))
             self.in_use += buffer.capacity
@@ -89,26 +90,49 @@ class DeviceTier:
         with self._lock:
             self.in_use -= size
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, handle: Handle) -> None:
-        """Copy `src` into `dst` (host<->device) on the mover; completes `handle` when the bytes have landed."""
-        self._mover.submit(self._copy, dst, src, handle)
+    def lend(self, nbytes: int, what: str) -> HostBuffer | None:
+        """Memory for `nbytes` the caller counted with `reserve`: without CUDA a buffer from the pool (a step
+        reuses its pages instead of faulting in fresh ones; give it back with `release()` once no copy uses it,
+        then `unreserve`); with CUDA None, the caller allocates (the caching allocator reuses device memory)."""
+        return self.pool.acquire(nbytes, what) if self.pool is not None else None
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, handle: Handle) -> None:
-        error = None
-        try:
-            if self._copy_stream is None:
-                dst.copy_(src)
-            else:
-                # Wait for the compute stream's writes to `src` (eviction) or reads of `dst`'s old bytes.
-                self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(self._copy_stream):
-                    dst.copy_(src, non_blocking=True)  # pinned host buffers make this asynchronous
-                    done = torch.cuda.Event()
-                    done.record(self._copy_stream)
-                done.synchronize()
-        except BaseException as exc:  # surfaced through the handle
-            error = exc
-        handle.part_done(error)
+    def mark(self) -> object:
+        """The point the caller's compute has reached, for a copy submitted later or from another thread
+        (`copy(after=...)`) to run behind; take it on the thread that queued that compute."""
+        return self._stream.mark()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, handle: Handle | None = None, *,
+             after: object = None) -> CopyEvent:
+        """Copy `src` into `dst` (host<->device) on the copy stream, behind the compute the calling thread's
+        current stream has queued (or behind `after`, a `mark()`); returns the copy's event, and completes
+        `handle`, on the completion thread, once the bytes have landed. Who passes the tensors keeps them: `dst`
+        is not read, `src` not written, and neither reused, handed over or freed until the copy has ended
+        (a segment stays in its move until `handle` is done; a pinned one stays pinned)."""
+        with self._submit_lock:  # the completion thread waits in the order the copies run
+            event = self._stream.submit(dst, src, after)
+            if handle is not None:
+                self._completer.submit(_complete, event, handle)
+        return event
 
     def close(self) -> None:
-        self._mover.shutdown(wait=True)
+        """Return once every copy has run and its handle is done."""
+        self._stream.close()
+        self._completer.shutdown(wait=True)
+
+
+def _complete(event: CopyEvent, handle: Handle) -> None:
+    error = None
+    try:
+        event.synchronize()
+    except BaseException as exc:  # surfaced through the handle
+        error = exc
+    handle.part_done(error)
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """A CUDA device with its index (the current device where none is given): streams, events and budgets
+    belong to one GPU."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

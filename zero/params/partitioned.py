@@ -1,24 +1,33 @@
 """PartitionedPlacement (ZeRO-3): each unit's flat parameters live as this rank's shard in a tier, and are gathered
 into a full buffer only while the unit's module runs (forward, then again for backward).
 
-Each unit keeps one full buffer tensor whose storage is resized to zero when the unit is released: the
+Each unit keeps one full buffer tensor whose storage holds no bytes while the unit is released: the
 parameters stay views of it, and tensors autograd saved in forward (views too) see the bytes again once the
-unit is re-gathered for backward. A unit is gathered by the forward pre-hook of its module and released by
-the forward hook; hooks on the module's outputs gather it again when backward reaches them; when every
-parameter of the unit has its gradient, the gradient is reduce-scattered into the shard, accumulated in fp32
-by Gradients, and the unit is released. Gathers and releases are counted, so a module called twice,
-activation checkpointing's recomputation, and nested use all keep the bytes while anyone needs them.
+unit is re-gathered for backward (the storage gets its bytes back in place: see `_take_bytes`). A unit is
+gathered by the forward pre-hook of its module and released by the forward hook; hooks on the module's outputs
+gather it again when backward reaches them; when every parameter of the unit has its gradient, the gradient
+is reduce-scattered into the shard, accumulated in fp32 by Gradients, and the unit is released. Gathers and
+releases are counted, so a module called twice, activation checkpointing's recomputation, and nested use all
+keep the bytes while anyone needs them.
+
+A gather copies the shard into the full buffer on the device tier's copy stream (a Fill): the shard stays
+pinned until the copy has landed, and the module's compute waits for the copy's event (without CUDA its thread
+waits for the copy worker). The hooks learn the order units come in, forward and backward; while a unit
+computes, the unit that came after it last time is prefetched (its fill started) where the device tier has
+free room for it, so its gather only waits for its copy's event.
 """
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from tiering import SwapManager, Tier
+from tiering import Handle, SwapManager, Tier
+from tiering.swap_manager import STALL_THRESHOLD_S
 
 from ..comm import DataParallel
 from ..optim.driver import AdamDriver
@@ -26,7 +35,11 @@ from ..optim.gradients import Gradients
 from .flat_unit import FlatUnit
 from .materialize import Materializer, host_empty
 from .placement import Placement
-from .unit import Unit, UnitState
+from .unit import Fill, Unit, UnitState
+
+SWAPS_STORAGE_BYTES = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+"""Whether this torch can hand a storage another's bytes in place; without it (older torch) a CPU full buffer
+is resized, taking fresh pages at each gather."""
 
 
 class PartitionedPlacement(Placement):
@@ -47,6 +60,11 @@ class PartitionedPlacement(Placement):
         self.wait_for_update = wait_for_update or (lambda index: None)
         self.units: list[Unit] = []
         self.model_hooks: list = []
+        self._after: dict[tuple[bool, int], int] = {}
+        """(in backward, unit index) -> the index of the unit a hook gathered next, the last time."""
+        self._last: tuple[bool, int] | None = None
+        self._ahead: Unit | None = None
+        """The unit prefetched for the next hook's gather."""
 
     @classmethod
     def build(cls, model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], *, materialize: Materializer,
@@ -99,6 +117,8 @@ class PartitionedPlacement(Placement):
 
     @contextlib.contextmanager
     def shard(self, unit: Unit, *, write: bool = False, overwrite: bool = False) -> Iterator[torch.Tensor]:
+        if unit.fill is not None:
+            unit.fill.settle()  # the shard is the fill's until its copy has read it
         with self.swap.held(unit.segment, self.shard_tier, dirty=write, overwrite=overwrite) as tensor:
             yield tensor
 
@@ -107,50 +127,199 @@ class PartitionedPlacement(Placement):
     def gather(self, unit: Unit) -> None:
         self.wait_for_update(unit.index)
         if unit.state is UnitState.STALE:
-            self._fill(unit)
+            self._refill(unit)
             unit.to("refill")
-        elif unit.state is UnitState.RELEASED:
-            self.swap.reserve_device(unit.nbytes, unit.name)
-            unit.full.untyped_storage().resize_(unit.nbytes)
-            unit.flat.bind(unit.full)
+        elif not unit.gathered:
+            if unit.state is UnitState.RELEASED:
+                self._prefetch(unit)
             try:
-                self._fill(unit)
+                self._wait_fill(unit)
             except BaseException:  # never leave a unit looking gathered with bytes that were not filled
-                unit.full.untyped_storage().resize_(0)
-                unit.flat.unbind()
-                self.swap.unreserve_device(unit.nbytes)
+                self._drop(unit)
                 raise
             unit.to("gather")
         unit.refs += 1
-
-    def _fill(self, unit: Unit) -> None:
-        """Copy (one rank) or all-gather (several) the unit's shards into its full buffer."""
-        with self.shard(unit) as shard:
-            if self.dp.world_size == 1:
-                unit.full.copy_(shard, non_blocking=shard.is_pinned())
-            else:
-                self.dp.all_gather(shard.to(self.device, non_blocking=True), unit.full)
 
     def release(self, unit: Unit) -> None:
         unit.refs -= 1
         if unit.refs or unit.persistent or not unit.gathered:
             return
-        if unit.full.is_cuda:
-            unit.full.record_stream(torch.cuda.current_stream())
-        unit.full.untyped_storage().resize_(0)
-        unit.flat.unbind()
-        self.swap.unreserve_device(unit.nbytes)
+        self._free_bytes(unit)
         unit.to("release")
 
+    def _prefetch(self, unit: Unit) -> None:
+        """Give a released unit's full buffer its bytes and start its fill."""
+        self._take_bytes(unit)
+        try:
+            unit.fill = self._start_fill(unit)
+        except BaseException:
+            self._free_bytes(unit)
+            raise
+        unit.to("prefetch")
+
+    def _drop(self, unit: Unit) -> None:
+        """Give back the bytes of a prefetched unit nobody gathered, or whose fill failed, once its fill has ended
+        (with CUDA too: a fill waiting for its shard's read would copy into them later)."""
+        unit.fill.settle()
+        self._free_bytes(unit)
+        unit.to("drop")
+
+    def _refill(self, unit: Unit) -> None:
+        """A gathered unit's full buffer takes its shard's current values."""
+        unit.fill = self._start_fill(unit)
+        self._wait_fill(unit)
+
+    def _take_bytes(self, unit: Unit) -> None:
+        """Count the full buffer against the device budget (evicting segments for room) and give it bytes.
+
+        Without CUDA they are the pages of a buffer from the device tier's pool, handed to the full buffer's own
+        storage in place (the storage object stays the one autograd's saved views hold): a step reuses pages
+        instead of faulting in fresh ones at every gather."""
+        tier = self.swap.device_tier
+        self.swap.reserve_device(tier.charge(unit.nbytes), unit.name)
+        storage = unit.full.untyped_storage()
+        try:
+            lent = tier.lend(unit.nbytes, unit.name) if SWAPS_STORAGE_BYTES else None
+            if lent is None:
+                storage.resize_(unit.nbytes)
+            else:
+                try:
+                    storage._swap_data_ptr_(lent.storage.untyped_storage())
+                except BaseException:
+                    lent.release()
+                    raise
+        except BaseException:
+            self.swap.unreserve_device(tier.charge(unit.nbytes))
+            raise
+        unit.lent = lent
+        unit.flat.bind(unit.full)
+
+    def _free_bytes(self, unit: Unit) -> None:
+        """Give back the full buffer's bytes, once no copy uses them: with CUDA the caching allocator waits for
+        the streams recorded on them; without CUDA the copy worker may still be writing them, so wait for it."""
+        unit.flat.unbind()  # released parameters hold no bytes a stray read could reach (they are 0-element)
+        storage = unit.full.untyped_storage()
+        if unit.full.is_cuda:
+            unit.full.record_stream(torch.cuda.current_stream(unit.full.device))  # the compute that read them
+        elif unit.fill is not None:
+            unit.fill.settle()
+        if unit.lent is None:
+            storage.resize_(0)
+        else:
+            storage._swap_data_ptr_(unit.lent.storage.untyped_storage())  # the pages back to the pool's buffer
+            unit.lent.release()
+            unit.lent = None
+        self.swap.unreserve_device(self.swap.device_tier.charge(unit.nbytes))
+
+    def _start_fill(self, unit: Unit) -> Fill:
+        """Fetch the unit's shard and copy it into the full buffer (with several ranks: into this rank's part of
+        it, for the all-gather) on the copy stream, behind the compute queued so far. The shard is released once
+        the copy has landed: until then its buffer can be neither evicted nor reused by a read. The copy is
+        queued once the shard is in its tier: at once, or by the thread that completes its read."""
+        tier = self.swap.device_tier
+        after = tier.mark()
+        flat = unit.flat
+        dst = unit.full if self.dp.world_size == 1 else unit.full.narrow(0, flat.shard_start, flat.shard_numel)
+        fill = Fill(unit.name)
+        start = time.perf_counter()
+        fetched = self.swap.fetch(unit.segment, self.shard_tier)
+
+        def landed(copied: Handle) -> None:
+            try:
+                self.swap.timeline.add(unit.segment, f"{self.shard_tier}->device", start, time.perf_counter(),
+                                       bytes=dst.numel() * dst.element_size())
+                self.swap.release(unit.segment)
+            finally:
+                fill.done.part_done(copied.error)
+
+        def queue(fetch: Handle) -> None:
+            if fetch.error is not None:  # the fetch failed and unpinned the shard: nothing to copy
+                fill.queued.part_done(fetch.error)
+                fill.done.part_done(fetch.error)
+                return
+            copied = Handle(label=f"copy into {unit.name or 'root'}")
+            copied.add_done_callback(landed)
+            try:
+                fill.copied = tier.copy(dst, self.swap.view(unit.segment), copied, after=after)
+            except BaseException as exc:
+                copied.part_done(exc)
+                fill.queued.part_done(exc)
+                return
+            fill.queued.part_done()
+
+        fetched.add_done_callback(queue)
+        return fill
+
+    def _wait_fill(self, unit: Unit) -> None:
+        """The compute that follows waits for the unit's fill (host time spent waiting is counted as stall);
+        with several ranks, the ranks' parts are then all-gathered."""
+        start = time.perf_counter()
+        unit.fill.wait()
+        end = time.perf_counter()
+        if end - start > STALL_THRESHOLD_S:
+            self.swap.stats.stall_seconds += end - start
+            self.swap.timeline.add(unit.segment, "stall", start, end)
+        if self.dp.world_size > 1:
+            flat = unit.flat
+            self.dp.all_gather(unit.full.narrow(0, flat.shard_start, flat.shard_numel), unit.full)
+
+    # -- prefetch in the order the hooks see -----------------------------------------------------------------
+
+    def _gather_in_order(self, unit: Unit) -> None:
+        """Gather for a module's forward or backward hook, where units come in the model's order: note that
+        order, and prefetch the unit that came after this one last time while this one computes. A prefetched
+        unit that does not come next is dropped."""
+        fresh = not unit.gathered
+        if fresh:
+            key = (torch._C._current_graph_task_id() != -1, unit.index)  # backward runs the other way
+            if self._last is not None:
+                self._after[self._last] = unit.index
+            self._last = key
+            if self._ahead is not unit:
+                self._drop_ahead()
+            self._ahead = None
+        self.gather(unit)
+        if fresh:
+            self._prefetch_ahead(self._after.get(key))
+
+    def _prefetch_ahead(self, index: int | None) -> None:
+        if index is None:
+            return
+        unit = self.units[index]
+        if unit.state is not UnitState.RELEASED or not self._room_for(unit):
+            return
+        if self.swap.segments[unit.segment].state.moving:
+            return  # its fetch would wait for that move here, before this unit computes: its gather will
+        self.wait_for_update(index)
+        self._prefetch(unit)
+        self._ahead = unit
+
+    def _room_for(self, unit: Unit) -> bool:
+        """Whether prefetching `unit` fits in the device tier's free room (it never evicts) and the prefetch
+        limits: the prefetch bucket (0 with prefetch off) and the live bytes cap (stage3_max_live_parameters)."""
+        tier, config = self.swap.device_tier, self.swap.config
+        need = tier.charge(unit.nbytes)
+        free = tier.free_bytes()
+        live = config.max_live_bytes
+        return (need <= config.prefetch_bytes and (free is None or need <= free)
+                and (live is None or tier.in_use + need <= live))
+
+    def _drop_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.state is UnitState.PREFETCHED:
+            self._drop(ahead)
+
     def shards_changed(self) -> None:
-        """Units still gathered (persistent ones) read the updated shards."""
+        """Units still gathered (persistent ones) read the updated shards; a prefetched one is dropped."""
+        self._drop_ahead()
         for unit in self.units:
             if unit.gathered:
-                self._fill(unit)
+                self._refill(unit)
                 if unit.state is UnitState.STALE:
                     unit.to("refill")
 
     def step_started(self) -> None:
+        self._drop_ahead()
         for unit in self.units:
             if unit.state is UnitState.GATHERED:
                 unit.to("stepped")
@@ -162,7 +331,7 @@ class PartitionedPlacement(Placement):
     # -- hooks --------------------------------------------------------------------------------------------
 
     def _pre_forward(self, unit: Unit) -> None:
-        self.gather(unit)
+        self._gather_in_order(unit)
         if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
             # Forward run inside backward (activation checkpointing's recomputation): the saved tensors it
             # makes are used right away, and non-reentrant checkpointing stops the recomputation as soon as
@@ -187,7 +356,7 @@ class PartitionedPlacement(Placement):
         self.release(unit)
 
     def _pre_backward(self, unit: Unit) -> None:
-        self.gather(unit)
+        self._gather_in_order(unit)
         unit.backward_refs += 1
         self._arm(unit)
 
@@ -213,8 +382,9 @@ class PartitionedPlacement(Placement):
             self.release(unit)
 
     def finish_backward(self) -> None:
-        """Reduce units some of whose parameters got no gradient (unused in this forward), and drop every
-        reference backward still holds."""
+        """Reduce units some of whose parameters got no gradient (unused in this forward), drop every
+        reference backward still holds, and a prefetched unit backward did not gather."""
+        self._drop_ahead()
         for unit in self.units:
             if unit.state is UnitState.BACKWARD:
                 self._finish_backward(unit)
@@ -239,6 +409,10 @@ class PartitionedPlacement(Placement):
         return hook
 
     def close(self) -> None:
+        self._drop_ahead()
+        for unit in self.units:
+            if unit.fill is not None:
+                unit.fill.settle()  # no copy or shard release may outlive the swap manager
         for hook in self.model_hooks:
             hook.remove()
         self.model_hooks.clear()

@@ -1,5 +1,6 @@
 """Unit: the engine's one record per unit (its flattened parameters, its full buffer, its shard, its
-sub-groups) and UnitState, the unit's life within a step, as tiering's Residency is a segment's.
+sub-groups), UnitState, the unit's life within a step, as tiering's Residency is a segment's, and Fill, the copy
+of its shard into its full buffer, kept with the buffer it guards.
 
 One enum and one table of legal transitions; every change goes through `Unit.to(action)`, which raises
 IllegalTransitionError naming the unit, the action, the states it allows and the state it found. Units whose
@@ -8,13 +9,15 @@ of it. How many holders a gathered unit has is counted (`refs`), so nested and r
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
 from torch import nn
 
-from tiering import IllegalTransitionError
+from tiering import Handle, HostBuffer, IllegalTransitionError
+from tiering.copy_stream import CopyEvent
 
 from ..optim.driver import SubGroup
 from .flat_unit import FlatUnit
@@ -22,6 +25,7 @@ from .flat_unit import FlatUnit
 
 class UnitState(Enum):
     RELEASED = "released: the full buffer holds no bytes"
+    PREFETCHED = "prefetched: the full buffer has bytes and its fill is under way or done; nobody holds it yet"
     GATHERED = "gathered: the full buffer holds the current values"
     BACKWARD = "gathered, its backward begun: gradients awaited"
     STALE = "gathered across an optimizer step that rewrote its shard: refilled at its next gather"
@@ -29,7 +33,9 @@ class UnitState(Enum):
 
 S = UnitState
 TRANSITIONS: dict[str, tuple[frozenset[UnitState], UnitState]] = {
-    "gather": (frozenset({S.RELEASED}), S.GATHERED),
+    "prefetch": (frozenset({S.RELEASED}), S.PREFETCHED),
+    "gather": (frozenset({S.PREFETCHED}), S.GATHERED),
+    "drop": (frozenset({S.PREFETCHED}), S.RELEASED),
     "refill": (frozenset({S.STALE}), S.GATHERED),
     "arm": (frozenset({S.GATHERED}), S.BACKWARD),
     "grads_ready": (frozenset({S.BACKWARD}), S.GATHERED),
@@ -63,6 +69,10 @@ class Unit:
     """Of `refs`, those its backward drops once every gradient is in."""
     grads_pending: int = 0
     """Parameters whose gradient backward has not produced yet (in state BACKWARD)."""
+    fill: Fill | None = None
+    """The last copy of the shard into the full buffer (partitioned units)."""
+    lent: HostBuffer | None = None
+    """Without CUDA, the device tier's pool buffer whose bytes the full buffer holds while it has any."""
     hooks: list = field(default_factory=list)
 
     @property
@@ -76,7 +86,7 @@ class Unit:
 
     @property
     def gathered(self) -> bool:
-        return self.state is not UnitState.RELEASED
+        return self.state not in (UnitState.RELEASED, UnitState.PREFETCHED)
 
     def to(self, action: str) -> None:
         """Apply `action` (a key of TRANSITIONS); IllegalTransitionError if the table has no such edge."""
@@ -85,3 +95,34 @@ class Unit:
             raise IllegalTransitionError(f"unit {self.name or 'root'}", action,
                                          " or ".join(s.name for s in sources), self.state.name)
         self.state = target
+
+
+class Fill:
+    """The copy of a unit's shard into its full buffer: the shard fetched (pinned), the copy queued on the copy
+    stream, the shard released once the copy has landed. Compute reads the full buffer only after `wait()`;
+    the shard is written, and (without CUDA) the full buffer's bytes go back to the pool, only after `settle()`
+    (with CUDA the caching allocator holds a freed full buffer until the copy stream recorded on it is past).
+
+    `queued` is done once the copy is queued (at once when the shard was in its tier; after the read when it
+    came from nvme), `copied` is then the copy's event, and `done` is done once the copy has ended and the
+    shard is released. Each carries the error of the step that failed."""
+
+    __slots__ = ("queued", "copied", "done")
+
+    def __init__(self, name: str):
+        self.queued = Handle(label=f"fill {name or 'root'}: copy queued")
+        self.copied: CopyEvent | None = None
+        self.done = Handle(label=f"fill {name or 'root'}")
+
+    def wait(self) -> None:
+        """Make the caller's compute wait for the bytes: the host for the copy to be queued (the shard's read,
+        if it was under way), then the compute stream for the copy's event (without CUDA, the caller's thread
+        for the copy)."""
+        self.queued.wait()
+        self.copied.wait()
+
+    def settle(self) -> None:
+        """Host-wait until the copy has ended and the shard is released, however it ended (a failure is reported
+        by `wait`, to whoever needed the bytes)."""
+        with contextlib.suppress(Exception):
+            self.done.wait()
