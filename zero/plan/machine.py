@@ -24,7 +24,8 @@ class Machine:
     disk: DiskFigures | None
     """None: no nvme placement is planned."""
     matmul_flops: float
-    """FLOP/s of a (tokens x width) @ (width x 4 width) matmul in the compute dtype."""
+    """FLOP/s of a (tokens x width) @ (width x 4 width) linear layer's forward and two backward matmuls in the
+    compute dtype."""
     adam_elements: float
     """CPU-Adam elements stepped per second (fp32 state, copy-out to the compute dtype)."""
     copy_bytes: float
@@ -54,22 +55,29 @@ def gpu_memory() -> int:
 
 
 def matmul_rate(width: int, tokens: int, dtype: torch.dtype) -> float:
-    """FLOP/s of the model's typical matmul on this machine (the device when CUDA is present)."""
+    """FLOP/s of a linear layer's training matmuls on this machine (the device when CUDA is present): its
+    forward, its input's gradient and its weight's gradient, one after another, as a step runs them. They differ
+    (on a CPU with bf16 matrix units the weight's gradient, a transposed product, runs at half the others' rate)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     width = max(64, min(width, 4096))
     tokens = max(64, min(tokens, 2048))
-    a = torch.randn(tokens, width, dtype=dtype, device=device)
-    b = torch.randn(width, 4 * width, dtype=dtype, device=device)
-    a @ b  # warm-up
+    x = torch.randn(tokens, width, dtype=dtype, device=device)
+    w = torch.randn(width, 4 * width, dtype=dtype, device=device)
+    g = torch.randn(tokens, 4 * width, dtype=dtype, device=device)
+
+    def layer() -> None:
+        x @ w, g @ w.T, x.T @ g  # noqa: B018  (forward, input gradient, weight gradient)
+
+    layer()  # warm-up
     rates = []
     for _ in range(7):  # the median of seven windows: training runs for minutes, so its sustained rate counts
         reps, start = 0, time.perf_counter()
         while reps < 2 or time.perf_counter() - start < 0.1:
-            a @ b
+            layer()
             reps += 1
         if device == "cuda":
             torch.cuda.synchronize()
-        rates.append(reps * 2 * tokens * width * 4 * width / (time.perf_counter() - start))
+        rates.append(reps * 3 * 2 * tokens * width * 4 * width / (time.perf_counter() - start))
     return sorted(rates)[len(rates) // 2]
 
 

@@ -12,9 +12,10 @@ today's engine, with its terms measured on this machine or counted from the mode
 - step time = forward/backward compute (FLOPs / the measured matmul rate, times COMPUTE_OVERHEAD for what is
   not a matmul, plus the bytes the gathers and the gradient path copy / the measured copy rate, plus fresh
   gradients and activations / the measured first-touch rate) + its parameter reads and gradient writes + the optimizer phase, the larger of CPU-Adam and
-  its own nvme reads and writes. Today's engine overlaps little of its I/O with compute (the disk issue), so
-  the I/O is added, at IO_EFFICIENCY of the disk's measured mixed rate, but for the parameter reads of units
-  small enough for the prefetch budget, which hide behind compute;
+  its own nvme reads and writes. The optimizer phase's I/O cannot overlap the backward it follows (it needs the
+  gradient's norm), so the I/O is added, at IO_EFFICIENCY of the disk's measured mixed rate, but for the
+  parameter reads of units small enough for the prefetch budget and the backward's gradient writes
+  (write-behind), which hide behind compute;
 - nvme bytes: forward and backward read each parameter shard, backward writes each gradient, the step reads
   gradients and optimizer state and writes state and parameters back; the share of nvme-homed bytes that
   the host budget keeps cached (beyond its working window) moves no I/O.
@@ -39,10 +40,12 @@ COMPUTE_OVERHEAD = 1.35
 norms, GELU, softmax, attention's small matmuls, the embedding. Set by hand, not fitted: with it the 124m
 cpu-offload prediction came within 3% of its measured step (bench/RESULTS.md), so that case is no independent
 check of it."""
-IO_EFFICIENCY = 0.42
-"""The share of the disk's measured mixed (read + write) rate today's engine reaches inside a step: requests of
-one segment each, reads waiting for room, write-backs started late. Measured in the disk issue (2026-11-23):
-the README's scale command moved 86 GB a step at 1.09 GB/s where fio's mixed rate on the same disk was 2.58."""
+IO_EFFICIENCY = 0.8
+"""The share of the disk's measured mixed (read + write) rate the engine's I/O reaches where it is not hidden
+behind compute (the optimizer phase). Fitted, 2026-11-23 after write-behind (bench/RESULTS.md, "The disk in a
+real step"), to two runs: 1b x 4 layers moved ~8.5 GB in its ~5.5 s optimizer phase at fio 1.32 GB/s (1.17),
+the README's scale command ~73 GB in ~50 s at fio 1.99 GB/s measured after the run (0.74); 0.8 puts both
+predicted steps within 20%, so neither is an independent check. The disk drifts 2x within minutes here."""
 ALLOCATOR_SLACK = 1.10
 """RSS over the bytes the model above counts (the allocator's free lists and fragmentation): an allowance, not
 a measurement."""
@@ -203,9 +206,11 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     io_rate = IO_EFFICIENCY * machine.disk.mixed_gbps * 1e9 if reads or writes else 1.0
     fb_io = moved * (read_fb + write_bwd) / io_rate
     opt_io = moved * (read_opt + write_opt) / io_rate
-    # Prefetch reads a unit's shard ahead only when it fits the prefetch budget; those reads hide behind compute.
+    # Behind compute: the parameter reads prefetch covers (a unit's shard within the prefetch budget), and the
+    # backward's gradient writes (write-behind starts them as each unit's gradient is released).
     ahead = sum(2 * p * flat.shard_numel for flat in flats if p * flat.shard_numel <= budgets.prefetch_bytes)
-    hidden = min(compute, moved * ahead / io_rate) if param_home == "nvme" else 0.0
+    behind = moved * ((ahead if param_home == "nvme" else 0) + write_bwd)
+    hidden = min(compute, behind / io_rate)
     optimizer = max(adam, opt_io)
     step = compute + fb_io - hidden + optimizer
 
