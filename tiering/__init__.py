@@ -6,11 +6,13 @@ from .errors import (
     AlignmentError,
     BudgetExceededError,
     ChecksumMismatchError,
+    DeviceOutOfMemoryError,
     DirectIOUnsupportedError,
     EngineUnavailableError,
     IllegalTransitionError,
     IOFailedError,
     NvmePathError,
+    PinnedMemoryError,
     StoreFullError,
     StoreRangeError,
     TieringConfigError,
@@ -26,8 +28,8 @@ from .swap_manager import SwapManager
 
 __all__ = [
     "ALIGNMENT", "AioConfig", "AlignmentError", "BudgetExceededError", "ChecksumMismatchError",
-    "DirectIOUnsupportedError", "EngineUnavailableError", "Extent", "ExtentAllocator", "Handle", "HostBuffer",
-    "HostBufferPool", "HostPoolConfig", "IOFailedError", "IllegalTransitionError", "NvmePathError", "NvmeStore",
+    "DeviceOutOfMemoryError", "DirectIOUnsupportedError", "EngineUnavailableError", "Extent", "ExtentAllocator", "Handle", "HostBuffer",
+    "HostBufferPool", "HostPoolConfig", "IOFailedError", "IllegalTransitionError", "NvmePathError", "NvmeStore", "PinnedMemoryError",
     "NvmeStoreConfig", "Residency", "SwapConfig", "SwapManager", "Tier", "StoreFullError", "StoreRangeError", "TieringConfigError", "TieringError", "align_up",
     "aligned_empty", "completed", "gather",
 ]

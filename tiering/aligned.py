@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import mmap
+import weakref
 
 import torch
 
-from .errors import AlignmentError
+from .errors import AlignmentError, PinnedMemoryError
 
 ALIGNMENT = 4096
 
@@ -17,18 +18,27 @@ def align_up(n: int, alignment: int = ALIGNMENT) -> int:
 def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
     """A uint8 tensor of `nbytes` (rounded up to 4 KiB) whose first byte is 4 KiB aligned.
 
-    The pages are touched (zeroed) here, once: first-touch page faults cost ~10x a warm copy on a VM.
-    Unpinned memory is its own anonymous mapping, unmapped when the tensor dies: from malloc, buffers of up
-    to 32 MiB come from the heap once glibc has raised its mmap threshold, and freed ones stay in the
-    process (RSS) beyond any budget. Pinned memory comes from CUDA; the view keeps its base alive.
+    The pages are touched (zeroed) here, once: first-touch page faults cost ~10x a warm copy on a VM. The memory
+    is its own anonymous mapping, unmapped when the tensor (and every view of it) dies: from malloc, buffers of up
+    to 32 MiB come from the heap once glibc has raised its mmap threshold, and freed ones stay in the process
+    (RSS) beyond any budget. `pin`: the mapping is page-locked with the CUDA runtime, exactly its size (torch's
+    pinned allocator rounds each request up to a power of two: a 2^k buffer would pin 2^(k+1)), and unlocked when
+    it is unmapped.
     """
     size = align_up(max(nbytes, 1))
-    if not pin:
-        buffer = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)  # page-aligned; keeps the map alive
-        return buffer.zero_()
-    base = torch.zeros(size + ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
-    skip = (-base.data_ptr()) % ALIGNMENT
-    return base[skip : skip + size]
+    mapping = mmap.mmap(-1, size)
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8).zero_()  # page-aligned; keeps the mapping alive
+    if pin:
+        _page_lock(mapping, buffer.data_ptr(), size)
+    return buffer
+
+
+def _page_lock(mapping: mmap.mmap, address: int, size: int) -> None:
+    cudart = torch.cuda.cudart()
+    error = int(cudart.cudaHostRegister(address, size, 0))
+    if error:
+        raise PinnedMemoryError(size, error)
+    weakref.finalize(mapping, cudart.cudaHostUnregister, address)  # before the mapping goes
 
 
 def check_io_buffer(buffer: torch.Tensor, nbytes: int, what: str = "") -> None:

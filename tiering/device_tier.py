@@ -6,14 +6,16 @@ copies run on a copy worker with completion events, asynchronous as on a GPU (se
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from .aligned import align_up
 from .copy_stream import CopyEvent, copy_stream_for
-from .errors import BudgetExceededError
+from .errors import BudgetExceededError, DeviceOutOfMemoryError
 from .handle import Handle
 from .host_pool import HostBuffer, HostBufferPool, HostPoolConfig
 
@@ -67,10 +69,22 @@ class DeviceTier:
             if self.pool is not None:
                 buffer = self.pool.acquire(nbytes, what)  # within its budget: it lends no more than in_use counts
             else:
-                buffer = DeviceBuffer(torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device))
+                with self.out_of_memory(nbytes, what):
+                    buffer = DeviceBuffer(torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device))
             self.in_use += buffer.capacity
             self.peak = max(self.peak, self.in_use)
         return buffer
+
+    @contextlib.contextmanager
+    def out_of_memory(self, nbytes: int, what: str) -> Iterator[None]:
+        """Around a device allocation within the budget: CUDA's out-of-memory becomes DeviceOutOfMemoryError,
+        naming the budget, what the tiers hold and what torch holds (what no budget counts took the room)."""
+        try:
+            yield
+        except torch.cuda.OutOfMemoryError as exc:
+            raise DeviceOutOfMemoryError(what, nbytes, self.budget, self.in_use,
+                                         torch.cuda.memory_reserved(self.device),
+                                         torch.cuda.memory_allocated(self.device)) from exc
 
     def reserve(self, nbytes: int, what: str) -> None:
         """Count bytes the caller allocates itself; raises BudgetExceededError past the budget."""

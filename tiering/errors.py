@@ -42,6 +42,30 @@ class BudgetExceededError(TieringError, MemoryError):
         )
 
 
+class PinnedMemoryError(TieringError, MemoryError):
+    """The CUDA runtime refused to page-lock a host buffer."""
+
+    def __init__(self, size: int, cuda_error: int):
+        self.size, self.cuda_error = size, cuda_error
+        super().__init__(f"cannot pin {fmt_bytes(size)} of host memory: cudaHostRegister returned error "
+                         f"{cuda_error}; lower the host budget, or set pin_memory: false in offload_param and "
+                         "offload_optimizer (copies then block the thread that issues them)")
+
+
+class DeviceOutOfMemoryError(TieringError, MemoryError):
+    """CUDA ran out of memory for an allocation within the device budget: memory outside the budget (activations,
+    autograd's gradients, other processes) left too little. Names the budget, what was live and what was asked."""
+
+    def __init__(self, what: str, requested: int, budget: int | None, in_use: int, reserved: int, allocated: int):
+        self.what, self.requested, self.budget, self.in_use = what, requested, budget, in_use
+        self.reserved, self.allocated = reserved, allocated
+        limit = "no device budget" if budget is None else f"device budget {fmt_bytes(budget)}"
+        super().__init__(
+            f"CUDA out of memory allocating {fmt_bytes(requested)} for {what!r}: {limit}, {fmt_bytes(in_use)} of it "
+            f"in use by the tiers; torch holds {fmt_bytes(allocated)} allocated, {fmt_bytes(reserved)} reserved "
+            "(the rest is activations, gradients and other processes): lower device_budget or the batch size")
+
+
 class NvmePathError(TieringError, OSError):
     """The nvme_path is missing, not a directory, or not writable."""
 

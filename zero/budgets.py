@@ -48,6 +48,19 @@ def grad_dtype(cfg: Config, dtype: torch.dtype) -> torch.dtype:
     return reduced if cfg.gradient_accumulation_steps == 1 else torch.float32
 
 
+def pin_memory(cfg: Config, cuda: bool | None = None) -> bool:
+    """Whether the host tier's buffers are page-locked: one pool serves both offload sections, so it is pinned
+    if either section asks, unpinned if a section says false and none asks, and by default where CUDA is present
+    (the pool pins exactly its budget). Without CUDA (`cuda`: default, whether it is available) there is
+    nothing to pin for."""
+    if not (torch.cuda.is_available() if cuda is None else cuda):
+        return False
+    zo = cfg.zero_optimization
+    asked = {section.pin_memory for section in (zo.offload_param, zo.offload_optimizer)
+             if section.device != "none"} - {None}
+    return True if not asked else True in asked
+
+
 def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype) -> SwapConfig:
     """Tier budgets from the zero_tiering section; where unset, the host budget holds everything homed on
     the host plus a working window: the state of a few sub-groups, a few parameter shards, and (parameters
@@ -88,5 +101,5 @@ def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype) -> SwapC
         max_live_bytes=max_live,
         reuse_distance=reuse_distance,
         checksums=zt.checksums,
-        pin=zo.offload_optimizer.pin_memory if torch.cuda.is_available() else False,
+        pin=pin_memory(cfg),
     )

@@ -55,8 +55,9 @@ class OffloadParamConfig(Section):
     max_in_cpu: int = setting(1_000_000_000, ge=0)
     """With device "nvme": parameter elements that may stay resident in host memory in front of nvme."""
 
-    pin_memory: bool = False
-    """Page-lock the host buffers (faster, asynchronous host<->device copies)."""
+    pin_memory: bool | None = None
+    """Page-lock the host buffers (faster, asynchronous host<->device copies). Unset: pinned where CUDA is
+    present (DeepSpeed's default is false; ours pins exactly the host budget, so pinning costs nothing more)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -78,8 +79,8 @@ class OffloadOptimizerConfig(Section):
     buffer_count: int = setting(4, ge=0)
     """Host buffers staging optimizer state to and from nvme (DeepSpeed advises >= 4 for Adam)."""
 
-    pin_memory: bool = False
-    """Page-lock the host buffers."""
+    pin_memory: bool | None = None
+    """Page-lock the host buffers; unset: pinned where CUDA is present (see offload_param.pin_memory)."""
 
     pipeline_read: bool = False
     """Read the next sub-group's state from nvme while the current one is stepped."""

@@ -181,7 +181,8 @@ class PartitionedPlacement(Placement):
         try:
             lent = tier.lend(unit.nbytes, unit.name) if SWAPS_STORAGE_BYTES else None
             if lent is None:
-                storage.resize_(unit.nbytes)
+                with tier.out_of_memory(unit.nbytes, unit.name):
+                    storage.resize_(unit.nbytes)
             else:
                 try:
                     storage._swap_data_ptr_(lent.storage.untyped_storage())
