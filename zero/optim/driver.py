@@ -152,8 +152,8 @@ class AdamDriver:
         parameter shard itself (`master_in`). Sub-groups that got no gradient since the last
         step step with zeros, as torch's AdamW does for a parameter whose grad is zero. `clip` (an fp32 scalar below 1, or None)
         multiplies the gradient first, as torch.nn.utils.clip_grad_norm_ does, so clipping rounds alike;
-        `grad_scale` (1 / loss scale) is folded into the Adam pass. `read_ahead`: ask for the next sub-group's
-        state before stepping each one (where the swap manager's trace does not cover these fetches);
+        `grad_scale` (1 / loss scale) is folded into the Adam pass. `read_ahead`: ask for the next sub-groups'
+        state (as far as the prefetch allowance holds) before stepping each one (where the swap manager's trace does not cover these fetches);
         `on_done(sg)` is called as each sub-group's weights are written."""
         for i, sg in enumerate(self.sub_groups):
             if read_ahead:
@@ -200,12 +200,12 @@ class AdamDriver:
         for sg in self.sub_groups[first:]:
             for part in STATE_PARTS + (() if sg.grad_fresh else ("grad",)):
                 name = sg.place(part)[0]
-                size = self.swap.segments[name].nbytes
-                if nbytes + size > self.swap.config.prefetch_bytes:
+                if name in names:  # a master that is the unit's parameter shard, shared by its sub-groups
+                    continue
+                nbytes += self.swap.segments[name].nbytes
+                if nbytes > self.swap.config.prefetch_bytes:
                     return names
-                if name not in names:
-                    names.append(name)
-                    nbytes += size
+                names.append(name)
         return names
 
     def _in_fp32(self, grad: torch.Tensor) -> torch.Tensor:
