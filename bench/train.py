@@ -74,17 +74,22 @@ def child(args: argparse.Namespace) -> dict:
     system = args.child
     moved: dict = {}
     io_s = []
+    # Every system computes on the GPU where there is one: inputs go to the device, peaks come from torch.cuda.
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def next_batch():
+        return tuple(t.to(device, non_blocking=True) for t in batches.next())
+
     if system == "torch":
-        model = GPT(gpt)
+        model = GPT(gpt).to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
 
         def step() -> None:
-            inputs, targets = batches.next()
+            inputs, targets = next_batch()
             model(inputs, targets).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        device_peak = lambda: 0  # noqa: E731 (all in host memory)
     elif system.startswith("ours"):
         import zero
 
@@ -98,12 +103,12 @@ def child(args: argparse.Namespace) -> dict:
         swap = engine.swap
 
         def step() -> None:
-            inputs, targets = batches.next()
+            inputs, targets = next_batch()
             start = time.perf_counter()
             engine.backward(engine(inputs, targets))
             engine.step()
             io_s.append(swap.timeline.busy_seconds("nvme->host", "host->nvme", since=start))
-        device_peak = lambda: swap.device_tier.peak  # noqa: E731
+
     else:
         import deepspeed
 
@@ -113,10 +118,14 @@ def child(args: argparse.Namespace) -> dict:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
         def step() -> None:
-            inputs, targets = batches.next()
+            inputs, targets = next_batch()
             engine.backward(engine(inputs, targets))
             engine.step()
-        device_peak = lambda: 0  # noqa: E731 (CPU accelerator: all host memory)
+
+    def device_peak() -> int:
+        if device.type == "cuda":
+            return torch.cuda.max_memory_allocated(device)
+        return engine.swap.device_tier.peak if system.startswith("ours") else 0  # the rest: host memory, in RSS
 
     times, computes, disk = [], [], []
     stall = (lambda: engine.swap.stats.stall_seconds) if system.startswith("ours") else (lambda: 0.0)
