@@ -20,7 +20,7 @@ class SwapStats:
     bytes_moved: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     """Bytes per tier pair, e.g. 'nvme->host'."""
     stall_seconds: float = 0.0
-    """Time callers spent blocked in `acquire` waiting for bytes."""
+    """Time callers spent blocked waiting for bytes: in `acquire`, and in a gather waiting for its unit's copy."""
     hits: int = 0
     """Fetches of a segment already in the tier, or that a prefetch had brought (or was bringing) there."""
     misses: int = 0
