@@ -156,11 +156,20 @@ class SwapManager(Eviction):
         start = time.perf_counter()
         handle = self.fetch(name, tier, overwrite=overwrite)
         handle.wait()
-        end = time.perf_counter()
+        self.note_stall(name, start, time.perf_counter())
+        return self.view(name)
+
+    def note_stall(self, name: str, start: float, end: float) -> None:
+        """Count a wait for `name`'s bytes (here in `acquire`, or a caller's wait for a copy of them) as stall,
+        unless it was only bookkeeping."""
         if end - start > STALL_THRESHOLD_S:
             self.stats.stall_seconds += end - start
             self.timeline.add(name, "stall", start, end)
-        return self.view(name)
+
+    def moving(self, name: str) -> bool:
+        """Whether a move of the segment is under way (a fetch now would wait for it)."""
+        with self._lock:
+            return self._get(name).state.moving
 
     @contextlib.contextmanager
     def held(self, name: str, tier: Tier = "device", *, dirty: bool = False, discard: bool = False,

@@ -58,7 +58,7 @@ def pin_memory(cfg: Config, cuda: bool | None = None) -> bool:
     zo = cfg.zero_optimization
     asked = {section.pin_memory for section in (zo.offload_param, zo.offload_optimizer)
              if section.device != "none"} - {None}
-    return True if not asked else True in asked
+    return not asked or True in asked
 
 
 def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype) -> SwapConfig:

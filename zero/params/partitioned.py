@@ -27,7 +27,6 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from tiering import Handle, SwapManager, Tier
-from tiering.swap_manager import STALL_THRESHOLD_S
 
 from ..comm import DataParallel
 from ..optim.driver import AdamDriver
@@ -256,10 +255,7 @@ class PartitionedPlacement(Placement):
         with several ranks, the ranks' parts are then all-gathered."""
         start = time.perf_counter()
         unit.fill.wait()
-        end = time.perf_counter()
-        if end - start > STALL_THRESHOLD_S:
-            self.swap.stats.stall_seconds += end - start
-            self.swap.timeline.add(unit.segment, "stall", start, end)
+        self.swap.note_stall(unit.segment, start, time.perf_counter())
         if self.dp.world_size > 1:
             flat = unit.flat
             self.dp.all_gather(unit.full.narrow(0, flat.shard_start, flat.shard_numel), unit.full)
@@ -289,7 +285,7 @@ class PartitionedPlacement(Placement):
         unit = self.units[index]
         if unit.state is not UnitState.RELEASED or not self._room_for(unit):
             return
-        if self.swap.segments[unit.segment].state.moving:
+        if self.swap.moving(unit.segment):
             return  # its fetch would wait for that move here, before this unit computes: its gather will
         self.wait_for_update(index)
         self._prefetch(unit)

@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from tiering import NvmeStore, NvmeStoreConfig, TieringError
+from tiering import NvmeStore, NvmeStoreConfig, TieringError, aligned_empty
 from tiering.engines import load_libaio
 from tiering.errors import EngineUnavailableError, fmt_bytes
 from ..optim.adam_math import kernel_choice
@@ -134,8 +134,8 @@ def memory() -> list[Check]:
     if not torch.cuda.is_available():
         return checks + [Check("pinning", "OK", "no CUDA: nothing to pin")]
     try:
-        torch.empty(PIN_PROBE, dtype=torch.uint8, pin_memory=True)
-    except RuntimeError as exc:
+        aligned_empty(PIN_PROBE, pin=True)  # as the host pool pins: its own mapping, registered with CUDA
+    except (RuntimeError, TieringError) as exc:
         return checks + [Check("pinning", "FAIL", f"pinning {fmt_bytes(PIN_PROBE)} failed: {exc}",
                                "raise the memlock limit (ulimit -l) or check the CUDA driver")]
     return checks + [Check("pinning", "OK", f"pinned {fmt_bytes(PIN_PROBE)} of host memory")]
