@@ -26,7 +26,10 @@ def test_infer_generates_the_same_tokens_in_every_system(tmp_path):
     assert [r["system"] for r in result["records"]] == ["torch", "ours-cpu", "ours-nvme"]
     for record in result["records"]:
         assert record["decode_tok_s"] > 0 and record["prefill_s"] > 0 and record["peak_rss"] > 0
-    assert result["records"][1]["bound_tok_s"] > 0
+    ours = result["records"][1]
+    assert ours["bound_tok_s"] > 0
+    # The bus bound is the copy and the in-memory forward one after the other: below either alone.
+    assert ours["bus_bound_tok_s"] < min(ours["bound_tok_s"], result["records"][0]["decode_tok_s"])
 
 
 def test_load_stays_within_the_host_budget(tmp_path):
