@@ -323,6 +323,44 @@ def test_evicting_a_prefetched_segment_undoes_the_prefetch(make_manager):
     assert (mgr.stats.hits, mgr.stats.misses) == (0, 1)
 
 
+def wait_moves(mgr: SwapManager, *names: str) -> None:
+    for name in names:
+        move = mgr.segments[name].move
+        if move is not None:
+            move.wait(MOVE_TIMEOUT)
+
+
+def test_a_read_ahead_without_room_starts_as_room_frees_and_keeps_what_it_brought(make_manager):
+    """Off the trace (a background optimizer step's reads are): what `prefetch` finds no room for starts once a
+    release frees some, evicting a segment used and released before the ones the read-ahead brought."""
+    mgr = make_manager(engine="threads", host_budget=2 * PAGE)
+    for i, name in enumerate("abc"):
+        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(i)).wait()
+    mgr.prefetch(["a", "b", "c"], "host")
+    wait_moves(mgr, "a", "b")
+    assert states(mgr, "a", "b", "c") == [R.HOST, R.HOST, R.NVME]  # no room for c, and a, b are not taken
+    assert torch.equal(use(mgr, "a", "host"), page(0))  # a hit; its release frees room: c starts, a goes
+    wait_moves(mgr, "c")
+    assert states(mgr, "a", "b", "c") == [R.NVME, R.HOST, R.HOST]
+    assert torch.equal(use(mgr, "b", "host"), page(1)) and torch.equal(use(mgr, "c", "host"), page(2))
+    assert (mgr.stats.hits, mgr.stats.misses, mgr.stats.prefetches) == (3, 0, 3)
+    mgr.prefetch(["a"], "host")  # a new read-ahead replaces what was left of the last one
+    wait_moves(mgr, "a")
+    assert states(mgr, "a", "b", "c") == [R.HOST, R.NVME, R.HOST]  # b, used before c, made the room
+
+
+def test_a_blocking_fetch_takes_room_from_a_read_ahead_last(make_manager):
+    mgr = make_manager(engine="threads", host_budget=2 * PAGE)
+    for i, name in enumerate("abc"):
+        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(i)).wait()
+    use(mgr, "a", "host")
+    mgr.prefetch(["b"], "host")
+    wait_moves(mgr, "b")
+    assert torch.equal(use(mgr, "c", "host"), page(2))  # the room is a's, used before and not asked for again
+    assert states(mgr, "a", "b", "c") == [R.NVME, R.HOST, R.HOST]
+    assert torch.equal(use(mgr, "b", "host"), page(1)) and mgr.stats.hits == 1
+
+
 def test_prefetch_checks_every_name_before_moving_any(make_manager):
     mgr = make_manager(device_budget=4 * PAGE)
     mgr.register("h", dtype=torch.float32, shape=(PAGE // 4,), home="host")

@@ -81,7 +81,10 @@ class Eviction:
             blocked = None
             for victim in self._victims(tier, keep):
                 if horizon is not None and self.trace.next_use(victim.name) <= horizon:
-                    break
+                    if self.trace.next_use(victim.name) < math.inf:
+                        break  # a prefetch never evicts what is needed sooner (the rest, sorted, are sooner still)
+                    if victim.prefetched:
+                        continue  # off the trace both, and this one brought for a read-ahead not yet used
                 freed = victim.capacity(tier)
                 try:
                     outcome = self._evict_from(victim, tier, blocking, keep)
@@ -115,9 +118,13 @@ class Eviction:
                 self._lock.acquire()
 
     def _victims(self, tier: Tier, keep: tuple[Segment, ...]) -> list[Segment]:
-        """Segments whose copy in `tier` may go, the one needed latest first (Belady), LRU before a trace."""
+        """Segments whose copy in `tier` may go, the one needed latest first (Belady), the least recently used
+        first among those off the trace (all of them before there is one); last of all those off the trace that
+        a read-ahead brought and nobody used yet (`prefetch` was told they come next)."""
+        trace = self.trace
         out = [seg for seg in self.segments.values() if seg not in keep and seg.evictable_from(tier)]
-        out.sort(key=lambda s: (-self.trace.next_use(s.name), s.last_use))
+        out.sort(key=lambda s: (s.prefetched and trace.next_use(s.name) == math.inf, -trace.next_use(s.name),
+                                s.last_use))
         return out
 
     def _evict_from(self, seg: Segment, tier: Tier, blocking: bool, keep: tuple[Segment, ...] = ()) -> Outcome:

@@ -57,6 +57,9 @@ class SwapManager(Eviction):
         self._lock = threading.RLock()
         self._tick = 0
         self._prefetched_bytes = 0
+        self._read_ahead: list[tuple[Segment, Tier]] = []
+        """What the last `prefetch` call could not start for want of room, in its order: started as room
+        frees (a write landing, a fetch, a release), so a caller's read-ahead keeps the disk queue full."""
         self._closing = False  # no prefetch may start once close() began
         self._thread = threading.local()  # per thread: `untraced` set while inside untraced()
 
@@ -195,6 +198,12 @@ class SwapManager(Eviction):
         """Unpin one use. `dirty=True`: the view was written, so copies in lower tiers are now stale.
         `discard=True`: nobody needs the bytes any more; once unpinned, the copies above home are dropped
         unwritten and the next fetch must overwrite."""
+        handle = self._release(name, dirty, discard)
+        if self._read_ahead:  # the room it freed (a copy dropped, a write begun) may be what a read-ahead waits for
+            self._prefetch_ahead()
+        return handle
+
+    def _release(self, name: str, dirty: bool, discard: bool) -> Handle:
         if dirty and discard:
             raise ValueError(f"release of {name!r}: dirty and discard contradict each other")
         with self._lock:
@@ -268,17 +277,23 @@ class SwapManager(Eviction):
                 pending.wait()
 
     def prefetch(self, names: Iterable[str], tier: Tier = "device") -> Handle:
-        """Start bringing segments to `tier` without pinning them, as far as room allows without waiting
-        (never evicting a segment needed sooner than the one prefetched). The handle covers the moves begun."""
+        """Start bringing segments to `tier` without pinning them, in order, as far as room allows without
+        waiting (never evicting a segment needed sooner than the one prefetched); the rest are started as room
+        frees, until the next `prefetch` call says anew what lies ahead. The handle covers the moves begun."""
         with self._lock:
             segments = [self._get(name) for name in names]
             for seg in segments:  # all checked before any move starts, whether or not room runs out first
                 self._check_target(seg, tier)
+            self._read_ahead = [(seg, tier) for seg in segments]
+            return gather(self._start_read_ahead(), "prefetch")
+
+    def _start_read_ahead(self) -> list[Handle]:
+        """With the lock held: start the moves of `_read_ahead` in order until one finds no room; drop those
+        started or no longer needing a move."""
         handles = []
-        for seg in segments:
-            with self._lock:
-                if seg.state.moving or seg.state.tier == tier or seg.pins or seg.spent:
-                    continue
+        while self._read_ahead and not self._closing:
+            seg, tier = self._read_ahead[0]
+            if not (seg.state.moving or seg.state.tier == tier or seg.pins or seg.spent):
                 handle = self._bring(seg, tier, pin=False, blocking=False)
                 if handle is None:
                     break
@@ -286,7 +301,8 @@ class SwapManager(Eviction):
                 self._prefetched_bytes += seg.nbytes
                 self.stats.prefetches += 1
                 handles.append(handle)
-        return gather(handles, "prefetch")
+            self._read_ahead.pop(0)
+        return handles
 
     def reserve_device(self, nbytes: int, what: str) -> None:
         """Count `nbytes` of device memory the caller allocates itself (a gathered unit's full buffer)
@@ -496,8 +512,10 @@ class SwapManager(Eviction):
     # -- prefetch along the trace ----------------------------------------------------------------------------
 
     def _prefetch_ahead(self) -> None:
-        """Start moves for the uses the trace says come next, within the prefetch and live-byte budgets."""
+        """Start the read-ahead a `prefetch` call left waiting for room, then moves for the uses the trace says
+        come next, within the prefetch and live-byte budgets."""
         with self._lock:
+            self._start_read_ahead()
             live_cap = self.config.max_live_bytes
             for name, tier in [] if self._closing else self.trace.upcoming():
                 seg = self.segments.get(name)
