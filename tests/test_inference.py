@@ -107,6 +107,33 @@ def test_weights_four_times_the_host_budget_generate_within_it(tmp_path):
     assert report["growth"] <= bound < weights + budget, report
 
 
+def test_weights_on_nvme_read_ahead_the_bucket_and_cache_the_rest_of_the_budget(tmp_path):
+    """No optimizer state, so no read-ahead for it: prefetch reads the prefetch bucket ahead and the rest of the
+    host budget keeps weights from one forward to the next, so a forward reads less than the weights."""
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(gpt2_config(n_layer=8, n_embd=128, n_head=2, vocab_size=512, n_positions=32))
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    bucket = 100_000  # parameters
+    config = inference_config("nvme", tmp_path, host_budget=weights // 2)
+    config["zero_optimization"]["stage3_prefetch_bucket_size"] = bucket
+    engine = zero.init_inference(model, config)
+    try:
+        assert engine.swap.config.prefetch_bytes == 4 * bucket
+        largest = max(unit.nbytes for unit in engine.placement.units)
+        reads = []
+        for _ in range(4):  # the first forward records the trace the others follow
+            before = engine.swap.stats.bytes_moved["nvme->host"]
+            engine(PROMPT)
+            reads.append(engine.swap.stats.bytes_moved["nvme->host"] - before)
+    finally:
+        engine.close()
+    cached = weights // 2 - 4 * bucket - 2 * largest  # the budget less the read-ahead and the units in use
+    assert reads[0] >= weights and cached > 0  # all of it (shards padded), the first time
+    assert all(read <= reads[0] - cached for read in reads[1:]), (reads, cached)
+
+
 def test_the_command_generates_what_the_model_in_memory_does(tmp_path, capsys):
     from zero.inference.__main__ import main
 

@@ -61,14 +61,16 @@ def pin_memory(cfg: Config, cuda: bool | None = None) -> bool:
     return not asked or True in asked
 
 
-def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype) -> SwapConfig:
+def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, optimizer: bool = True) -> SwapConfig:
     """Tier budgets from the zero_tiering section; where unset, the host budget holds everything homed on
     the host plus a working window: the state of a few sub-groups, a few parameter shards, and (parameters
-    on nvme) up to offload_param.max_in_cpu parameter elements kept in host memory as a cache."""
+    on nvme) up to offload_param.max_in_cpu parameter elements kept in host memory as a cache. `optimizer`
+    False (inference): there is no optimizer state, so neither its window nor its read-ahead; prefetch reads
+    ahead the prefetch bucket's parameters alone, leaving the rest of the host budget to cache them."""
     zo, zt = cfg.zero_optimization, cfg.zero_tiering
     shard_bytes = [4 * u.rank_range(zo.stage >= 1)[1] for u in units]
     sub_group_bytes = min(max(shard_bytes, default=0), 4 * zo.sub_group_size or max(shard_bytes, default=0))
-    parts = 3 if masters_are_params(cfg, dtype) else 4  # (master,) grad, two moments
+    parts = 0 if not optimizer else 3 if masters_are_params(cfg, dtype) else 4  # (master,) grad, two moments
     window = 4 * parts * sub_group_bytes  # the segments of up to four sub-groups
     offload = zo.offload_optimizer.device
     homed_on_host = parts * sum(shard_bytes) if offload == "cpu" else 0

@@ -49,7 +49,7 @@ def init_inference(model: nn.Module, config: str | os.PathLike | Mapping | None 
     device = local_device()
     model.requires_grad_(True)  # every weight is planned into a unit (units hold trainable parameters)
     plan = plan_units(model, [{"params": list(model.parameters())}], DataParallel())
-    swap = SwapManager(swap_config(cfg, [flat for flat, _ in plan], dtype))
+    swap = SwapManager(swap_config(cfg, [flat for flat, _ in plan], dtype, optimizer=False))
     try:
         placement = PartitionedPlacement.build(
             model, plan, materialize=Materializer(model, PretrainedWeights(weights) if weights is not None else None),
