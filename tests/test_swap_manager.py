@@ -108,7 +108,7 @@ def test_trace_records_replays_and_adopts_a_departing_order():
     trace = Trace()
     for name in "abc":
         trace.record(name, "device", PAGE)
-    assert not trace.ready and trace.upcoming() == []
+    assert not trace.ready and list(trace.upcoming()) == []
     trace.end_step()
     assert trace.ready and [n for n, _ in trace.upcoming()] == ["a", "b", "c"]
     trace.record("a", "device", PAGE)
@@ -116,7 +116,7 @@ def test_trace_records_replays_and_adopts_a_departing_order():
     assert trace.next_use_bytes("c") == PAGE and trace.next_use_bytes("a") == 2 * PAGE
     assert trace.next_use("zz") == float("inf")
     trace.record("c", "device", PAGE)  # departs: b was next
-    assert trace.departures == 1 and not trace.ready and trace.upcoming() == []
+    assert trace.departures == 1 and not trace.ready and list(trace.upcoming()) == []
     assert trace.next_use("b") == float("inf")  # not trusted any more
     trace.record("b", "device", PAGE)
     trace.end_step()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+from collections.abc import Iterator
 
 from .residency import Tier
 
@@ -60,13 +61,16 @@ class Trace:
         self.cursor = 0
         self.on_track = bool(self.uses)
 
-    def upcoming(self) -> list[tuple[str, Tier]]:
+    def upcoming(self) -> Iterator[tuple[str, Tier]]:
         """The uses ahead that need bytes brought, in order, while on track: the rest of this step, then the
-        next step's first ones (a training loop starts the next step right after this one ends)."""
+        next step's first ones (a training loop starts the next step right after this one ends). Lazily: the
+        prefetch walking it stops after a few, and it runs at every fetch and every write that lands."""
         if not self.ready:
-            return []
-        order = itertools.chain(range(self.cursor, len(self.uses)), range(self.cursor))
-        return [self.uses[i] for i in order if i not in self.overwrites]
+            return
+        uses, overwrites = self.uses, self.overwrites
+        for i in itertools.chain(range(self.cursor, len(uses)), range(self.cursor)):
+            if i not in overwrites:
+                yield uses[i]
 
     def _next_position(self, name: str) -> float:
         """Index of the next use of `name` counted from the start of this step (past the end: the next
