@@ -347,6 +347,12 @@ def test_a_read_ahead_without_room_starts_as_room_frees_and_keeps_what_it_brough
     mgr.prefetch(["a"], "host")  # a new read-ahead replaces what was left of the last one
     wait_moves(mgr, "a")
     assert states(mgr, "a", "b", "c") == [R.HOST, R.NVME, R.HOST]  # b, used before c, made the room
+    mgr.acquire("a", "host")
+    mgr.acquire("c", "host")
+    mgr.prefetch(["b"], "host")  # no room: waits
+    mgr.unregister("b")  # and is forgotten with its segment: the room freed next brings nothing back
+    mgr.release("a")
+    assert states(mgr, "a", "c") == [R.HOST, R.HOST] and mgr.pool.in_use == 2 * PAGE  # a was not dropped for b
 
 
 def test_a_blocking_fetch_takes_room_from_a_read_ahead_last(make_manager):

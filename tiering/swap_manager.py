@@ -117,6 +117,7 @@ class SwapManager(Eviction):
                     if seg.extent is not None:
                         self.store.free(seg.extent)
                     self._unprefetch(seg)
+                    self._read_ahead = [(s, t) for s, t in self._read_ahead if s is not seg]
                     del self.segments[name]
                     return
             try:
