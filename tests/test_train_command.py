@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from zero.train.corpus import split_held_out
+from zero.train.corpus import default_corpus, split_held_out
 from zero.train import main
 from zero.train.run import load_ds_config, parse_args
 
@@ -41,6 +41,19 @@ def test_held_out_part_is_never_trained_on_and_a_short_corpus_is_named():
     assert torch.equal(torch.cat([train, held]), tokens) and held.numel() == 50
     with pytest.raises(ValueError, match="30 tokens is too short"):
         split_held_out(tokens[:30], seq_len=16)
+
+
+def test_the_default_corpus_is_the_standard_librarys_own_sources_in_a_fixed_order(tmp_path, monkeypatch):
+    """Installed packages and tests are left out, so the data (and every loss) is the same on every machine with
+    the same Python."""
+    files = {"b.py": b"B", "a/x.py": b"X", "a/y.txt": b"not source", "site-packages/pkg/p.py": b"P",
+             "test/t.py": b"T", "a/tests/u.py": b"U", "a/__pycache__/x.py": b"C", "c/z.py": b"Z"}
+    for path, data in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_bytes(data)
+    monkeypatch.setattr("sysconfig.get_paths", lambda: {"stdlib": str(tmp_path)})
+    assert bytes(default_corpus().tolist()) == b"BXZ"  # the root's files, then each directory's, sorted
+    assert bytes(default_corpus(limit=2).tolist()) == b"BX"
 
 
 CONFIGS = sorted(name for name in os.listdir(os.path.join(REPO_ROOT, "configs")) if name.endswith(".json"))

@@ -12,7 +12,9 @@ def default_corpus(limit: int = 64 << 20) -> torch.Tensor:
     """Up to `limit` bytes of the standard library's .py files, in a fixed order, as uint8 tokens."""
     root = sysconfig.get_paths()["stdlib"]
     chunks, total = [], 0
-    for directory, subdirs, files in sorted(os.walk(root)):
+    # Walked top-down with the directories pruned and sorted in place (sorting the walk's output would walk
+    # everything first, installed packages included, and the data would differ from machine to machine).
+    for directory, subdirs, files in os.walk(root):
         subdirs[:] = sorted(d for d in subdirs if d not in ("site-packages", "test", "tests", "__pycache__"))
         for name in sorted(files):
             if name.endswith(".py"):
