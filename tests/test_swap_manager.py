@@ -353,6 +353,7 @@ def test_a_read_ahead_without_room_starts_as_room_frees_and_keeps_what_it_brough
     mgr.unregister("b")  # and is forgotten with its segment: the room freed next brings nothing back
     mgr.release("a")
     assert states(mgr, "a", "c") == [R.HOST, R.HOST] and mgr.pool.in_use == 2 * PAGE  # a was not dropped for b
+    mgr.release("c")
 
 
 def test_a_blocking_fetch_takes_room_from_a_read_ahead_last(make_manager):
