@@ -80,8 +80,9 @@ class Eviction:
             started: list[Handle] = []
             blocked = None
             for victim in self._victims(tier, keep):
-                if horizon is not None and self.trace.next_use(victim.name) <= horizon:
-                    if self.trace.next_use(victim.name) < math.inf:
+                later = self.trace.next_use(victim.name)
+                if horizon is not None and later <= horizon:
+                    if later < math.inf:
                         break  # a prefetch never evicts what is needed sooner (the rest, sorted, are sooner still)
                     if victim.prefetched:
                         continue  # off the trace both, and this one brought for a read-ahead not yet used

@@ -149,12 +149,13 @@ class AdamDriver:
         """One Adam step of every sub-group, with `groups[sg.group]`'s hyperparameters; `output(sg)` is a
         context manager giving where the updated weights go in the compute dtype (a bf16/fp16 tensor is
         written in the same pass, an fp32 one by a copy); it is not called for a sub-group whose master is the
-        parameter shard itself (`master_in`). Sub-groups that got no gradient since the last
-        step step with zeros, as torch's AdamW does for a parameter whose grad is zero. `clip` (an fp32 scalar below 1, or None)
-        multiplies the gradient first, as torch.nn.utils.clip_grad_norm_ does, so clipping rounds alike;
-        `grad_scale` (1 / loss scale) is folded into the Adam pass. `read_ahead`: ask for the next sub-groups'
-        state (as far as the prefetch allowance holds) before stepping each one (where the swap manager's trace does not cover these fetches);
-        `on_done(sg)` is called as each sub-group's weights are written."""
+        parameter shard itself (`master_in`). Sub-groups that got no gradient since the last step step with
+        zeros, as torch's AdamW does for a parameter whose grad is zero. `clip` (an fp32 scalar below 1, or
+        None) multiplies the gradient first, as torch.nn.utils.clip_grad_norm_ does, so clipping rounds alike;
+        `grad_scale` (1 / loss scale) is folded into the Adam pass. `read_ahead`: before stepping each
+        sub-group, ask for the next ones' state, as far as the prefetch allowance holds (where the swap
+        manager's trace does not cover these fetches); `on_done(sg)` is called as each sub-group's weights are
+        written."""
         for i, sg in enumerate(self.sub_groups):
             if read_ahead:
                 self.swap.prefetch(self._ahead(i + 1), self.work_tier)
@@ -195,7 +196,7 @@ class AdamDriver:
 
     def _ahead(self, first: int) -> list[str]:
         """The segments the step reads from sub-group `first` on, as many as the swap manager's prefetch
-        allowance holds (it stops at the first that finds no room): a deep queue keeps the disk busy."""
+        allowance holds (those that find no room yet start as room frees): a deep queue keeps the disk busy."""
         names, nbytes = [], 0
         for sg in self.sub_groups[first:]:
             for part in STATE_PARTS + (() if sg.grad_fresh else ("grad",)):
