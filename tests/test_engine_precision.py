@@ -57,6 +57,39 @@ def test_bf16_gradient_is_kept_in_16_bits_only_without_accumulation(accum, tmp_p
     assert_params_equal(named_params(model), named_params(reference), exact=exact(engine))
 
 
+def test_stage3_shards_the_step_rewrites_are_given_up_first_and_training_stays_exact(tmp_path):
+    """At the accumulation boundary each unit's backward ends by telling the swap manager that the coming step
+    overwrites its bf16 shard (from the fp32 master): under a host budget below the state, the shards' room is
+    the first to go. A mid-accumulation backward does not (the next forward reads them), and the step's
+    overwrite ends the hint. Training stays exactly the mixed-precision reference's."""
+    accum, clip, steps = 2, 1.0, 4
+    data = batches(steps * accum)
+    model = MODELS["gpt2"](0)
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    config = make_config(3, "nvme", accum=accum, clip=clip, nvme_path=tmp_path, bf16={"enabled": True},
+                         zero_optimization={"offload_param": nvme, "stage3_param_persistence_threshold": 0},
+                         zero_tiering={"host_budget": "320KiB"})
+    engine, *_ = zero.initialize(model=model, config=config)
+    state = sum(seg.nbytes for seg in engine.swap.segments.values())
+    hinted, losses = [], []
+    for ids in data:
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        hinted.append({engine.swap.segments[unit.segment].overwrite_expected for unit in engine.units})
+        engine.step()
+        losses.append(loss.item())
+    after = {seg.overwrite_expected for seg in engine.swap.segments.values()}
+    with engine.gathered_parameters():
+        params = named_params(model)
+    engine.close()
+    assert state > 320 << 10
+    assert hinted == [{False}, {True}] * steps and after == {False}
+    reference = MODELS["gpt2"](0)
+    reference_losses = mixed_reference_train(reference, torch.bfloat16, data, accum=accum, clip=clip)
+    assert_losses_equal(losses, reference_losses, exact=True)
+    assert_params_equal(params, named_params(reference), exact=True)
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_bf16_within_tolerance_of_fp32(name):
     """bf16 keeps 8 significant bits: every matmul input is rounded by up to 2^-9 relative, so the loss of

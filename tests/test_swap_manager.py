@@ -368,6 +368,54 @@ def test_a_blocking_fetch_takes_room_from_a_read_ahead_last(make_manager):
     assert torch.equal(use(mgr, "b", "host"), page(1)) and mgr.stats.hits == 1
 
 
+def test_a_copy_expected_to_be_overwritten_goes_first_once_home_holds_its_bytes(make_manager):
+    mgr = make_manager(engine="threads", host_budget=2 * PAGE)
+    for i, name in enumerate("abc"):
+        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(i)).wait()
+    use(mgr, "a", "host")
+    use(mgr, "b", "host")
+    mgr.expect_overwrite("b")
+    use(mgr, "c", "host")  # LRU alone would take a's room
+    assert states(mgr, "a", "b", "c") == [R.HOST, R.NVME, R.HOST]
+    assert mgr.segments["b"].overwrite_expected
+    mgr.acquire("b", "host", overwrite=True).fill_(5.0)  # the fetch it was expecting ends the hint
+    mgr.release("b", dirty=True)
+    assert not mgr.segments["b"].overwrite_expected
+    assert torch.equal(use(mgr, "b", "host"), page(5))
+
+
+def test_a_dirty_copy_expected_to_be_overwritten_keeps_its_bytes(make_manager):
+    """Only a hint: a step that is skipped after all, or a checkpoint, reads the segment, so a copy home does not
+    hold yet is neither dropped nor given up first; evicted in its turn, it is written."""
+    mgr = make_manager(engine="threads", host_budget=2 * PAGE)
+    for i, name in enumerate("abc"):
+        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(i)).wait()
+    use(mgr, "b", "host")
+    use(mgr, "a", "host", add=1.0)
+    mgr.expect_overwrite("a")
+    use(mgr, "c", "host")  # b, the least recently used and clean, goes: a is not home yet
+    assert states(mgr, "a", "b", "c") == [R.HOST, R.NVME, R.HOST]
+    use(mgr, "b", "host")  # now a is the least recently used: written, then dropped
+    assert states(mgr, "a", "b", "c") == [R.NVME, R.HOST, R.HOST]
+    assert torch.equal(use(mgr, "a", "host"), page(1))
+
+
+def test_prefetch_along_the_trace_does_not_read_back_a_copy_expected_to_be_overwritten(make_manager):
+    mgr = make_manager(engine="threads", host_budget=16 * PAGE, prefetch_bytes=8 * PAGE)
+    for i, name in enumerate("abc"):
+        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(i)).wait()
+    for name in "abc":
+        use(mgr, name, "host")
+    mgr.end_step()
+    for name in "abc":
+        mgr.evict(name).wait()
+    mgr.expect_overwrite("b")
+    assert torch.equal(use(mgr, "a", "host"), page(0))  # the trace says b, then c, come next
+    wait_moves(mgr, "c")
+    assert states(mgr, "b", "c") == [R.NVME, R.HOST]
+    assert torch.equal(use(mgr, "b", "host"), page(1))  # read after all (no overwrite): its bytes
+
+
 def test_prefetch_checks_every_name_before_moving_any(make_manager):
     mgr = make_manager(device_budget=4 * PAGE)
     mgr.register("h", dtype=torch.float32, shape=(PAGE // 4,), home="host")

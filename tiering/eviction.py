@@ -81,7 +81,7 @@ class Eviction:
             blocked = None
             for victim in self._victims(tier, keep):
                 later = self.trace.next_use(victim.name)
-                if horizon is not None and later <= horizon:
+                if horizon is not None and later <= horizon and not self._expendable(victim, tier):
                     if later < math.inf:
                         break  # a prefetch never evicts what is needed sooner (the rest, sorted, are sooner still)
                     if victim.prefetched:
@@ -119,14 +119,23 @@ class Eviction:
                 self._lock.acquire()
 
     def _victims(self, tier: Tier, keep: tuple[Segment, ...]) -> list[Segment]:
-        """Segments whose copy in `tier` may go, the one needed latest first (Belady), the least recently used
-        first among those off the trace (all of them before there is one); last of all those off the trace that
-        a read-ahead brought and nobody used yet (`prefetch` was told they come next)."""
+        """Segments whose copy in `tier` may go: first those `_expendable`; then the one needed latest first
+        (Belady), the least recently used first among those off the trace (all of them before there is one);
+        last of all those off the trace that a read-ahead brought and nobody used yet (`prefetch` was told they
+        come next)."""
         trace = self.trace
         out = [seg for seg in self.segments.values() if seg not in keep and seg.evictable_from(tier)]
-        out.sort(key=lambda s: (s.prefetched and trace.next_use(s.name) == math.inf, -trace.next_use(s.name),
-                                s.last_use))
+        out.sort(key=lambda s: (not self._expendable(s, tier), s.prefetched and trace.next_use(s.name) == math.inf,
+                                -trace.next_use(s.name), s.last_use))
         return out
+
+    def _expendable(self, seg: Segment, tier: Tier) -> bool:
+        """Its user expects to overwrite it next (`expect_overwrite`) and the tier below holds its current bytes:
+        dropping its copy in `tier` costs no write now and, most likely, no read later."""
+        if not seg.overwrite_expected:
+            return False
+        below_current = seg.home == "nvme" and seg.nvme_current
+        return below_current or (tier == "device" and seg.host_current)
 
     def _evict_from(self, seg: Segment, tier: Tier, blocking: bool, keep: tuple[Segment, ...] = ()) -> Outcome:
         """Free `seg`'s copy in `tier`: DONE if dropped at once, STARTED for the write-back begun, WAIT or

@@ -47,6 +47,8 @@ class Segment:
     """Tick of the last fetch: the LRU order before a trace exists."""
     prefetched: bool = False
     """Brought in by prefetch and not yet fetched by a user (a fetch then counts as a hit)."""
+    overwrite_expected: bool = False
+    """The user expects its next fetch to overwrite it (`SwapManager.expect_overwrite`), until that fetch."""
 
     def __post_init__(self) -> None:
         self.shape = torch.Size(self.shape)

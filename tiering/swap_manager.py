@@ -141,6 +141,7 @@ class SwapManager(Eviction):
                 raise IllegalTransitionError(name, "fetch", "bytes to read (fetch it with overwrite=True)",
                                              "discarded")
             seg.spent = overwrite
+            seg.overwrite_expected = False
             if not getattr(self._thread, "untraced", False):
                 self.trace.record(name, tier, seg.nbytes, overwrite)
             self._tick += 1
@@ -254,6 +255,15 @@ class SwapManager(Eviction):
         except TieringError:  # no room on nvme now: evicting it later writes it and reports the error
             return False
         return True
+
+    def expect_overwrite(self, name: str) -> None:
+        """Say that the next fetch of `name` will most likely overwrite it (a parameter shard the coming
+        optimizer step rewrites), so its bytes are likely read no more: where room is needed, a copy whose
+        bytes its home already holds is given up before any other, and prefetch along the trace does not read
+        it back. Only a hint: a copy not yet written home is kept and written as usual, so a fetch that reads
+        after all (a skipped step, a checkpoint) finds the current bytes. Lasts until the next fetch."""
+        with self._lock:
+            self._get(name).overwrite_expected = True
 
     def evict(self, name: str) -> Handle:
         """Move the segment down to its home tier, writing back what lower tiers lack; frees its room above.
@@ -520,7 +530,8 @@ class SwapManager(Eviction):
             live_cap = self.config.max_live_bytes
             for name, tier in [] if self._closing else self.trace.upcoming():
                 seg = self.segments.get(name)
-                if seg is None or seg.pins or seg.spent or seg.state.moving or seg.state.tier == tier or seg.prefetched:
+                if (seg is None or seg.pins or seg.spent or seg.state.moving or seg.state.tier == tier or seg.prefetched
+                        or seg.overwrite_expected):
                     continue
                 if self._prefetched_bytes + seg.nbytes > self.config.prefetch_bytes:
                     break

@@ -39,9 +39,10 @@ class Gradients:
         self.comm_dtype = COMM_DTYPES.get(communication_data_type)
         self._scratches: dict[str, torch.Tensor] = {}
 
-    def reduce(self, unit: Unit) -> None:
+    def reduce(self, unit: Unit) -> bool:
         """Flatten the unit's gradients (freeing them), reduce them over ranks, add this rank's range in fp32
-        to the accumulated gradient of its sub-groups."""
+        to the accumulated gradient of its sub-groups. True when that completes its gradient for the step
+        (the accumulation boundary: the optimizer step comes next)."""
         flat, full = unit.flat, unit.full
         grads = flat.flatten_grads(self._scratch("grads", flat.padded_numel, self.comm_dtype or full.dtype,
                                                  full.device))
@@ -63,6 +64,7 @@ class Gradients:
         for sg in unit.sub_groups:
             self.driver.accumulate(sg, shard.narrow(0, sg.offset, sg.numel),
                                    self.pieces(unit, sg) if last else None)
+        return last
 
     def norm(self, units: list[Unit]) -> torch.Tensor:
         """The global 2-norm of the accumulated (still loss-scaled) gradient, fp32, computed as torch's

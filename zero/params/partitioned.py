@@ -373,7 +373,10 @@ class PartitionedPlacement(Placement):
 
     def _finish_backward(self, unit: Unit) -> None:
         unit.to("grads_ready")
-        self.gradients.reduce(unit)
+        if self.gradients.reduce(unit) and unit.sub_groups and unit.sub_groups[0].master_in is None:
+            # The step that follows rewrites the shard from the fp32 masters: its room is the first to give
+            # up, for the gradients coming and the step's state (written home already, it costs no write).
+            self.swap.expect_overwrite(unit.segment)
         while unit.backward_refs:
             unit.backward_refs -= 1
             self.release(unit)
