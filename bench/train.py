@@ -9,6 +9,8 @@ Per system: median step time over the measured steps (after warm-up), tokens/s, 
 (the device tier's accounting; torch.cuda.max_memory_allocated under CUDA), compute seconds per step (each
 measured step's time less its own stall), I/O seconds (the union of the nvme lanes' busy time), bytes moved per
 tier pair, and the bytes each process read from and wrote to storage (/proc/self/io: every system's own I/O).
+DeepSpeed's step is not split into compute and I/O (n/a); each of ours is compared with DeepSpeed's step on the
+same offload device, `-overlap` variants included.
 """
 from __future__ import annotations
 
@@ -141,7 +143,10 @@ def child(args: argparse.Namespace) -> dict:
         moved = dict(engine.swap.stats.bytes_moved)
         engine.close()
     step_s = statistics.median(times)
-    io = statistics.median(io_s[args.warmup:]) if io_s[args.warmup:] else 0.0
+    # Ours splits its step into compute and nvme time; torch in memory does no I/O; DeepSpeed's split is
+    # unmeasured (its bytes are in disk_bytes).
+    compute_s = statistics.median(computes) if not system.startswith("deepspeed") else None
+    io = statistics.median(io_s[args.warmup:]) if io_s[args.warmup:] else 0.0 if system == "torch" else None
     return {
         "system": system,
         "params": gpt.params,
@@ -149,7 +154,7 @@ def child(args: argparse.Namespace) -> dict:
         "tokens_per_s": args.micro_batch * gpt.seq_len / step_s,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "peak_device_bytes": device_peak(),
-        "compute_s": statistics.median(computes),
+        "compute_s": compute_s,
         "io_s": io,
         "disk_bytes": {key: statistics.median(d[key] for d in disk) for key in disk[0]},
         "bytes_moved": moved,
@@ -240,13 +245,18 @@ def print_table(records: list[dict]) -> None:
     if not records:
         return
     base = {r["system"]: r["step_s"] for r in records}
-    print("\n| system | params | step s | tokens/s | peak RSS GiB | compute s | I/O s | step vs deepspeed |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| system | params | step s | tokens/s | peak RSS GiB | compute s | I/O s | disk read / written GB "
+          "| step vs deepspeed |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in records:
-        ds = base.get("deepspeed-" + r["system"].split("-")[-1]) if r["system"].startswith("ours") else None
+        # ours-<offload>[-overlap] against deepspeed-<offload>
+        ds = base.get("deepspeed-" + r["system"].split("-")[1]) if r["system"].startswith("ours") else None
         ratio = f"{r['step_s'] / ds:.2f}x" if ds else ""
+        compute, io = (f"{r[key]:.2f}" if r[key] is not None else "n/a" for key in ("compute_s", "io_s"))
+        disk = r["disk_bytes"]
         print(f"| {r['system']} | {r['params'] / 1e6:.1f}M | {r['step_s']:.2f} | {r['tokens_per_s']:.1f} | "
-              f"{r['peak_rss_bytes'] / 2**30:.2f} | {r['compute_s']:.2f} | {r['io_s']:.2f} | {ratio} |")
+              f"{r['peak_rss_bytes'] / 2**30:.2f} | {compute} | {io} | {disk['read'] / 1e9:.2f} / "
+              f"{disk['write'] / 1e9:.2f} | {ratio} |")
 
 
 def plot(records: list[dict], path: str) -> None:
