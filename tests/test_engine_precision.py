@@ -59,9 +59,10 @@ def test_bf16_gradient_is_kept_in_16_bits_only_without_accumulation(accum, tmp_p
 
 def test_stage3_shards_the_step_rewrites_are_given_up_first_and_training_stays_exact(tmp_path):
     """At the accumulation boundary each unit's backward ends by telling the swap manager that the coming step
-    overwrites its bf16 shard (from the fp32 master): under a host budget below the state, the shards' room is
-    the first to go. A mid-accumulation backward does not (the next forward reads them), and the step's
-    overwrite ends the hint. Training stays exactly the mixed-precision reference's."""
+    overwrites its bf16 shard (from the fp32 master), so their room goes first (the order is
+    test_swap_manager's to check). A mid-accumulation backward does not (the next forward reads them), and the
+    step's overwrite ends the hint. Under a host budget below the state, where shards are given up this way,
+    training stays exactly the mixed-precision reference's."""
     accum, clip, steps = 2, 1.0, 4
     data = batches(steps * accum)
     model = MODELS["gpt2"](0)
