@@ -147,6 +147,29 @@ def test_overlapped_step_gives_the_same_results(case, persistence, tmp_path):
     assert_bitwise(losses, state, *reference(model, checkpointing, accum, clip))
 
 
+def test_a_step_with_no_trace_to_follow_reads_the_optimizer_state_ahead(tmp_path):
+    """The first step runs before the swap manager has a trace (as does a step that left the recorded order):
+    the driver then asks for the next sub-groups' state itself, so their reads are in flight while a sub-group
+    steps, instead of each read waiting its turn. From the second step on the trace does it."""
+    config = stage3_config("nvme", "nvme", nvme_path=tmp_path, sub_group_size=1000,
+                           zero_tiering={"host_budget": "640KiB"})
+    engine, *_ = zero.initialize(model=build("own"), config=config)
+    try:
+        stats, counts = engine.swap.stats, []
+        for ids in batches(2):
+            engine.backward(loss_of(engine, ids, False))
+            before = stats.prefetches, stats.hits
+            engine.step()
+            counts.append((stats.prefetches - before[0], stats.hits - before[1]))
+        state = sum(seg.nbytes for seg in engine.swap.segments.values())
+    finally:
+        engine.close()
+    assert state > 3 * (640 << 10)  # the state streams through the host budget
+    (first_prefetches, first_hits), (later_prefetches, later_hits) = counts
+    assert first_prefetches > 0 and first_hits >= first_prefetches // 2
+    assert later_prefetches > 0  # the trace's prefetch
+
+
 def test_an_overlapped_step_that_fails_raises_at_the_next_forward(tmp_path):
     config = stage3_config("nvme", "nvme", nvme_path=tmp_path, zero_tiering={"overlap_step": True})
     engine, *_ = zero.initialize(model=build("own"), config=config)

@@ -152,8 +152,10 @@ class ZeroEngine(nn.Module):
             self.overlap.start(run, [len(unit.sub_groups) for unit in self.units])
             self.placement.step_started()
         else:
+            # Where the swap manager follows no trace (the first step, or one that left the recorded order),
+            # nothing reads the next sub-groups' state ahead but the driver itself.
             self.driver.step(self.optimizer.param_groups, self.optimizer.step_count, 1.0 / loss_scale, clip,
-                             self._output)
+                             self._output, read_ahead=not self.swap.trace.ready)
             self.placement.shards_changed()
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)

@@ -196,7 +196,12 @@ class AdamDriver:
 
     def _ahead(self, first: int) -> list[str]:
         """The segments the step reads from sub-group `first` on, as many as the swap manager's prefetch
-        allowance holds (those that find no room yet start as room frees): a deep queue keeps the disk busy."""
+        allowance holds (those that find no room yet start as room frees): a deep queue keeps the disk busy.
+        At most half the work tier's budget: the rest is the room of the sub-group stepping and its output, or
+        a fetch would take back what was read ahead, to be read again."""
+        config = self.swap.config
+        budget = config.host_budget if self.work_tier == "host" else config.device_budget
+        limit = config.prefetch_bytes if budget is None else min(config.prefetch_bytes, budget // 2)
         names, nbytes = [], 0
         for sg in self.sub_groups[first:]:
             for part in STATE_PARTS + (() if sg.grad_fresh else ("grad",)):
@@ -204,7 +209,7 @@ class AdamDriver:
                 if name in names:  # a master that is the unit's parameter shard, shared by its sub-groups
                     continue
                 nbytes += self.swap.segments[name].nbytes
-                if nbytes > self.swap.config.prefetch_bytes:
+                if nbytes > limit:
                     return names
                 names.append(name)
         return names
