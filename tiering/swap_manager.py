@@ -38,9 +38,10 @@ class SwapManager(Eviction):
     (fetch, wait, and return a tensor view); `release` it (with `dirty=True` when the view was written, which
     makes those bytes the segment's); `evict` it to its home; `prefetch` a list. Each returns a Handle. A
     segment whose bytes are spent (a gradient once stepped) is released with `discard=True` and fetched next
-    with `overwrite=True`: no I/O moves bytes nobody will read. When
-    a tier is full the segment needed farthest in the future per the trace is evicted (Belady), or the least
-    recently used one before a trace exists; if nothing can go, BudgetExceededError says by how much.
+    with `overwrite=True`: no I/O moves bytes nobody will read. When a tier is full the segment needed farthest
+    in the future per the trace is evicted (Belady), or the least recently used one before a trace exists; first
+    of all a copy its user said it will overwrite next (`expect_overwrite`) once its home holds the bytes. If
+    nothing can go, BudgetExceededError says by how much.
     `fetch` blocks only to wait for room or for a move of the same segment already under way; the move it
     starts runs in the background. Call `end_step()` at each step boundary: the first step records the trace.
     """
