@@ -1,11 +1,11 @@
 """Swap manager, call by call: the residency table, the trace (record, replay, departure), Belady and LRU
-eviction, prefetch within its byte budgets, hit rate, reuse distance, checksums on nvme, failed reads, the
-Chrome trace, and the corner cases of making room. Real components throughout (store, pool, engines)."""
+eviction and what goes first, reuse distance, checksums on nvme, failed reads, the Chrome trace, and the corner
+cases of making room (prefetch and read-ahead: test_prefetch.py). Real components throughout (store, pool,
+engines)."""
 from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 import torch
@@ -208,6 +208,38 @@ def test_reuse_distance_evicts_nothing_before_a_trace_exists(make_manager):
     assert "device->host" not in mgr.stats.bytes_moved
 
 
+def test_a_copy_expected_to_be_overwritten_goes_first_once_home_holds_its_bytes(make_manager):
+    mgr = make_manager(engine="threads", host_budget=2 * PAGE)
+    for i, name in enumerate("abc"):
+        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(i)).wait()
+    use(mgr, "a", "host")
+    use(mgr, "b", "host")
+    mgr.expect_overwrite("b")
+    use(mgr, "c", "host")  # LRU alone would take a's room
+    assert states(mgr, "a", "b", "c") == [R.HOST, R.NVME, R.HOST]
+    assert mgr.segments["b"].overwrite_expected
+    mgr.acquire("b", "host", overwrite=True).fill_(5.0)  # the fetch it was expecting ends the hint
+    mgr.release("b", dirty=True)
+    assert not mgr.segments["b"].overwrite_expected
+    assert torch.equal(use(mgr, "b", "host"), page(5))
+
+
+def test_a_dirty_copy_expected_to_be_overwritten_keeps_its_bytes(make_manager):
+    """Only a hint: a step that is skipped after all, or a checkpoint, reads the segment, so a copy home does not
+    hold yet is neither dropped nor given up first; evicted in its turn, it is written."""
+    mgr = make_manager(engine="threads", host_budget=2 * PAGE)
+    for i, name in enumerate("abc"):
+        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(i)).wait()
+    use(mgr, "b", "host")
+    use(mgr, "a", "host", add=1.0)
+    mgr.expect_overwrite("a")
+    use(mgr, "c", "host")  # b, the least recently used and clean, goes: a is not home yet
+    assert states(mgr, "a", "b", "c") == [R.HOST, R.NVME, R.HOST]
+    use(mgr, "b", "host")  # now a is the least recently used: written, then dropped
+    assert states(mgr, "a", "b", "c") == [R.NVME, R.HOST, R.HOST]
+    assert torch.equal(use(mgr, "a", "host"), page(1))
+
+
 # -- spent bytes: discard and overwrite ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("tier", ["host", "device"])
@@ -245,190 +277,6 @@ def test_overwrite_of_a_pinned_segment_and_dirty_discard_are_refused(make_manage
         mgr.release("a", dirty=True, discard=True)
     mgr.release("a")
     assert torch.equal(use(mgr, "a", "host"), torch.ones(PAGE // 4))  # nothing was changed by the refusals
-
-
-def test_prefetch_skips_what_the_trace_overwrites_and_what_is_discarded(make_manager):
-    mgr = make_manager(engine="threads", device_budget=16 * PAGE, prefetch_bytes=8 * PAGE)
-    for name in "abc":
-        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme").wait()
-
-    def step() -> None:
-        use(mgr, "a", "host")
-        mgr.acquire("b", "host", overwrite=True).fill_(1.0)  # rewritten whole every step: never worth a read
-        mgr.release("b", dirty=True)
-        mgr.acquire("c", "host")
-        mgr.release("c", discard=True)
-
-    step()
-    mgr.end_step()
-    reads = mgr.stats.bytes_moved["nvme->host"]
-    mgr.evict("a").wait()
-    mgr.evict("b").wait()  # its write-back done, prefetch looks ahead along the trace: a, then b and c
-    mgr.acquire("a", "host")
-    time.sleep(0.2)  # a prefetch, had one started, would have landed
-    with mgr._lock:
-        assert [mgr.segments[n].state for n in "bc"] == [R.NVME, R.NVME]
-    assert mgr.stats.bytes_moved["nvme->host"] == reads + PAGE  # a's bytes, nothing else
-    mgr.release("a")
-
-
-# -- prefetch and hit rate --------------------------------------------------------------------------------------
-
-ODD = 3000
-"""Bytes of each segment in the prefetch test: not a multiple of 4 KiB, so each copy takes a whole page."""
-
-
-@pytest.mark.parametrize("prefetch_bytes, max_live, ahead, hits", [
-    (3 * ODD, None, 3, 7),  # three ahead, topped up after each fetch: every later fetch finds its segment
-    (8 * ODD, 2 * PAGE + ODD, 1, 1),  # s0 and s1 take two pages; a third copy would pass max_live_bytes
-    (0, None, 0, 0),
-])
-def test_prefetch_follows_the_trace_within_prefetch_bytes_and_max_live_bytes(
-        make_manager, prefetch_bytes, max_live, ahead, hits):
-    mgr = make_manager(engine="threads", device_budget=16 * PAGE, prefetch_bytes=prefetch_bytes,
-                       max_live_bytes=max_live)
-    names = [f"s{i}" for i in range(8)]
-    for i, name in enumerate(names):
-        mgr.register(name, dtype=torch.uint8, shape=(ODD,), home="nvme", data=torch.full((ODD,), i, dtype=torch.uint8))
-    for name in names:
-        use(mgr, name)
-        assert mgr.stats.prefetches == 0  # nothing to follow while recording
-    mgr.end_step()
-    for name in names:
-        mgr.evict(name).wait()
-    assert mgr.stats.hits == 0 and mgr.stats.misses == 8
-
-    mgr.acquire("s0")
-    with mgr._lock:
-        on_the_way = [n for n in names[1:] if mgr.segments[n].state != R.NVME]
-    assert on_the_way == names[1:1 + ahead]  # the next uses, in order, and no more
-    assert mgr.stats.prefetches == ahead
-    assert max_live is None or mgr.device_tier.in_use <= max_live
-    mgr.release("s0")
-    for i, name in enumerate(names[1:], 1):
-        assert torch.equal(use(mgr, name), torch.full((ODD,), i, dtype=torch.uint8))
-        assert max_live is None or mgr.device_tier.in_use <= max(max_live, (i + 1) * PAGE)
-    assert (mgr.stats.hits, mgr.stats.misses) == (hits, 8 + 8 - hits)
-    assert mgr.stats.hit_rate == pytest.approx(hits / 16)
-
-
-def test_evicting_a_prefetched_segment_undoes_the_prefetch(make_manager):
-    mgr = make_manager(engine="threads", device_budget=4 * PAGE, prefetch_bytes=PAGE)
-    mgr.register("a", dtype=torch.float32, shape=(PAGE // 4,), home="nvme").wait()
-    mgr.prefetch(["a"]).wait()
-    assert states(mgr, "a") == [R.DEVICE] and mgr.stats.prefetches == 1
-    mgr.evict("a").wait()
-    assert states(mgr, "a") == [R.NVME]
-    use(mgr, "a")  # back from nvme: a miss, not a hit
-    assert (mgr.stats.hits, mgr.stats.misses) == (0, 1)
-
-
-def wait_moves(mgr: SwapManager, *names: str) -> None:
-    for name in names:
-        move = mgr.segments[name].move
-        if move is not None:
-            move.wait(MOVE_TIMEOUT)
-
-
-def test_a_read_ahead_without_room_starts_as_room_frees_and_keeps_what_it_brought(make_manager):
-    """Off the trace (a background optimizer step's reads are): what `prefetch` finds no room for starts once a
-    release frees some, evicting a segment used and released before the ones the read-ahead brought."""
-    mgr = make_manager(engine="threads", host_budget=2 * PAGE)
-    for i, name in enumerate("abc"):
-        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(i)).wait()
-    mgr.prefetch(["a", "b", "c"], "host")
-    wait_moves(mgr, "a", "b")
-    assert states(mgr, "a", "b", "c") == [R.HOST, R.HOST, R.NVME]  # no room for c, and a, b are not taken
-    assert torch.equal(use(mgr, "a", "host"), page(0))  # a hit; its release frees room: c starts, a goes
-    wait_moves(mgr, "c")
-    assert states(mgr, "a", "b", "c") == [R.NVME, R.HOST, R.HOST]
-    assert torch.equal(use(mgr, "b", "host"), page(1)) and torch.equal(use(mgr, "c", "host"), page(2))
-    assert (mgr.stats.hits, mgr.stats.misses, mgr.stats.prefetches) == (3, 0, 3)
-    mgr.prefetch(["a"], "host")  # a new read-ahead replaces what was left of the last one
-    wait_moves(mgr, "a")
-    assert states(mgr, "a", "b", "c") == [R.HOST, R.NVME, R.HOST]  # b, used before c, made the room
-    mgr.acquire("a", "host")
-    mgr.acquire("c", "host")
-    mgr.prefetch(["b"], "host")  # no room: waits
-    mgr.unregister("b")  # and is forgotten with its segment: the room freed next brings nothing back
-    mgr.release("a")
-    assert states(mgr, "a", "c") == [R.HOST, R.HOST] and mgr.pool.in_use == 2 * PAGE  # a was not dropped for b
-    mgr.release("c")
-
-
-def test_a_blocking_fetch_takes_room_from_a_read_ahead_last(make_manager):
-    mgr = make_manager(engine="threads", host_budget=2 * PAGE)
-    for i, name in enumerate("abc"):
-        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(i)).wait()
-    use(mgr, "a", "host")
-    mgr.prefetch(["b"], "host")
-    wait_moves(mgr, "b")
-    assert torch.equal(use(mgr, "c", "host"), page(2))  # the room is a's, used before and not asked for again
-    assert states(mgr, "a", "b", "c") == [R.NVME, R.HOST, R.HOST]
-    assert torch.equal(use(mgr, "b", "host"), page(1)) and mgr.stats.hits == 1
-
-
-def test_a_copy_expected_to_be_overwritten_goes_first_once_home_holds_its_bytes(make_manager):
-    mgr = make_manager(engine="threads", host_budget=2 * PAGE)
-    for i, name in enumerate("abc"):
-        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(i)).wait()
-    use(mgr, "a", "host")
-    use(mgr, "b", "host")
-    mgr.expect_overwrite("b")
-    use(mgr, "c", "host")  # LRU alone would take a's room
-    assert states(mgr, "a", "b", "c") == [R.HOST, R.NVME, R.HOST]
-    assert mgr.segments["b"].overwrite_expected
-    mgr.acquire("b", "host", overwrite=True).fill_(5.0)  # the fetch it was expecting ends the hint
-    mgr.release("b", dirty=True)
-    assert not mgr.segments["b"].overwrite_expected
-    assert torch.equal(use(mgr, "b", "host"), page(5))
-
-
-def test_a_dirty_copy_expected_to_be_overwritten_keeps_its_bytes(make_manager):
-    """Only a hint: a step that is skipped after all, or a checkpoint, reads the segment, so a copy home does not
-    hold yet is neither dropped nor given up first; evicted in its turn, it is written."""
-    mgr = make_manager(engine="threads", host_budget=2 * PAGE)
-    for i, name in enumerate("abc"):
-        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(i)).wait()
-    use(mgr, "b", "host")
-    use(mgr, "a", "host", add=1.0)
-    mgr.expect_overwrite("a")
-    use(mgr, "c", "host")  # b, the least recently used and clean, goes: a is not home yet
-    assert states(mgr, "a", "b", "c") == [R.HOST, R.NVME, R.HOST]
-    use(mgr, "b", "host")  # now a is the least recently used: written, then dropped
-    assert states(mgr, "a", "b", "c") == [R.NVME, R.HOST, R.HOST]
-    assert torch.equal(use(mgr, "a", "host"), page(1))
-
-
-def test_prefetch_along_the_trace_does_not_read_back_a_copy_expected_to_be_overwritten(make_manager):
-    mgr = make_manager(engine="threads", host_budget=16 * PAGE, prefetch_bytes=8 * PAGE)
-    for i, name in enumerate("abc"):
-        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(i)).wait()
-    for name in "abc":
-        use(mgr, name, "host")
-    mgr.end_step()
-    for name in "abc":
-        mgr.evict(name).wait()
-    mgr.expect_overwrite("b")
-    assert torch.equal(use(mgr, "a", "host"), page(0))  # the trace says b, then c, come next
-    wait_moves(mgr, "c")
-    assert states(mgr, "b", "c") == [R.NVME, R.HOST]
-    assert torch.equal(use(mgr, "b", "host"), page(1))  # read after all (no overwrite): its bytes
-
-
-def test_prefetch_checks_every_name_before_moving_any(make_manager):
-    mgr = make_manager(device_budget=4 * PAGE)
-    mgr.register("h", dtype=torch.float32, shape=(PAGE // 4,), home="host")
-    mgr.register("x", dtype=torch.float32, shape=(PAGE // 4,), home="host")
-    mgr.register("d", dtype=torch.float32, shape=(PAGE // 4,), home="device")
-    mgr.fetch("x", "host").wait()
-    with pytest.raises(IllegalTransitionError, match="'x'.*actual pinned in host"):
-        mgr.prefetch(["h", "x"], "device")
-    with pytest.raises(IllegalTransitionError, match="'d'.*at or above its home 'device'"):
-        mgr.prefetch(["h", "d"], "host")
-    with pytest.raises(KeyError, match="nope"):
-        mgr.prefetch(["h", "nope"], "device")
-    assert states(mgr, "h") == [R.HOST] and mgr.stats.prefetches == 0
 
 
 # -- integrity and failures ---------------------------------------------------------------------------------
