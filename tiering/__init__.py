@@ -27,9 +27,10 @@ from .swap_config import SwapConfig
 from .swap_manager import SwapManager
 
 __all__ = [
-    "ALIGNMENT", "AioConfig", "AlignmentError", "BudgetExceededError", "ChecksumMismatchError",
-    "DeviceOutOfMemoryError", "DirectIOUnsupportedError", "EngineUnavailableError", "Extent", "ExtentAllocator", "Handle", "HostBuffer",
-    "HostBufferPool", "HostPoolConfig", "IOFailedError", "IllegalTransitionError", "NvmePathError", "NvmeStore", "PinnedMemoryError",
-    "NvmeStoreConfig", "Residency", "SwapConfig", "SwapManager", "Tier", "StoreFullError", "StoreRangeError", "TieringConfigError", "TieringError", "align_up",
-    "aligned_empty", "completed", "gather",
+    "AioConfig", "align_up", "aligned_empty", "ALIGNMENT", "AlignmentError", "BudgetExceededError",
+    "ChecksumMismatchError", "completed", "DeviceOutOfMemoryError", "DirectIOUnsupportedError",
+    "EngineUnavailableError", "Extent", "ExtentAllocator", "gather", "Handle", "HostBuffer", "HostBufferPool",
+    "HostPoolConfig", "IllegalTransitionError", "IOFailedError", "NvmePathError", "NvmeStore",
+    "NvmeStoreConfig", "PinnedMemoryError", "Residency", "StoreFullError", "StoreRangeError", "SwapConfig",
+    "SwapManager", "Tier", "TieringConfigError", "TieringError",
 ]

@@ -123,10 +123,12 @@ class Eviction:
         (Belady), the least recently used first among those off the trace (all of them before there is one);
         last of all those off the trace that a read-ahead brought and nobody used yet (`prefetch` was told they
         come next)."""
-        trace = self.trace
+        def order(seg: Segment) -> tuple:
+            later = self.trace.next_use(seg.name)  # a bisect: once per segment
+            return not self._expendable(seg, tier), seg.prefetched and later == math.inf, -later, seg.last_use
+
         out = [seg for seg in self.segments.values() if seg not in keep and seg.evictable_from(tier)]
-        out.sort(key=lambda s: (not self._expendable(s, tier), s.prefetched and trace.next_use(s.name) == math.inf,
-                                -trace.next_use(s.name), s.last_use))
+        out.sort(key=order)
         return out
 
     def _expendable(self, seg: Segment, tier: Tier) -> bool:
