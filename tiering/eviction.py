@@ -215,8 +215,11 @@ class Eviction:
         return self._write(seg, "clean", landed)
 
     def _write(self, seg: Segment, action: str, landed) -> Handle:
-        if seg.extent is None:
-            seg.extent = self.store.allocate(seg.nbytes, seg.name)
+        if self._fresh_extent(seg):
+            extent = self.store.allocate(seg.nbytes, seg.name)
+            if seg.extent is not None:  # the kept copy's: no longer shared
+                self._cow_pending -= seg.nbytes
+            seg.extent = extent
             self.stats.peak_bytes["nvme"] = max(self.stats.peak_bytes["nvme"], self.store.used_bytes)
         if self.config.checksums:
             seg.checksum = checksum(seg.storage("host"))

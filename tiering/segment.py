@@ -9,6 +9,7 @@ from .device_tier import DeviceBuffer
 from .extents import Extent
 from .handle import Handle
 from .host_pool import HostBuffer
+from .kept import Kept
 from .residency import Residency, Tier
 
 
@@ -49,6 +50,10 @@ class Segment:
     """Brought in by prefetch and not yet fetched by a user (a fetch then counts as a hit)."""
     overwrite_expected: bool = False
     """The user expects its next fetch to overwrite it (`SwapManager.expect_overwrite`), until that fetch."""
+    fetch_expected: bool = False
+    """The user expects to fetch it again soon, off the trace (`SwapManager.expect_fetch`), until that fetch."""
+    kept: Kept | None = None
+    """The bytes preserved by `SwapManager.keep` until `commit` or `restore`."""
 
     def __post_init__(self) -> None:
         self.shape = torch.Size(self.shape)

@@ -21,6 +21,7 @@ from .errors import (
 from .eviction import DONE, Eviction, Kind, Outcome
 from .handle import Handle, completed, gather
 from .host_pool import HostBufferPool, HostPoolConfig
+from .kept import Keeping
 from .nvme_store import NvmeStore
 from .residency import TIER_ORDER, Residency, Tier
 from .segment import Segment
@@ -31,7 +32,7 @@ from .trace import Trace
 STALL_THRESHOLD_S = 1e-4  # an acquire shorter than this only did bookkeeping (the bytes were there)
 
 
-class SwapManager(Eviction):
+class SwapManager(Eviction, Keeping):
     """Segments moved among tiers under hard budgets.
 
     The calls: `register` a segment with a home tier; `fetch` it to a tier (pins it there) or `acquire` it
@@ -41,7 +42,8 @@ class SwapManager(Eviction):
     with `overwrite=True`: no I/O moves bytes nobody will read. When a tier is full the segment needed farthest
     in the future per the trace is evicted (Belady), or the least recently used one before a trace exists; first
     of all a copy its user said it will overwrite next (`expect_overwrite`) once its home holds the bytes. If
-    nothing can go, BudgetExceededError says by how much.
+    nothing can go, BudgetExceededError says by how much. A user that writes a segment speculatively `keep`s
+    its bytes first and then `commit`s or `restore`s them (see kept.py).
     `fetch` blocks only to wait for room or for a move of the same segment already under way; the move it
     starts runs in the background. Call `end_step()` at each step boundary: the first step records the trace.
     """
@@ -58,6 +60,9 @@ class SwapManager(Eviction):
         self._lock = threading.RLock()
         self._tick = 0
         self._prefetched_bytes = 0
+        self._cow_pending = 0
+        """Bytes of kept segments whose next write-back needs a fresh extent (see kept.py), which `keep` counts
+        against the nvme budget before they are allocated."""
         self._read_ahead: list[tuple[Segment, Tier]] = []
         """What the last `prefetch` call could not start for want of room, in its order: started as room
         frees (a write landing, a fetch, a release), so a caller's read-ahead keeps the disk queue full."""
@@ -115,6 +120,9 @@ class SwapManager(Eviction):
                 if pending is None:
                     self._drop_device(seg)
                     self._drop_host(seg)
+                    if seg.kept is not None:
+                        self._free_kept(seg, seg.kept)
+                        seg.kept = None
                     if seg.extent is not None:
                         self.store.free(seg.extent)
                     self._unprefetch(seg)
@@ -142,7 +150,7 @@ class SwapManager(Eviction):
                 raise IllegalTransitionError(name, "fetch", "bytes to read (fetch it with overwrite=True)",
                                              "discarded")
             seg.spent = overwrite
-            seg.overwrite_expected = False
+            seg.overwrite_expected = seg.fetch_expected = False
             if not getattr(self._thread, "untraced", False):
                 self.trace.record(name, tier, seg.nbytes, overwrite)
             self._tick += 1
@@ -247,8 +255,9 @@ class SwapManager(Eviction):
         Belady's rule will have evicted it. Its write then runs while compute goes on, not when a read is
         waiting for its room. Without a trace nobody knows, and nothing is written early. True if the write
         started."""
-        if (seg.state != Residency.HOST or seg.home != "nvme" or seg.nvme_current or seg.spent or self._closing):
-            return False
+        if (seg.state != Residency.HOST or seg.home != "nvme" or seg.nvme_current or seg.spent or self._closing
+                or seg.overwrite_expected or seg.fetch_expected):
+            return False  # hinted: its bytes are read soon, or most likely never
         if not self.trace.ready or self.trace.next_use_bytes(seg.name) <= self._budget("host"):
             return False
         try:
@@ -265,6 +274,33 @@ class SwapManager(Eviction):
         after all (a skipped step, a checkpoint) finds the current bytes. Lasts until the next fetch."""
         with self._lock:
             self._get(name).overwrite_expected = True
+
+    def expect_fetch(self, name: str) -> None:
+        """Say that `name` will be fetched again soon by a thread whose fetches are off the trace (a step
+        running during the backward), so the trace's far next use does not get it written early: write-behind
+        leaves it (room still evicts it if needed). Only a hint; lasts until the next fetch."""
+        with self._lock:
+            self._get(name).fetch_expected = True
+
+    def discard(self, name: str) -> None:
+        """Nobody needs the segment's bytes any more (as `release(discard=True)` says for a pinned one): its
+        copies above home are dropped unwritten and its next fetch must overwrite. It must be unpinned; a move
+        under way is waited for."""
+        while True:
+            with self._lock:
+                seg = self._get(name)
+                if seg.pins:
+                    raise IllegalTransitionError(name, "discard", "unpinned", f"pinned {seg.pins} times")
+                pending = seg.move if seg.state.moving else None
+                if pending is None:
+                    seg.spent = True
+                    self._unprefetch(seg)
+                    while seg.state.tier not in (None, seg.home):  # each step drops a copy unwritten
+                        if self._evict_step(seg, blocking=False).kind is not Kind.DONE:
+                            break
+                    return
+            with contextlib.suppress(TieringError):  # its bytes are not wanted: a failed move changes nothing
+                pending.wait()
 
     def evict(self, name: str) -> Handle:
         """Move the segment down to its home tier, writing back what lower tiers lack; frees its room above.

@@ -28,6 +28,7 @@ from .optim.driver import STATE_PARTS, AdamDriver, SubGroup
 from .optim.gradients import Gradients
 from .optim.loss_scaler import LossScaler
 from .optim.overlapped_step import OverlappedStep
+from .optim.speculative_step import SpeculativeStep
 from .optim.param_groups import ZeroOptimizer
 from .params.placement import Placement
 from .params.unit import Unit
@@ -49,7 +50,8 @@ class ZeroEngine(nn.Module):
     def __init__(self, *, module: nn.Module, config: Config, placement: Placement, driver: AdamDriver,
                  gradients: Gradients, counters: StepCounters, optimizer: ZeroOptimizer, lr_scheduler,
                  dp: DataParallel, swap: SwapManager, loss_scaler: LossScaler | None, compute_dtype: torch.dtype,
-                 device: torch.device, overlap: OverlappedStep | None = None):
+                 device: torch.device, overlap: OverlappedStep | None = None,
+                 speculation: SpeculativeStep | None = None):
         super().__init__()
         self.module = module
         self.config = config
@@ -67,6 +69,10 @@ class ZeroEngine(nn.Module):
         self.device = device
         self.overlap = overlap
         """Runs each optimizer step on a thread while the next forward runs (overlap_step), or None."""
+        self.speculation = speculation
+        """Steps sub-groups during the boundary's backward and validates them at the step (speculative_step), or None."""
+        self._bet = True
+        """Whether the next boundary speculates: the last step neither clipped nor overflowed."""
         self.stage = config.zero_optimization.stage
         self._last_grad_norm: float | None = None
 
@@ -102,6 +108,8 @@ class ZeroEngine(nn.Module):
         """Backward of `loss` averaged over the accumulation steps (and scaled for fp16), then each unit's
         gradient reduced across ranks and accumulated in fp32 into this rank's range."""
         self._finish_step()  # the gradients it accumulates into are the running step's to drop first
+        if self.speculation is not None and self._bet and self.counters.at_boundary():
+            self.speculation.begin(self.optimizer.param_groups, self.optimizer.step_count + 1, 1.0 / self.cur_scale)
         scaled = loss.float() / self.gradient_accumulation_steps
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
@@ -121,24 +129,31 @@ class ZeroEngine(nn.Module):
             self.swap.end_step()  # the trace of this step drives prefetch and eviction in the next
 
     def _optimizer_step(self) -> None:
-        self._finish_step()
+        if self.overlap is not None:
+            self.overlap.wait_all()
         grad_norm = self.gradients.norm(self.units)
         overflow = self.loss_scaler is not None and not torch.isfinite(grad_norm).item()
         self.counters.global_steps += 1
+        loss_scale = self.cur_scale
+        clip = None
+        if not overflow and self.config.gradient_clipping > 0:
+            # torch.nn.utils.clip_grad_norm_'s arithmetic, in fp32, on the unscaled norm.
+            coefficient = self.config.gradient_clipping / (grad_norm / loss_scale + 1e-6)
+            if coefficient.item() < 1.0:
+                clip = coefficient
+        rest = None  # every sub-group
+        if self.speculation is not None:
+            rest = self.speculation.settle(self.optimizer.param_groups, self.optimizer.step_count + 1, 1.0 / loss_scale,
+                                           clipped=clip is not None, overflow=overflow)
+            self._bet = clip is None and not overflow
         if overflow:
             self.counters.skipped_steps += 1
             self.loss_scaler.update(overflow=True)
             self.driver.zero_grad()
             return
-        loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         self._last_grad_norm = grad_norm.item() / loss_scale
-        clip = None
-        if self.config.gradient_clipping > 0:
-            # torch.nn.utils.clip_grad_norm_'s arithmetic, in fp32, on the unscaled norm.
-            coefficient = self.config.gradient_clipping / (grad_norm / loss_scale + 1e-6)
-            if coefficient.item() < 1.0:
-                clip = coefficient
         self.optimizer.step_count += 1
+        output = self.placement.step_output
         if self.overlap is not None:
             # The hyperparameters as they are now: the scheduler moves on below while the step runs.
             groups = [dict(group) for group in self.optimizer.param_groups]
@@ -146,16 +161,17 @@ class ZeroEngine(nn.Module):
 
             def run(done) -> None:
                 with self.swap.untraced():  # its fetches interleave with the forward's: kept off the trace
-                    self.driver.step(groups, step, scale, clip, self._output, read_ahead=True,
-                                     on_done=lambda sg: done(sg.unit))
+                    self.driver.step(groups, step, scale, clip, output, read_ahead=True,
+                                     on_done=lambda sg: done(sg.unit), sub_groups=rest)
 
-            self.overlap.start(run, [len(unit.sub_groups) for unit in self.units])
+            stepping = self.driver.sub_groups if rest is None else rest
+            self.overlap.start(run, [sum(sg.unit == unit.index for sg in stepping) for unit in self.units])
             self.placement.step_started()
         else:
             # Where the swap manager follows no trace (the first step, or one that left the recorded order),
             # nothing reads the next sub-groups' state ahead but the driver itself.
             self.driver.step(self.optimizer.param_groups, self.optimizer.step_count, 1.0 / loss_scale, clip,
-                             self._output, read_ahead=not self.swap.trace.ready)
+                             output, read_ahead=not self.swap.trace.ready, sub_groups=rest)
             self.placement.shards_changed()
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)
@@ -163,18 +179,13 @@ class ZeroEngine(nn.Module):
             self.lr_scheduler.step()
 
     def _finish_step(self) -> None:
-        """Wait for an optimizer step still running on its thread (overlap_step); raise its error."""
+        """Before anything reads the training state: wait for an optimizer step still running on its thread
+        (overlap_step), raising its error; roll back a speculative step not yet validated (the gradients then
+        wait for the boundary's step, as without speculation)."""
         if self.overlap is not None:
             self.overlap.wait_all()
-
-    @contextlib.contextmanager
-    def _output(self, sg: SubGroup) -> Iterator[torch.Tensor]:
-        """Where sub-group `sg`'s updated weights go: its slice of this rank's range of the unit's parameters,
-        as the placement holds them, written."""
-        # The driver steps a unit's sub-groups in order, together covering its range: the first one's fetch
-        # needs no bytes, as the step rewrites them all.
-        with self.placement.shard(self.units[sg.unit], write=True, overwrite=sg.offset == 0) as shard:
-            yield shard.narrow(0, sg.offset, sg.numel)
+        if self.speculation is not None:
+            self.speculation.abandon()
 
     # -- full parameters on demand ----------------------------------------------------------------------------
 
@@ -231,8 +242,12 @@ class ZeroEngine(nn.Module):
     def close(self) -> None:
         """Free every tier's buffers and remove the nvme store's file (after a step still running ends)."""
         try:
-            if self.overlap is not None:
-                self.overlap.close()
+            try:
+                if self.speculation is not None:
+                    self.speculation.close()
+            finally:
+                if self.overlap is not None:
+                    self.overlap.close()
         finally:
             self.placement.close()
             if self.config.zero_tiering.trace_path:

@@ -26,6 +26,7 @@ from .optim.loss_scaler import LossScaler
 from .optim.lr_schedules import WarmupSchedule
 from .optim.overlapped_step import OverlappedStep
 from .optim.param_groups import ZeroOptimizer, param_groups_from
+from .optim.speculative_step import SpeculativeStep
 from .params.flat_unit import FlatUnit
 from .params.materialize import Materializer
 from .params.partitioned import PartitionedPlacement
@@ -69,7 +70,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
     groups = param_groups_from(model, model_parameters, optimizer, cfg)
     plan = plan_units(model, groups, dp)
     swap = SwapManager(swap_config(cfg, [flat for flat, _ in plan], dtype))
-    driver = overlap = None
+    driver = overlap = speculation = None
     try:
         state_home = HOMES[zo.offload_optimizer.device]
         work_tier: Tier = "device" if state_home == "device" else "host"
@@ -77,17 +78,23 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
         driver = AdamDriver(swap, state_home=state_home, grad_home=grad_home, work_tier=work_tier,
                             grad_dtype=grad_dtype(cfg, dtype))
         counters = StepCounters(cfg.gradient_accumulation_steps)
+        placement = None
+        if speculates(cfg, work_tier):
+            # The placement is built below, with the gradient path that hands units to the speculation.
+            speculation = SpeculativeStep(driver, swap, output=lambda sg: placement.step_output(sg),
+                                          shard_of=lambda sg: placement.step_segment(sg))
         gradients = Gradients(driver=driver, dp=dp, counters=counters, sharded=zo.stage >= 1,
                               reduce_scatter=zo.stage >= 2,
                               param_order={id(p): i for i, p in enumerate(model.parameters())},
                               largest_unit=max((flat.padded_numel for flat, _ in plan), default=0),
                               prescale=cfg.prescale_gradients, predivide_factor=cfg.gradient_predivide_factor,
-                              communication_data_type=cfg.communication_data_type)
+                              communication_data_type=cfg.communication_data_type, speculation=speculation)
         if zo.stage == 3 and cfg.zero_tiering.overlap_step and work_tier == "host":
             overlap = OverlappedStep()
         materialize = Materializer(model, PretrainedWeights(weights) if weights is not None else None)
         placement = build_placement(model, plan, cfg, materialize=materialize, swap=swap, driver=driver,
-                                    gradients=gradients, dp=dp, device=device, dtype=dtype, overlap=overlap)
+                                    gradients=gradients, dp=dp, device=device, dtype=dtype, overlap=overlap,
+                                    speculation=speculation)
         zero_opt = ZeroOptimizer(groups)
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(zero_opt)
@@ -95,8 +102,11 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
             lr_scheduler = WarmupSchedule(zero_opt, cfg.scheduler)
         engine = ZeroEngine(module=model, config=cfg, placement=placement, driver=driver, gradients=gradients,
                             counters=counters, optimizer=zero_opt, lr_scheduler=lr_scheduler, dp=dp, swap=swap,
-                            loss_scaler=loss_scaler(cfg), compute_dtype=dtype, device=device, overlap=overlap)
+                            loss_scaler=loss_scaler(cfg), compute_dtype=dtype, device=device, overlap=overlap,
+                            speculation=speculation)
     except BaseException:
+        if speculation is not None:
+            speculation.close()
         if overlap is not None:
             overlap.close()
         if driver is not None:
@@ -131,7 +141,8 @@ def plan_units(model: nn.Module, groups: list[dict], dp: DataParallel) -> list[t
 
 def build_placement(model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], cfg: Config, *,
                     materialize: Materializer, swap: SwapManager, driver: AdamDriver, gradients: Gradients, dp: DataParallel,
-                    device: torch.device, dtype: torch.dtype, overlap: OverlappedStep | None) -> Placement:
+                    device: torch.device, dtype: torch.dtype, overlap: OverlappedStep | None,
+                    speculation: SpeculativeStep | None) -> Placement:
     """The placement the stage asks for, its units built: partitioned parameters for stage 3, resident ones
     below."""
     zo = cfg.zero_optimization
@@ -140,9 +151,38 @@ def build_placement(model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], cf
             model, plan, materialize=materialize, driver=driver, param_home=HOMES[zo.offload_param.device], dtype=dtype,
             sub_group_size=zo.sub_group_size, persistence_threshold=zo.param_persistence_threshold,
             masters_are_params=masters_are_params(cfg, dtype), swap=swap, dp=dp, device=device,
-            gradients=gradients, wait_for_update=overlap.wait_unit if overlap is not None else None)
+            gradients=gradients, wait_for_update=waits_for_update(overlap, speculation),
+            update_pending=speculation.pending if speculation is not None else None)
     return ResidentPlacement.build(model, plan, materialize=materialize, driver=driver, gradients=gradients, dp=dp, device=device,
                                    dtype=dtype, sharded=zo.stage >= 1, sub_group_size=zo.sub_group_size)
+
+
+def speculates(cfg: Config, work_tier: Tier) -> bool:
+    """Whether the optimizer steps during the backward (zero_tiering.speculative_step): where it is served,
+    stage 3 with the optimizer state and the parameters offloaded, unless turned off; turned on elsewhere it is
+    an error."""
+    zo = cfg.zero_optimization
+    asked = cfg.zero_tiering.speculative_step
+    served = zo.stage == 3 and work_tier == "host" and zo.offload_param.device != "none"
+    if asked and not served:
+        raise ConfigError("zero_tiering.speculative_step",
+                          "served with stage 3 and offload_optimizer and offload_param cpu or nvme only (below stage "
+                          "3 gradients are reduced after the backward, so there is nothing to step during it; "
+                          "without offload_optimizer the device steps; a shard resting on the device would need a "
+                          f"second copy there until validation); this config has stage {zo.stage}, offload_optimizer "
+                          f"{zo.offload_optimizer.device} and offload_param {zo.offload_param.device}", value=True)
+    return served and asked is not False
+
+
+def waits_for_update(overlap: OverlappedStep | None, speculation: SpeculativeStep | None):
+    """What a gather of unit `index` waits for: a step on its thread (overlap_step) to have updated it, after a
+    speculative step not yet validated that stepped it was abandoned."""
+    def wait(index: int) -> None:
+        if speculation is not None:
+            speculation.before_gather(index)
+        if overlap is not None:
+            overlap.wait_unit(index)
+    return wait
 
 
 def loss_scaler(cfg: Config) -> LossScaler | None:

@@ -40,5 +40,14 @@ class ZeroTieringSection(Section):
     runs, each unit's forward waiting for that unit's update (results are unchanged, bit for bit). The host
     budget must then hold the step's working set and the forward's at once."""
 
+    speculative_step: bool | None = None
+    """Step each sub-group during the backward, as soon as its gradient is final, betting that the step will not
+    clip or overflow; validated at the accumulation boundary and rolled back (then stepped with the clipped
+    gradient, or skipped) where the bet failed, so results are those of the serial step, bit for bit. After a
+    step that clipped or overflowed the next one does not bet. Served with stage 3, offload_optimizer and
+    offload_param cpu or nvme (below stage 3 gradients are reduced after the backward: nothing to overlap; a
+    shard resting on the device would need a second copy there); null: on where served; false: every sub-group
+    steps after the backward."""
+
     prefetch: bool = True
     """Prefetch segments along the recorded trace; false fetches each on demand (for debugging)."""

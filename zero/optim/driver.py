@@ -93,10 +93,12 @@ class AdamDriver:
         self.sub_groups.append(sg)
         return sg
 
-    def accumulate(self, sg: SubGroup, grad: torch.Tensor, pieces: list[tuple[int, int, int]] | None = None) -> None:
+    def accumulate(self, sg: SubGroup, grad: torch.Tensor, pieces: list[tuple[int, int, int]] | None = None, *,
+                   fetch_soon: bool = False) -> None:
         """Add `grad` (this sub-group's slice of the reduced fp32 gradient) to its accumulated gradient. With
         `pieces` (the last part of this step's gradient: see `grad_norms`), their norms are taken now, while the
-        gradient is in memory, rather than read back from its tier for them."""
+        gradient is in memory, rather than read back from its tier for them. `fetch_soon`: a step off the trace
+        reads it next (a speculative step), so it is not written behind."""
         fresh = sg.grad_fresh
         with self.held(sg, "grad", dirty=True, overwrite=fresh) as acc:  # fresh: nothing to read
             if fresh:
@@ -111,6 +113,8 @@ class AdamDriver:
                 total = acc.float()  # the norms are those of what the step will read
             sg.norms = None if pieces is None else [
                 (key, torch.linalg.vector_norm(total.narrow(0, start, length))) for start, length, key in pieces]
+            if fetch_soon:
+                self.swap.expect_fetch(sg.place("grad")[0])
 
     def grad_norms(self, pieces: Callable[[SubGroup], list[tuple[int, int, int]]]) -> list[tuple[int, torch.Tensor]]:
         """fp32 2-norms of the accumulated gradient's pieces: `pieces(sg)` gives (start, length, key) in the
@@ -140,70 +144,84 @@ class AdamDriver:
 
     def zero_grad(self) -> None:
         for sg in self.sub_groups:
-            sg.grad_fresh = True
-            sg.norms = None
+            self.spent(sg)
 
     def step(self, groups: list[dict], step: int, grad_scale: float, clip: torch.Tensor | None,
              output: Callable[[SubGroup], ContextManager[torch.Tensor]], *, read_ahead: bool = False,
-             on_done: Callable[[SubGroup], None] | None = None) -> None:
-        """One Adam step of every sub-group, with `groups[sg.group]`'s hyperparameters; `output(sg)` is a
-        context manager giving where the updated weights go in the compute dtype (a bf16/fp16 tensor is
-        written in the same pass, an fp32 one by a copy); it is not called for a sub-group whose master is the
-        parameter shard itself (`master_in`). Sub-groups that got no gradient since the last step step with
-        zeros, as torch's AdamW does for a parameter whose grad is zero. `clip` (an fp32 scalar below 1, or
-        None) multiplies the gradient first, as torch.nn.utils.clip_grad_norm_ does, so clipping rounds alike;
-        `grad_scale` (1 / loss scale) is folded into the Adam pass. `read_ahead`: before stepping each
-        sub-group, ask for the next ones' state, as far as the prefetch allowance holds (where the swap
-        manager's trace does not cover these fetches); `on_done(sg)` is called as each sub-group's weights are
-        written."""
-        for i, sg in enumerate(self.sub_groups):
+             on_done: Callable[[SubGroup], None] | None = None, sub_groups: list[SubGroup] | None = None) -> None:
+        """One Adam step of every sub-group (or of `sub_groups`, in order), with `groups[sg.group]`'s
+        hyperparameters (see `step_sub_group`). `read_ahead`: before stepping each sub-group, ask for the next
+        ones' state, as far as the prefetch allowance holds (where the swap manager's trace does not cover these
+        fetches); `on_done(sg)` is called as each sub-group's weights are written."""
+        order = self.sub_groups if sub_groups is None else sub_groups
+        for i, sg in enumerate(order):
             if read_ahead:
-                self.swap.prefetch(self._ahead(i + 1), self.work_tier)
-            hyper = groups[sg.group]
-            with contextlib.ExitStack() as stack:
-                # The grad is spent after the step: dropped unwritten, the next accumulation overwrites it; a
-                # fresh one (no gradient since the last step) is zeros, nothing to read.
-                master, grad, exp_avg, exp_avg_sq = (
-                    stack.enter_context(self.held(sg, part, dirty=part != "grad", discard=part == "grad",
-                                                  overwrite=part == "grad" and sg.grad_fresh))
-                    for part in ("master", "grad", "exp_avg", "exp_avg_sq"))
-                if grad.dtype != torch.float32:
-                    grad = self._in_fp32(grad)
-                if sg.grad_fresh:
-                    grad.zero_()
-                elif clip is not None:
-                    grad.mul_(clip.to(grad.device))
-                beta1, beta2 = hyper["betas"]
-                options = dict(lr=hyper["lr"], beta1=beta1, beta2=beta2, eps=hyper["eps"],
-                               weight_decay=hyper["weight_decay"])
-                tensors = (master, grad, exp_avg, exp_avg_sq)
-                # A master that is the parameter shard itself is updated in place: there is nothing to write out.
-                with contextlib.nullcontext() if sg.master_in is not None else output(sg) as out:
-                    low_precision = out is not None and out.dtype in (torch.bfloat16, torch.float16)
-                    low = out if low_precision and not out.is_cuda else None
-                    if master.is_cuda:  # optimizer state kept on the GPU (offload_optimizer none)
-                        torch_fused_step(*tensors, step=step, decoupled=hyper["decoupled"], grad_scale=grad_scale,
-                                         **options)
-                    else:
-                        adam_step(*tensors, step=step, decoupled=hyper["decoupled"], grad_scale=grad_scale,
-                                  out=low, threads=self.threads, **options)
-                    if out is not None and low is None:
-                        out.copy_(master)
-            sg.grad_fresh = True
-            sg.norms = None
+                self.swap.prefetch(self._ahead(order[i + 1:]), self.work_tier)
+            self.step_sub_group(sg, groups[sg.group], step, grad_scale, clip, output)
             if on_done is not None:
                 on_done(sg)
 
-    def _ahead(self, first: int) -> list[str]:
-        """The segments the step reads from sub-group `first` on, as many as the swap manager's prefetch
-        allowance holds (those that find no room yet start as room frees): a deep queue keeps the disk busy.
-        At most half the work tier's budget: the rest is the room of the sub-group stepping and its output, or
-        a fetch would take back what was read ahead, to be read again."""
+    def step_sub_group(self, sg: SubGroup, hyper: dict, step: int, grad_scale: float, clip: torch.Tensor | None,
+                       output: Callable[[SubGroup], ContextManager[torch.Tensor]], *, keep_grad: bool = False) -> None:
+        """One Adam step of `sg` with the hyperparameters `hyper`; `output(sg)` is a context manager giving
+        where the updated weights go in the compute dtype (a bf16/fp16 tensor is written in the same pass, an
+        fp32 one by a copy); it is not called for a sub-group whose master is the parameter shard itself
+        (`master_in`). A sub-group that got no gradient since the last step steps with zeros, as torch's AdamW
+        does for a parameter whose grad is zero. `clip` (an fp32 scalar below 1, or None) multiplies the
+        gradient first, as torch.nn.utils.clip_grad_norm_ does, so clipping rounds alike; `grad_scale` (1 / loss
+        scale) is folded into the Adam pass. The gradient is spent after the step and dropped unwritten, unless
+        `keep_grad` (a speculative step: a roll back re-steps with it), which leaves its bytes and the sub-group's
+        gradient bookkeeping as they were."""
+        with contextlib.ExitStack() as stack:
+            # A spent grad is dropped unwritten, the next accumulation overwrites it; a fresh one (no gradient
+            # since the last step) is zeros, nothing to read.
+            spend = not keep_grad
+            master, grad, exp_avg, exp_avg_sq = (
+                stack.enter_context(self.held(sg, part, dirty=part != "grad", discard=part == "grad" and spend,
+                                              overwrite=part == "grad" and sg.grad_fresh))
+                for part in ("master", "grad", "exp_avg", "exp_avg_sq"))
+            if grad.dtype != torch.float32 or (keep_grad and grad_scale != 1.0):
+                grad = self._in_fp32(grad)  # a scale != 1 is stored back into the grad by the kernel
+            if sg.grad_fresh:
+                grad.zero_()
+            elif clip is not None:
+                grad.mul_(clip.to(grad.device))
+            beta1, beta2 = hyper["betas"]
+            options = dict(lr=hyper["lr"], beta1=beta1, beta2=beta2, eps=hyper["eps"],
+                           weight_decay=hyper["weight_decay"])
+            tensors = (master, grad, exp_avg, exp_avg_sq)
+            # A master that is the parameter shard itself is updated in place: there is nothing to write out.
+            with contextlib.nullcontext() if sg.master_in is not None else output(sg) as out:
+                low_precision = out is not None and out.dtype in (torch.bfloat16, torch.float16)
+                low = out if low_precision and not out.is_cuda else None
+                if master.is_cuda:  # optimizer state kept on the GPU (offload_optimizer none)
+                    torch_fused_step(*tensors, step=step, decoupled=hyper["decoupled"], grad_scale=grad_scale,
+                                     **options)
+                else:
+                    adam_step(*tensors, step=step, decoupled=hyper["decoupled"], grad_scale=grad_scale,
+                              out=low, threads=self.threads, **options)
+                if out is not None and low is None:
+                    out.copy_(master)
+            if keep_grad:  # most likely never read again (the step commits): not written behind
+                self.swap.expect_overwrite(sg.place("grad")[0])
+        if spend:
+            self.spent(sg)
+
+    def spent(self, sg: SubGroup) -> None:
+        """`sg`'s gradient was applied: the next accumulation starts afresh."""
+        sg.grad_fresh = True
+        sg.norms = None
+
+    def _ahead(self, order: list[SubGroup]) -> list[str]:
+        """The segments stepping `order` reads, as many as the swap manager's prefetch allowance holds (those
+        that find no room yet start as room frees): a deep queue keeps the disk busy. At most half the work
+        tier's budget: the rest is the room of the sub-group stepping and its output, or a fetch would take back
+        what was read ahead, to be read again."""
         config = self.swap.config
         budget = config.host_budget if self.work_tier == "host" else config.device_budget
         limit = config.prefetch_bytes if budget is None else min(config.prefetch_bytes, budget // 2)
         names, nbytes = [], 0
-        for sg in self.sub_groups[first:]:
+        for sg in order:
             for part in STATE_PARTS + (() if sg.grad_fresh else ("grad",)):
                 name = sg.place(part)[0]
                 if name in names:  # a master that is the unit's parameter shard, shared by its sub-groups

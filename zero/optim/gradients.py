@@ -15,6 +15,7 @@ from ..comm import DataParallel
 from ..counters import StepCounters
 from ..params.unit import Unit
 from .driver import AdamDriver, SubGroup
+from .speculative_step import SpeculativeStep
 
 COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -22,10 +23,12 @@ COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloa
 class Gradients:
     def __init__(self, *, driver: AdamDriver, dp: DataParallel, counters: StepCounters, sharded: bool,
                  reduce_scatter: bool, param_order: dict[int, int], largest_unit: int, prescale: bool,
-                 predivide_factor: float, communication_data_type: str | None):
+                 predivide_factor: float, communication_data_type: str | None,
+                 speculation: SpeculativeStep | None = None):
         """`sharded`: each rank keeps optimizer state for its shard only (stage 1 on); `reduce_scatter`: the
         reduction leaves each rank its shard only (stage 2 on); `param_order`: id(param) -> its place in
-        the model; `largest_unit`: the largest unit's padded element count (the scratch buffers' size)."""
+        the model; `largest_unit`: the largest unit's padded element count (the scratch buffers' size);
+        `speculation`: where a unit whose gradient is complete goes to be stepped during the backward."""
         self.driver = driver
         self.dp = dp
         self.counters = counters
@@ -37,6 +40,7 @@ class Gradients:
         # by gradient_predivide_factor before it and by world_size / factor after it.
         self.predivide = dp.world_size if prescale else predivide_factor
         self.comm_dtype = COMM_DTYPES.get(communication_data_type)
+        self.speculation = speculation
         self._scratches: dict[str, torch.Tensor] = {}
 
     def reduce(self, unit: Unit) -> bool:
@@ -61,9 +65,14 @@ class Gradients:
         if shard.dtype != torch.float32 or shard.device != device:  # cast to fp32 once, into reused memory
             shard = self._scratch("fp32", shard.numel(), torch.float32, device).copy_(shard)
         last = self.counters.at_boundary()  # this step's gradient is complete after this add
+        early = last and self.speculation is not None and self.speculation.running
+        if self.speculation is not None:
+            self.speculation.touch(unit.sub_groups)
         for sg in unit.sub_groups:
             self.driver.accumulate(sg, shard.narrow(0, sg.offset, sg.numel),
-                                   self.pieces(unit, sg) if last else None)
+                                   self.pieces(unit, sg) if last else None, fetch_soon=early)
+        if early:
+            self.speculation.submit(unit.sub_groups)
         return last
 
     def norm(self, units: list[Unit]) -> torch.Tensor:

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from tiering import Handle, SwapManager, Tier
 
 from ..comm import DataParallel
-from ..optim.driver import AdamDriver
+from ..optim.driver import AdamDriver, SubGroup
 from ..optim.gradients import Gradients
 from .flat_unit import FlatUnit
 from .materialize import Materializer, host_empty
@@ -45,18 +45,21 @@ class PartitionedPlacement(Placement):
     sharded = True
 
     def __init__(self, *, swap: SwapManager, dp: DataParallel, device: torch.device, shard_tier: Tier,
-                 gradients: Gradients | None, wait_for_update: Callable[[int], None] | None = None):
+                 gradients: Gradients | None, wait_for_update: Callable[[int], None] | None = None,
+                 update_pending: Callable[[int], bool] | None = None):
         """`shard_tier`: where a shard is fetched to for gathering (host when it rests on host or nvme, the
         gather copying it to the device; device when it rests there). `gradients`: where each unit's gradient
         goes once its backward is done; None for inference (no backward hooks). `wait_for_update(index)`:
         returns once unit `index`'s shard holds the last optimizer step's values (overlap_step: a step may
-        still run)."""
+        still run; a speculative step not yet validated is abandoned). `update_pending(index)`: whether
+        `wait_for_update(index)` would wait or abandon (a prefetch then leaves the unit)."""
         self.swap = swap
         self.dp = dp
         self.device = device
         self.shard_tier = shard_tier
         self.gradients = gradients
         self.wait_for_update = wait_for_update or (lambda index: None)
+        self.update_pending = update_pending or (lambda index: False)
         self.units: list[Unit] = []
         self.model_hooks: list = []
         self._after: dict[tuple[bool, int], int] = {}
@@ -285,8 +288,8 @@ class PartitionedPlacement(Placement):
         unit = self.units[index]
         if unit.state is not UnitState.RELEASED or not self._room_for(unit):
             return
-        if self.swap.moving(unit.segment):
-            return  # its fetch would wait for that move here, before this unit computes: its gather will
+        if self.swap.moving(unit.segment) or self.update_pending(index):
+            return  # its fetch (or its update) would be waited for here, before this unit computes: its gather will
         self.wait_for_update(index)
         self._prefetch(unit)
         self._ahead = unit
@@ -320,6 +323,10 @@ class PartitionedPlacement(Placement):
         for unit in self.units:
             if unit.state is UnitState.GATHERED:
                 unit.to("stepped")
+
+    def step_segment(self, sg: SubGroup) -> str | None:
+        unit = self.units[sg.unit]
+        return None if sg.master_in is not None else unit.segment  # a master in the shard writes it as state
 
     def adopt_full(self, unit: Unit) -> None:
         with self.shard(unit, write=True) as shard:

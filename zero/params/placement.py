@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 
 import torch
 
+from ..optim.driver import SubGroup
 from .unit import Unit
 
 
@@ -48,6 +50,19 @@ class Placement(ABC):
 
     def step_started(self) -> None:
         """An optimizer step runs on another thread (overlap_step): gathered units refill at their next gather."""
+
+    @contextlib.contextmanager
+    def step_output(self, sg: SubGroup) -> Iterator[torch.Tensor]:
+        """Where sub-group `sg`'s updated weights go: its slice of this rank's range of the unit's parameters,
+        as the placement holds them, written."""
+        # A unit's sub-groups step in one pass, in order, together covering its range: the first one's fetch
+        # needs no bytes, as the pass rewrites them all.
+        with self.shard(self.units[sg.unit], write=True, overwrite=sg.offset == 0) as shard:
+            yield shard.narrow(0, sg.offset, sg.numel)
+
+    def step_segment(self, sg: SubGroup) -> str | None:
+        """The swap manager's segment that `step_output(sg)` writes, if any (what a speculative step keeps)."""
+        return None
 
     def adopt_full(self, unit: Unit) -> None:
         """The values in the unit's (gathered) full buffer become the truth of this rank's range."""
