@@ -164,7 +164,8 @@ def test_fp16_overflow_while_betting_skips_the_step_and_halves_the_scale(tmp_pat
     data = batches(steps * accum)
     cfg = make_config(3, "nvme", accum=accum, clip=0.0, nvme_path=tmp_path, fp16={
         "enabled": True, "loss_scale": 0, "initial_scale_power": 12, "hysteresis": 1, "min_loss_scale": 1},
-        zero_optimization={"sub_group_size": SUB_GROUP, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}})
+        zero_optimization={"sub_group_size": SUB_GROUP, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}},
+        zero_tiering={"host_budget": "64MiB"})
     model = MODELS["gpt2"](0)
     engine, *_ = zero.initialize(model=model, config=cfg)
     scales, losses = [], []
@@ -175,8 +176,9 @@ def test_fp16_overflow_while_betting_skips_the_step_and_halves_the_scale(tmp_pat
     stats = engine.speculation.stats
     assert engine.skipped_steps == 1
     assert scales == [2.0 ** 12] * (overflow_step + 1) + [2.0 ** 11] * (steps - overflow_step - 1)
-    assert stats.rolled_back > 0 and stats.re_stepped == 0, "the overflowed bet is rolled back and not re-stepped"
-    assert stats.stepped_early > stats.rolled_back
+    # Whatever of the overflowed round the worker had stepped is rolled back (how much is a matter of timing),
+    # and none of it is stepped again: the step is skipped.
+    assert stats.re_stepped == 0 and stats.stepped_early > stats.rolled_back
     reference = MODELS["gpt2"](0)
     reference_losses = mixed_reference_train(reference, torch.float16, data, accum=accum, clip=0.0,
                                              loss_scales=scales, skip=[overflow_step])

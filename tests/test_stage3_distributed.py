@@ -31,12 +31,15 @@ from stage3_models import batches, engine_train, free_port, full_state, one_thre
 WORLD = 2
 STEPS, ACCUM, CLIP = 6, 2, 1.0
 
-CASES = {  # name: (model, offload device for params and optimizer, nvme directory per rank, overlap_step)
-    "llama-cpu": ("llama", "cpu", False, False),
-    "llama-nvme-shared-dir": ("llama", "nvme", False, False),
-    "llama-nvme-dir-per-rank": ("llama", "nvme", True, False),
+CASES = {  # name: (model, offload device for params and optimizer, nvme directory per rank, overlap_step,
+    #                speculative_step: None is its default, on here)
+    "llama-cpu": ("llama", "cpu", False, False, None),
+    "llama-nvme-shared-dir": ("llama", "nvme", False, False, None),
+    "llama-nvme-dir-per-rank": ("llama", "nvme", True, False, None),
     # The step on its own thread, every rank's gathers (all-gathers) on the training thread.
-    "llama-nvme-overlap-step": ("llama", "nvme", True, True),
+    "llama-nvme-overlap-step": ("llama", "nvme", True, True, None),
+    # Every sub-group stepped after the backward: what the speculative runs must equal bit for bit.
+    "llama-nvme-serial": ("llama", "nvme", True, False, False),
 }
 
 
@@ -49,17 +52,18 @@ def nvme_dir(root: str, name: str, rank: int) -> str:
 
 def train_case(name: str, micro: int, rank: int, root: str) -> dict:
     """Rank r of a two-rank run trains on row r of every global batch; a one-rank run (rank 0, micro 2) on both."""
-    model_name, device, _, overlap = CASES[name]
+    model_name, device, _, overlap, speculate = CASES[name]
     model = tiny_llama(0) if model_name == "llama" else own_gpt(0)
     config = stage3_config(device, device, nvme_path=nvme_dir(root, name, rank), accum=ACCUM, clip=CLIP, micro=micro,
-                           zero_tiering={"overlap_step": overlap})
+                           zero_tiering={"overlap_step": overlap, "speculative_step": speculate})
     engine, *_ = zero.initialize(model=model, config=config)
     try:
         data = [ids[rank * micro:(rank + 1) * micro] for ids in batches(STEPS * ACCUM)]
         losses = engine_train(engine, data)
         shards = [(u.flat.shard_numel, u.flat.padded_numel) for u in engine.units]
         return dict(state=full_state(engine), losses=losses, world=engine.dp.world_size, shards=shards,
-                    steps=engine.global_steps, norm=engine.get_global_grad_norm())
+                    steps=engine.global_steps, norm=engine.get_global_grad_norm(),
+                    speculation=None if engine.speculation is None else engine.speculation.stats)
     finally:
         engine.close()
 
@@ -116,3 +120,15 @@ def test_two_ranks_equal_one_rank(name, two_ranks, one_rank):
     for key, expected in single["state"].items():
         torch.testing.assert_close(ranks[0]["state"][key], expected, rtol=1e-5, atol=1e-7,
                                    msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_two_ranks_bet_together_and_equal_the_serial_step(two_ranks):
+    """The global norm decides every rank's bet alike (clipping 1.0 acts on some steps of this run): each rank
+    steps sub-groups early, rolls back the same ones, and ends bitwise where the serial two-rank run ends."""
+    for rank in range(WORLD):
+        speculative, serial = two_ranks[rank]["llama-nvme-dir-per-rank"], two_ranks[rank]["llama-nvme-serial"]
+        assert serial["speculation"] is None and speculative["speculation"].stepped_early > 0
+        assert speculative["losses"] == serial["losses"]
+        for key, value in serial["state"].items():
+            assert torch.equal(speculative["state"][key], value), f"rank {rank}: {key}"
+    assert two_ranks[0]["llama-nvme-dir-per-rank"]["speculation"] == two_ranks[1]["llama-nvme-dir-per-rank"]["speculation"]

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tiering import SwapManager, Tier
+from tiering.errors import fmt_bytes
 
 from .budgets import HOMES, grad_dtype, masters_are_params, swap_config
 from .comm import DataParallel, local_device
@@ -79,7 +80,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
                             grad_dtype=grad_dtype(cfg, dtype))
         counters = StepCounters(cfg.gradient_accumulation_steps)
         placement = None
-        if speculates(cfg, work_tier):
+        if speculates(cfg, work_tier, [flat for flat, _ in plan], dtype, swap.config.host_budget):
             # The placement is built below, with the gradient path that hands units to the speculation.
             speculation = SpeculativeStep(driver, swap, output=lambda sg: placement.step_output(sg),
                                           shard_of=lambda sg: placement.step_segment(sg))
@@ -157,21 +158,36 @@ def build_placement(model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], cf
                                    dtype=dtype, sharded=zo.stage >= 1, sub_group_size=zo.sub_group_size)
 
 
-def speculates(cfg: Config, work_tier: Tier) -> bool:
+def speculates(cfg: Config, work_tier: Tier, units: list[FlatUnit], dtype: torch.dtype, host_budget: int | None) -> bool:
     """Whether the optimizer steps during the backward (zero_tiering.speculative_step): where it is served,
-    stage 3 with the optimizer state and the parameters offloaded, unless turned off; turned on elsewhere it is
-    an error."""
+    stage 3 with the optimizer state and the parameters offloaded and a host budget of at least
+    `speculation_room` (the step's working set and the backward's at once, each with room to read ahead),
+    unless turned off; turned on where it cannot be served it is an error."""
     zo = cfg.zero_optimization
     asked = cfg.zero_tiering.speculative_step
-    served = zo.stage == 3 and work_tier == "host" and zo.offload_param.device != "none"
-    if asked and not served:
-        raise ConfigError("zero_tiering.speculative_step",
-                          "served with stage 3 and offload_optimizer and offload_param cpu or nvme only (below stage "
-                          "3 gradients are reduced after the backward, so there is nothing to step during it; "
-                          "without offload_optimizer the device steps; a shard resting on the device would need a "
-                          f"second copy there until validation); this config has stage {zo.stage}, offload_optimizer "
-                          f"{zo.offload_optimizer.device} and offload_param {zo.offload_param.device}", value=True)
-    return served and asked is not False
+    why = None
+    if not (zo.stage == 3 and work_tier == "host" and zo.offload_param.device != "none"):
+        why = ("served with stage 3 and offload_optimizer and offload_param cpu or nvme only (below stage 3 "
+               "gradients are reduced after the backward, so there is nothing to step during it; without "
+               "offload_optimizer the device steps; a shard resting on the device would need a second copy there "
+               f"until validation); this config has stage {zo.stage}, offload_optimizer "
+               f"{zo.offload_optimizer.device} and offload_param {zo.offload_param.device}")
+    elif host_budget is not None and host_budget < (room := speculation_room(cfg, units, dtype)):
+        why = (f"the host budget ({fmt_bytes(host_budget)}) must hold the step's working set and the backward's at "
+               f"once, each with room to read ahead: at least {fmt_bytes(room)} here (4 x (a sub-group's state "
+               "and gradient + the largest parameter shard)); raise zero_tiering.host_budget or lower sub_group_size")
+    if asked and why is not None:
+        raise ConfigError("zero_tiering.speculative_step", why, value=True)
+    return why is None and asked is not False
+
+
+def speculation_room(cfg: Config, units: list[FlatUnit], dtype: torch.dtype) -> int:
+    """Host bytes a speculative step needs beside the backward: 4 x (the largest sub-group's master, moments and
+    fp32 gradient + the largest parameter shard)."""
+    zo = cfg.zero_optimization
+    largest = max((u.shard_numel for u in units), default=0)
+    sub_group = min(largest, zo.sub_group_size or largest)
+    return 4 * (16 * sub_group + dtype.itemsize * largest)
 
 
 def waits_for_update(overlap: OverlappedStep | None, speculation: SpeculativeStep | None):

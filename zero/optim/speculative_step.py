@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiering import SwapManager
+from tiering import BudgetExceededError, SwapManager
 
 from .driver import STATE_PARTS, AdamDriver, SubGroup
 
@@ -62,6 +62,9 @@ class _Round:
     futures: list[Future] = field(default_factory=list)
     stop: bool = False
     """Set at validation when the bet failed: the worker steps no more sub-groups."""
+    no_room: bool = False
+    """A step found no room in the work tier beside the backward's buffers: the round is rolled back and every
+    sub-group steps at the boundary, when the backward has given its room back."""
 
 
 class SpeculativeStep:
@@ -125,7 +128,7 @@ class SpeculativeStep:
         valid = (rnd is not None and not clipped and not overflow and rnd.hyper == hyperparameters(groups)
                  and rnd.step == step and rnd.grad_scale == grad_scale)
         if rnd is not None:
-            self._finish(rnd, valid)
+            valid = self._finish(rnd, valid)
             rolled += 0 if valid else len(rnd.stepped)
         if not overflow:
             self.stats.re_stepped += rolled
@@ -150,6 +153,12 @@ class SpeculativeStep:
     # -- the worker ------------------------------------------------------------------------------------------
 
     def _run(self, rnd: _Round, sub_groups: list[SubGroup]) -> None:
+        try:
+            self._step_unit(rnd, sub_groups)
+        except BudgetExceededError:
+            rnd.stop = rnd.no_room = True
+
+    def _step_unit(self, rnd: _Round, sub_groups: list[SubGroup]) -> None:
         if rnd.stop or not self._keep(rnd, sub_groups):
             return  # no room for their kept state: they step at the boundary
         for sg in sub_groups:
@@ -190,9 +199,10 @@ class SpeculativeStep:
         rnd.kept.extend(kept)
         return True
 
-    def _finish(self, rnd: _Round, valid: bool) -> None:
-        """Stop the worker (when the bet failed), wait for it, then commit or roll back. The worker's error, if
-        any, is raised after the kept state was restored."""
+    def _finish(self, rnd: _Round, valid: bool) -> bool:
+        """Stop the worker (when the bet failed), wait for it, then commit or roll back (also where the worker
+        found no room); whether it committed. The worker's error, if any, is raised after the kept state was
+        restored."""
         rnd.stop = not valid
         error = None
         for future in rnd.futures:
@@ -200,8 +210,7 @@ class SpeculativeStep:
                 future.result()
             except BaseException as exc:
                 error = error or exc
-        if error is not None:
-            valid = False
+        valid = valid and error is None and not rnd.no_room
         self._order = list(rnd.submitted)
         self.stats.stepped_early += len(rnd.stepped)
         if valid:
@@ -217,3 +226,4 @@ class SpeculativeStep:
                 self.swap.restore(name)
         if error is not None:
             raise error
+        return valid

@@ -16,6 +16,10 @@ today's engine, with its terms measured on this machine or counted from the mode
   gradient's norm), so the I/O is added, at IO_EFFICIENCY of the disk's measured mixed rate, but for the
   parameter reads of units small enough for the prefetch budget and the backward's gradient writes
   (write-behind), which hide behind compute;
+  With the speculative step (zero_tiering.speculative_step, where it is served) the optimizer phase runs
+  inside the backward: the step is then the larger of the compute plus CPU-Adam's share of the last unit and
+  the forward plus all of the step's I/O, and the boundary's gradients are stepped while in host memory (not
+  written and read back);
 - nvme bytes: forward and backward read each parameter shard, backward writes each gradient, the step reads
   gradients and optimizer state and writes state and parameters back; the share of nvme-homed bytes that
   the host budget keeps cached (beyond its working window) moves no I/O.
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..budgets import HOMES, grad_dtype, masters_are_params, swap_config
+from ..initialize import speculates
 from ..comm import DataParallel
 from ..config import load_config
 from ..initialize import plan_units
@@ -197,9 +202,12 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     memory = accumulation * (copied * n / machine.copy_bytes + fresh / machine.fresh_bytes)
     compute = accumulation * flops / machine.matmul_flops * COMPUTE_OVERHEAD + memory
     adam = n / machine.adam_elements
+    speculative = speculates(cfg, "host" if state_home != "device" else "device", flats, dtype, budgets.host_budget)
     read_fb = 2 * params if param_home == "nvme" else 0
-    write_bwd = accumulation * grads if grad_home == "nvme" else 0
-    read_opt = (state + grads if state_home == "nvme" else 0) + (params if shared and param_home == "nvme" else 0)
+    # Speculating, the boundary's gradient is stepped while still in host memory: no write, no read back.
+    write_bwd = (accumulation - speculative) * grads if grad_home == "nvme" else 0
+    read_opt = ((state + (0 if speculative else grads) if state_home == "nvme" else 0)
+                + (params if shared and param_home == "nvme" else 0))
     write_opt = (state if state_home == "nvme" else 0) + (params if param_home == "nvme" else 0)
     moved = 1.0 - kept
     reads, writes = int(moved * (read_fb + read_opt)), int(moved * (write_bwd + write_opt))
@@ -213,6 +221,8 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     hidden = min(compute, behind / io_rate)
     optimizer = max(adam, opt_io)
     step = compute + fb_io - hidden + optimizer
+    if speculative:  # the optimizer phase inside the backward (a third of the compute is the forward)
+        step = max(compute + adam * largest / n, compute / 3 + fb_io + opt_io)
 
     prediction = Prediction(placement, config, tiers, peak_rss, device_peak, reads, writes, compute, optimizer,
                             fb_io + opt_io, step, host_budget)

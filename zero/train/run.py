@@ -16,7 +16,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from tqdm import tqdm
@@ -60,6 +60,9 @@ class StepReport:
     stall_s: float
     io_s: float
     bytes_moved: dict
+    speculation: dict | None = None
+    """The step's sub-groups stepped early, rolled back and re-stepped, and the bytes the roll backs restored
+    (zero_tiering.speculative_step); None where the step is serial."""
 
     @property
     def compute_s(self) -> float:
@@ -201,6 +204,7 @@ def held_out_loss(engine, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
 def train_step(engine, batches: Batches, step: int) -> StepReport:
     swap = engine.swap
     stall0, moved0 = swap.stats.stall_seconds, dict(swap.stats.bytes_moved)
+    bets0 = None if engine.speculation is None else asdict(engine.speculation.stats)
     start = time.perf_counter()
     losses = []
     for _ in range(engine.gradient_accumulation_steps):
@@ -218,13 +222,18 @@ def train_step(engine, batches: Batches, step: int) -> StepReport:
     end = time.perf_counter()
     io = swap.timeline.busy_seconds("nvme->host", "host->nvme", since=start)  # the disk busy, either way
     moved = {pair: n - moved0.get(pair, 0) for pair, n in swap.stats.bytes_moved.items()}
+    bets = None if bets0 is None else {key: n - bets0[key]
+                                       for key, n in asdict(engine.speculation.stats).items()}
     return StepReport(step=step, loss=sum(losses) / len(losses), step_s=end - start,
                       forward_backward_s=middle - start, optimizer_s=end - middle,
-                      stall_s=swap.stats.stall_seconds - stall0, io_s=io, bytes_moved=moved)
+                      stall_s=swap.stats.stall_seconds - stall0, io_s=io, bytes_moved=moved, speculation=bets)
 
 
 def summary_line(r: StepReport) -> str:
     moved = ", ".join(f"{pair} {fmt_bytes(n)}" for pair, n in sorted(r.bytes_moved.items()) if n)
     return (f"step {r.step}: loss {r.loss:.4f} | {r.step_s:.2f} s (fwd+bwd {r.forward_backward_s:.2f}, "
             f"optimizer {r.optimizer_s:.2f}) | compute {r.compute_s:.2f} s, I/O {r.io_s:.2f} s, "
-            f"stall {r.stall_s:.2f} s, overlap {100 * r.overlap:.0f}% | {moved}")
+            f"stall {r.stall_s:.2f} s, overlap {100 * r.overlap:.0f}% | {moved}" + (
+                "" if r.speculation is None else
+                f" | early {r.speculation['stepped_early']}, rolled back {r.speculation['rolled_back']}, re-stepped "
+                f"{r.speculation['re_stepped']} ({fmt_bytes(r.speculation['rollback_bytes'])} restored)"))
