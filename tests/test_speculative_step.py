@@ -198,7 +198,7 @@ def test_delayed_copies_give_the_same_bits(monkeypatch, tmp_path):
     clip, steps = CLIPS["some"], 5
     data = batches(steps)
     losses, state, stats, ref_losses, ref_state = train_both(
-        lambda: own_gpt(0), data, config("nvme", tmp_path, clip=clip, host_budget="1MiB"), accum=1, clip=clip)
+        lambda: own_gpt(0), data, config("nvme", tmp_path, clip=clip, host_budget="4MiB"), accum=1, clip=clip)
     assert losses == ref_losses
     assert_state_equal(state, ref_state)
     assert delayed.copies > 0 and delayed.reused == []
