@@ -88,16 +88,18 @@ def test_bitwise_equal_to_torch_whatever_the_bet(clipping, tier, accum, tmp_path
                                                              accum=accum, clip=clip)
     assert losses == ref_losses
     assert_state_equal(state, ref_state)
-    assert stats.stepped_early > 0
+    # A committed round has stepped every sub-group early; of a lost one, whatever the worker had stepped by the
+    # validation (a matter of timing) is rolled back and stepped again.
+    assert stats.rolled_back == stats.re_stepped
+    assert stats.rollback_bytes > 0 if stats.rolled_back else True
     if clipping == "never":
-        assert stats.rolled_back == 0 and stats.re_stepped == 0
-        assert stats.stepped_early % steps == 0, "every step bets and every sub-group steps early"
+        assert stats.rolled_back == 0
+        assert stats.stepped_early > 0 and stats.stepped_early % steps == 0, "every step bets and wins"
     elif clipping == "always":
         # The first step bets and loses; a step that clipped makes the next one not bet.
-        assert stats.rolled_back == stats.re_stepped == stats.stepped_early > 0
+        assert stats.rolled_back == stats.stepped_early
     else:
-        assert 0 < stats.rolled_back == stats.re_stepped < stats.stepped_early, "some bets hold, some are lost"
-    assert stats.rollback_bytes == 0 if stats.rolled_back == 0 else stats.rollback_bytes > 0
+        assert stats.stepped_early > stats.rolled_back, "some bets hold"
 
 
 @pytest.mark.parametrize("model", ["twice", "partly-unused"])
@@ -132,7 +134,7 @@ def test_reading_the_state_between_backward_and_step_rolls_the_bet_back(tmp_path
         between=lambda engine: seen.append(full_state(engine)))
     assert losses == ref_losses
     assert_state_equal(state, ref_state)
-    assert stats.stepped_early > 0 and stats.rolled_back == stats.stepped_early == stats.re_stepped
+    assert stats.rolled_back == stats.stepped_early == stats.re_stepped  # every round abandoned, none committed
     reference = own_gpt(0)
     before = {k: v.detach().clone() for k, v in reference.state_dict().items()}
     assert_state_equal(seen[0], before)  # the first read saw the initial weights, not a speculative step
@@ -202,7 +204,7 @@ def test_delayed_copies_give_the_same_bits(monkeypatch, tmp_path):
     assert losses == ref_losses
     assert_state_equal(state, ref_state)
     assert delayed.copies > 0 and delayed.reused == []
-    assert stats.stepped_early > 0 and stats.rolled_back > 0
+    assert stats.stepped_early > stats.rolled_back == stats.re_stepped
 
 
 # -- kill -9 in the middle of a bet --------------------------------------------------------------------------------

@@ -161,7 +161,7 @@ def build_placement(model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], cf
 def speculates(cfg: Config, work_tier: Tier, units: list[FlatUnit], dtype: torch.dtype, host_budget: int | None) -> bool:
     """Whether the optimizer steps during the backward (zero_tiering.speculative_step): where it is served,
     stage 3 with the optimizer state and the parameters offloaded and a host budget of at least
-    `speculation_room` (the step's working set and the backward's at once, each with room to read ahead),
+    `speculation_room` (the step's working set and the backward's at once),
     unless turned off; turned on where it cannot be served it is an error."""
     zo = cfg.zero_optimization
     asked = cfg.zero_tiering.speculative_step
@@ -174,20 +174,20 @@ def speculates(cfg: Config, work_tier: Tier, units: list[FlatUnit], dtype: torch
                f"{zo.offload_optimizer.device} and offload_param {zo.offload_param.device}")
     elif host_budget is not None and host_budget < (room := speculation_room(cfg, units, dtype)):
         why = (f"the host budget ({fmt_bytes(host_budget)}) must hold the step's working set and the backward's at "
-               f"once, each with room to read ahead: at least {fmt_bytes(room)} here (4 x (a sub-group's state "
-               "and gradient + the largest parameter shard)); raise zero_tiering.host_budget or lower sub_group_size")
+               f"once: at least {fmt_bytes(room)} here (2 x (a sub-group's state and gradient + the largest "
+               "parameter shard)); raise zero_tiering.host_budget or lower sub_group_size")
     if asked and why is not None:
         raise ConfigError("zero_tiering.speculative_step", why, value=True)
     return why is None and asked is not False
 
 
 def speculation_room(cfg: Config, units: list[FlatUnit], dtype: torch.dtype) -> int:
-    """Host bytes a speculative step needs beside the backward: 4 x (the largest sub-group's master, moments and
+    """Host bytes a speculative step needs beside the backward: 2 x (the largest sub-group's master, moments and
     fp32 gradient + the largest parameter shard)."""
     zo = cfg.zero_optimization
     largest = max((u.shard_numel for u in units), default=0)
     sub_group = min(largest, zo.sub_group_size or largest)
-    return 4 * (16 * sub_group + dtype.itemsize * largest)
+    return 2 * (16 * sub_group + dtype.itemsize * largest)
 
 
 def waits_for_update(overlap: OverlappedStep | None, speculation: SpeculativeStep | None):
