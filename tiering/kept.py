@@ -96,42 +96,36 @@ class Keeping:
     def restore(self, name: str) -> None:
         """Make the kept bytes the segment's again, dropping what was written since `keep` unwritten. The
         segment must be unpinned; a move under way is waited for."""
-        while True:
-            with self._lock:
-                seg = self._get(name)
-                kept = self._take_kept(seg, "restore")
-                if seg.pins:
-                    raise IllegalTransitionError(name, "restore", "unpinned", f"pinned {seg.pins} times")
-                pending = seg.move if seg.state.moving else None
-                if pending is None:
-                    seg.kept = None
-                    self._unprefetch(seg)
-                    self._drop_device(seg)
-                    seg.spent = False
-                    if kept.extent is not None:
-                        if seg.extent == kept.extent:
-                            self._cow_pending -= seg.nbytes
-                        elif seg.extent is not None:
-                            self.store.free(seg.extent)
-                        seg.extent, seg.checksum = kept.extent, kept.checksum
-                        if seg.state != Residency.NVME:
-                            seg.to("drop_host" if seg.state == Residency.HOST else "drop_device_to_nvme")
-                        self._drop_host(seg)
-                        seg.nvme_current = True
-                    elif kept.tier == "host":
-                        if seg.state != Residency.HOST:
-                            seg.to("claim_host" if seg.state == Residency.NVME else "drop_device_to_host")
-                        self._drop_host(seg)
-                        seg.host = kept.buffer
-                        seg.host_current = True
-                        seg.nvme_current = False
-                    else:  # a device copy: the lower ones hold older bytes, or none
-                        if seg.state != Residency.DEVICE:
-                            seg.to("claim_device" if seg.state == Residency.HOST else "claim_device_from_nvme")
-                        seg.device = kept.buffer
-                        seg.host_current = seg.nvme_current = False
-                    return
-            pending.wait()
+        def undo(seg: Segment) -> None:
+            kept = self._take_kept(seg, "restore")
+            seg.kept = None
+            self._unprefetch(seg)
+            self._drop_device(seg)
+            seg.spent = False
+            if kept.extent is not None:
+                if seg.extent == kept.extent:
+                    self._cow_pending -= seg.nbytes
+                elif seg.extent is not None:
+                    self.store.free(seg.extent)
+                seg.extent, seg.checksum = kept.extent, kept.checksum
+                if seg.state != Residency.NVME:
+                    seg.to("drop_host" if seg.state == Residency.HOST else "drop_device_to_nvme")
+                self._drop_host(seg)
+                seg.nvme_current = True
+            elif kept.tier == "host":
+                if seg.state != Residency.HOST:
+                    seg.to("claim_host" if seg.state == Residency.NVME else "drop_device_to_host")
+                self._drop_host(seg)
+                seg.host = kept.buffer
+                seg.host_current = True
+                seg.nvme_current = False
+            else:  # a device copy: the lower ones hold older bytes, or none
+                if seg.state != Residency.DEVICE:
+                    seg.to("claim_device" if seg.state == Residency.HOST else "claim_device_from_nvme")
+                seg.device = kept.buffer
+                seg.host_current = seg.nvme_current = False
+
+        self._when_settled(name, "restore", undo)
 
     def _take_kept(self, seg: Segment, action: str) -> Kept:
         if seg.kept is None:

@@ -21,6 +21,7 @@ from .errors import (
 from .eviction import DONE, Eviction, Kind, Outcome
 from .handle import Handle, completed, gather
 from .host_pool import HostBufferPool, HostPoolConfig
+from .intents import Intents
 from .kept import Keeping
 from .nvme_store import NvmeStore
 from .residency import TIER_ORDER, Residency, Tier
@@ -32,7 +33,7 @@ from .trace import Trace
 STALL_THRESHOLD_S = 1e-4  # an acquire shorter than this only did bookkeeping (the bytes were there)
 
 
-class SwapManager(Eviction, Keeping):
+class SwapManager(Eviction, Intents, Keeping):
     """Segments moved among tiers under hard budgets.
 
     The calls: `register` a segment with a home tier; `fetch` it to a tier (pins it there) or `acquire` it
@@ -265,42 +266,6 @@ class SwapManager(Eviction, Keeping):
         except TieringError:  # no room on nvme now: evicting it later writes it and reports the error
             return False
         return True
-
-    def expect_overwrite(self, name: str) -> None:
-        """Say that the next fetch of `name` will most likely overwrite it (a parameter shard the coming
-        optimizer step rewrites), so its bytes are likely read no more: where room is needed, a copy whose
-        bytes its home already holds is given up before any other, and prefetch along the trace does not read
-        it back. Only a hint: a copy not yet written home is kept and written as usual, so a fetch that reads
-        after all (a skipped step, a checkpoint) finds the current bytes. Lasts until the next fetch."""
-        with self._lock:
-            self._get(name).overwrite_expected = True
-
-    def expect_fetch(self, name: str) -> None:
-        """Say that `name` will be fetched again soon by a thread whose fetches are off the trace (a step
-        running during the backward), so the trace's far next use does not get it written early: write-behind
-        leaves it (room still evicts it if needed). Only a hint; lasts until the next fetch."""
-        with self._lock:
-            self._get(name).fetch_expected = True
-
-    def discard(self, name: str) -> None:
-        """Nobody needs the segment's bytes any more (as `release(discard=True)` says for a pinned one): its
-        copies above home are dropped unwritten and its next fetch must overwrite. It must be unpinned; a move
-        under way is waited for."""
-        while True:
-            with self._lock:
-                seg = self._get(name)
-                if seg.pins:
-                    raise IllegalTransitionError(name, "discard", "unpinned", f"pinned {seg.pins} times")
-                pending = seg.move if seg.state.moving else None
-                if pending is None:
-                    seg.spent = True
-                    self._unprefetch(seg)
-                    while seg.state.tier not in (None, seg.home):  # each step drops a copy unwritten
-                        if self._evict_step(seg, blocking=False).kind is not Kind.DONE:
-                            break
-                    return
-            with contextlib.suppress(TieringError):  # its bytes are not wanted: a failed move changes nothing
-                pending.wait()
 
     def evict(self, name: str) -> Handle:
         """Move the segment down to its home tier, writing back what lower tiers lack; frees its room above.
