@@ -29,6 +29,9 @@ def test_default_job_offloads_and_the_held_out_loss_falls(tmp_path, capsys):
     moved = run.reports[-1].bytes_moved
     assert moved.get("nvme->host", 0) > 0 and moved.get("host->nvme", 0) > 0, "offload did no work"
     assert "step 3: loss" in out and "overlap" in out
+    # stdout here is not a terminal: no progress-bar redraws, one line a step
+    assert "\r" not in out and [line.split(":")[0] for line in out.splitlines() if line.startswith("step ")] == [
+        f"step {n}" for n in range(4)]
     written = json.loads(summary.read_text())
     assert written["held_out_loss"] == [run.held_out_before, run.held_out_after]
     assert [s["step"] for s in written["steps"]] == [0, 1, 2, 3]

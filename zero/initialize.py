@@ -7,6 +7,7 @@ all of it to the engine. Every collaborator is passed in where it is made.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ from tiering.errors import fmt_bytes
 
 from .budgets import HOMES, grad_dtype, masters_are_params, swap_config
 from .comm import DataParallel, local_device
+from .compute_speed import SlowComputeWarning, dtype_speed, fast_alternative, slow_dtype_line
 from .config import Config, ConfigError, load_config
 from .counters import StepCounters
 from .engine import ZeroEngine
@@ -68,6 +70,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
         raise ConfigError("optimizer", "both the config and the call give an optimizer: keep one")
     zo = cfg.zero_optimization
     dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else torch.float32
+    speed = dtype_speed(dtype, device)
+    if speed.slow:
+        warnings.warn(slow_dtype_line(speed, device, fast_alternative(device), "the config"), SlowComputeWarning,
+                      stacklevel=2)
     groups = param_groups_from(model, model_parameters, optimizer, cfg)
     plan = plan_units(model, groups, dp)
     swap = SwapManager(swap_config(cfg, [flat for flat, _ in plan], dtype))

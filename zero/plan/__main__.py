@@ -22,6 +22,8 @@ from tiering.errors import fmt_bytes
 
 from ..config import ConfigError
 from ..report.bandwidth import DEFAULT_FIGURES, DiskFigures, load_figures
+from ..comm import local_device
+from ..compute_speed import dtype_speed, fast_alternative, slow_dtype_line
 from .machine import (Machine, adam_rate, gpu_memory, host_ram, matmul_rate, memory_rates, nvme_directory,
                       parse_memory)
 from .model_source import PlanInputError, load_model
@@ -74,10 +76,17 @@ def plan(args: argparse.Namespace, base_rss: int) -> dict:
         config = given_config(args)
         precision = placement_of(config).precision
     dtype = PRECISIONS[precision]
+    device = local_device()
+    speed = dtype_speed(dtype, device)
+    slow_line = None
+    if speed.slow:
+        slow_line = slow_dtype_line(speed, device, fast_alternative(device), f"precision {precision}")
+    # A slow dtype's rate is fp32's over its measured slowdown: timing its kernels at the model's width takes minutes.
+    rate = matmul_rate(shape.hidden, args.micro_batch * shape.seq_len, torch.float32 if speed.slow else dtype)
     machine = Machine(
         ram_bytes=parse_memory("--ram", args.ram) if args.ram else host_ram(),
         gpu_bytes=parse_memory("--gpu-memory", args.gpu_memory) if args.gpu_memory else gpu_memory(),
-        disk=disk, matmul_flops=matmul_rate(shape.hidden, args.micro_batch * shape.seq_len, dtype),
+        disk=disk, matmul_flops=rate / (speed.slowdown if speed.slow else 1.0),
         adam_elements=adam_rate(dtype), **dict(zip(("copy_bytes", "fresh_bytes"), memory_rates())))
     nvme_free = None
     if disk is not None:
@@ -97,6 +106,8 @@ def plan(args: argparse.Namespace, base_rss: int) -> dict:
     fitting = [p for p in predictions if p.fits]
     chosen = min(fitting, key=lambda p: (p.step_s, p.peak_rss_bytes)) if fitting else None
     if not args.json:
+        if slow_line:
+            print(slow_line)
         report(shape, machine, predictions, chosen)
     if chosen is not None and args.out:
         with open(args.out, "w") as f:
@@ -107,6 +118,7 @@ def plan(args: argparse.Namespace, base_rss: int) -> dict:
     rates = {key: getattr(machine, key) for key in ("ram_bytes", "gpu_bytes", "matmul_flops", "adam_elements",
                                                      "copy_bytes", "fresh_bytes")}
     return {**best.to_json(), "fits": chosen is not None, "explanation": explain(predictions, chosen),
+            "slow_compute": slow_line,
             "machine": {**rates, "disk": machine.disk and vars(machine.disk)},
             "placements": [p.to_json() for p in predictions]}
 

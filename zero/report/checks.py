@@ -16,6 +16,8 @@ import torch
 from tiering import NvmeStore, NvmeStoreConfig, TieringError, aligned_empty
 from tiering.engines import load_libaio
 from tiering.errors import EngineUnavailableError, fmt_bytes
+from ..comm import local_device
+from ..compute_speed import dtype_speed
 from ..optim.adam_math import kernel_choice
 
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")
@@ -65,6 +67,22 @@ def python_torch() -> list[Check]:
     cpus = len(os.sched_getaffinity(0))
     checks.append(Check("threads", "OK", f"torch uses {torch.get_num_threads()} threads; {cpus} CPUs for this process"))
     return checks
+
+
+def compute_dtypes() -> Check:
+    """Which 16-bit compute dtypes are fast on the device training will use, measured as the engine will run
+    them: a config asking for a slow one trains, but tens of times slower."""
+    device = local_device()
+    speeds = [dtype_speed(dtype, device) for dtype in (torch.bfloat16, torch.float16)]
+    found = f"on {device.type}: " + ", ".join(
+        f"{s.name} {s.slowdown:.1f}x fp32's matmul time ({'slow' if s.slow else 'fast'})" for s in speeds)
+    slow = [s.name for s in speeds if s.slow]
+    if not slow:
+        return Check("compute dtypes", "OK", found)
+    fast = [s.name for s in speeds if not s.slow] or ["fp32"]
+    return Check("compute dtypes", "WARN", found,
+                 f"train in {fast[0]} here (zero.train --dtype {fast[0]}); {' and '.join(slow)} configs are meant "
+                 "for a GPU")
 
 
 def cpu_adam() -> Check:
@@ -164,5 +182,5 @@ def stripes(paths: list[str]) -> list[Check]:
 def run_checks(nvme_path: str | list[str]) -> list[Check]:
     """Every check; with a list of directories (an nvme_path striped over several), the nvme ones for each."""
     paths = [nvme_path] if isinstance(nvme_path, str) else list(nvme_path)
-    return [*python_torch(), cpu_adam(), libaio(), *(c for path in paths for c in nvme(path)), *stripes(paths),
+    return [*python_torch(), compute_dtypes(), cpu_adam(), libaio(), *(c for path in paths for c in nvme(path)), *stripes(paths),
             *memory(), fio()]

@@ -7,15 +7,19 @@
 The model is built on the meta device and materialized unit by unit straight into the tiers. Data: the
 given text files, or the bytes of this Python's standard library sources, whose last 5% are held out: the
 loss on one held-out batch is printed before and after training. Each step prints loss, tokens/s and a
-summary: compute, I/O, stall and optimizer time, overlap, bytes per tier pair.
+summary: compute, I/O, stall and optimizer time, overlap, bytes per tier pair: under a progress bar on a
+terminal, one flushed line a step in a log. A compute dtype slow on this device (fp16 on most CPUs) is named
+before training and replaced by a fast one unless --dtype asks for it.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -23,11 +27,14 @@ from tqdm import tqdm
 
 from tiering.errors import fmt_bytes
 
+from ..comm import local_device
+from ..compute_speed import NAMES, SlowComputeWarning, dtype_speed, fast_alternative, slow_dtype_line
 from ..initialize import initialize
 from .corpus import Batches, default_corpus, split_held_out, text_files
 from .gpt import GPT, PRESETS, GPTConfig
 
 MiB = 1 << 20
+DTYPES = {name: dtype for dtype, name in NAMES.items()}
 
 DEFAULT_CONFIG = {
     "train_micro_batch_size_per_gpu": 4,
@@ -103,6 +110,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--summary-json", help="write the per-step reports here")
     parser.add_argument("--lr", type=float, help="peak learning rate (the optimizer's lr and the warmup's top)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=sorted(DTYPES),
+                        help="compute dtype, overriding the config's bf16/fp16 sections (default: the config's, "
+                             "unless it is slow on this device: then bf16 or fp32, with a line saying so)")
     return parser.parse_args(argv)
 
 
@@ -133,7 +143,37 @@ def load_ds_config(args: argparse.Namespace) -> dict:
         tiering["host_budget"] = args.host_budget
     if args.trace:
         tiering["trace_path"] = args.trace
+    if args.dtype:
+        set_dtype(config, DTYPES[args.dtype])
     return config
+
+
+def config_dtype(config: dict) -> torch.dtype:
+    """The compute dtype a DeepSpeed config asks for (`bfloat16` is bf16's old name)."""
+    if config.get("bf16", config.get("bfloat16", {})).get("enabled"):
+        return torch.bfloat16
+    return torch.float16 if config.get("fp16", {}).get("enabled") else torch.float32
+
+
+def set_dtype(config: dict, dtype: torch.dtype) -> None:
+    """Turn the config's precision sections to `dtype`, keeping their other settings (the fp16 loss scale)."""
+    config.pop("bfloat16", None)
+    config.setdefault("bf16", {})["enabled"] = dtype == torch.bfloat16
+    config.setdefault("fp16", {})["enabled"] = dtype == torch.float16
+
+
+def fast_compute(config: dict, args: argparse.Namespace, device: torch.device) -> str | None:
+    """Where the config's compute dtype is slow on `device` and --dtype did not ask for it, switch the config to
+    a fast one. Returns the line that says so (or that --dtype keeps the slow one), None where the dtype is fast."""
+    speed = dtype_speed(config_dtype(config), device)
+    if not speed.slow:
+        return None
+    instead = fast_alternative(device)
+    line = slow_dtype_line(speed, device, instead, f"--dtype {args.dtype}" if args.dtype else args.config)
+    if args.dtype:
+        return line + "; kept, as --dtype asks"
+    set_dtype(config, instead)
+    return line + f"; training in {NAMES[instead]}"
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:
@@ -152,14 +192,19 @@ def main(argv: list[str] | None = None) -> TrainRun:
     gpt_config = model_config(args)
     with torch.device("meta"):
         model = GPT(gpt_config)
-    engine, _, _, _ = initialize(model=model, config=config)
+    compute_line = fast_compute(config, args, local_device())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SlowComputeWarning)  # the line above says it, once
+        engine, _, _, _ = initialize(model=model, config=config)
     tokens, held = split_held_out(text_files(args.data) if args.data else default_corpus(), gpt_config.seq_len)
     micro = engine.config.train_micro_batch_size_per_gpu
     batches = Batches(tokens, micro, gpt_config.seq_len, args.seed + engine.dp.rank)  # each rank its own data
     held_batch = Batches(held, micro, gpt_config.seq_len, args.seed).next()
     swap = engine.swap
     main_rank = engine.dp.rank == 0  # under torchrun, rank 0 alone reports
-    say = print if main_rank else (lambda *args, **kwargs: None)
+    say = functools.partial(print, flush=True) if main_rank else (lambda *args, **kwargs: None)
+    if compute_line:
+        say(compute_line)
     say(f"model: {gpt_config.params / 1e6:.1f}M parameters, {gpt_config.n_layer} layers x {gpt_config.n_embd}; "
           f"training state {fmt_bytes(16 * gpt_config.params)} (fp32 master + Adam + grads), "
           f"stage {engine.stage}, compute {str(engine.compute_dtype).removeprefix('torch.')}")
@@ -169,7 +214,10 @@ def main(argv: list[str] | None = None) -> TrainRun:
     held_before = held_out_loss(engine, held_batch)
     reports = []
     tokens_per_step = engine.config.train_batch_size * gpt_config.seq_len
-    bar = tqdm(range(args.steps), unit="step", file=sys.stdout, dynamic_ncols=True, disable=not main_rank)
+    # A progress bar on a terminal; in a log (stdout not a terminal) its redraws would interleave with the step
+    # lines, so there each step is one flushed line and nothing else.
+    bar = tqdm(range(args.steps), unit="step", file=sys.stdout, dynamic_ncols=True,
+               disable=not (main_rank and sys.stdout.isatty()))
     for step in bar:
         reports.append(train_step(engine, batches, step))
         report = reports[-1]
@@ -178,7 +226,10 @@ def main(argv: list[str] | None = None) -> TrainRun:
             f"device {fmt_bytes(swap.device_tier.in_use)} host {fmt_bytes(swap.pool.in_use)}"
             + (f" nvme {fmt_bytes(swap.store.used_bytes)}" if swap.store else ""))
         if main_rank:
-            tqdm.write(summary_line(report))
+            if bar.disable:
+                say(summary_line(report))
+            else:
+                tqdm.write(summary_line(report))
     held_after = held_out_loss(engine, held_batch)
     say(f"held-out loss: {held_before:.4f} before training, {held_after:.4f} after {args.steps} steps")
     if args.summary_json and main_rank:
