@@ -229,6 +229,12 @@ def test_overlap_comm_defaults_like_deepspeed():
     assert not load_config(with_keys(MINIMAL, zero_optimization={"stage": 2})).zero_optimization.overlap_comm
 
 
+def test_collective_timeout_is_seconds_defaulting_to_ten_minutes():
+    assert load_config(MINIMAL).zero_tiering.collective_timeout == 600.0
+    timeout = load_config(with_keys(MINIMAL, zero_tiering={"collective_timeout": 7})).zero_tiering.collective_timeout
+    assert timeout == 7.0 and isinstance(timeout, float)
+
+
 def test_a_config_file_on_disk(tmp_path: Path):
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(with_keys(MINIMAL, zero_optimization={"stage": 2})))
@@ -268,6 +274,12 @@ BAD = [
     # out of range
     ("negative bucket", with_keys(MINIMAL, zero_optimization={"reduce_bucket_size": -1}), ConfigError,
      "zero_optimization.reduce_bucket_size", ">= 0"),
+    ("zero collective timeout", with_keys(MINIMAL, zero_tiering={"collective_timeout": 0}), ConfigError,
+     "zero_tiering.collective_timeout", "> 0"),
+    ("negative collective timeout", with_keys(MINIMAL, zero_tiering={"collective_timeout": -5}), ConfigError,
+     "zero_tiering.collective_timeout", "> 0"),
+    ("collective timeout as string", with_keys(MINIMAL, zero_tiering={"collective_timeout": "10s"}), ConfigError,
+     "zero_tiering.collective_timeout", "a number"),
     ("beta of 1", with_keys(MINIMAL, optimizer={"type": "AdamW", "params": {"betas": [0.9, 1.0]}}),
      ConfigError, "optimizer.params.betas", "[0, 1)"),
     ("zero loss-scale window", with_keys(MINIMAL, fp16={"enabled": True, "loss_scale_window": 0}),

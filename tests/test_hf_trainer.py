@@ -12,7 +12,9 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import re
+import signal
 import textwrap
 from pathlib import Path
 
@@ -126,6 +128,17 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
+class SignalAt(TrainerCallback):
+    """Sends this process SIGTERM at the end of optimizer step `step` (a scheduler preempting the job)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tolerance) -> None:
     assert a.keys() == b.keys()
     for name in a:
@@ -200,9 +213,15 @@ def gpt2_runs(tmp_path_factory):
         runs["resumed"] = ZeroTrainer(model=gpt2(), args=training_args(TrainingArguments, tmp / "resumed"),
                                       train_dataset=data, zero_config=config)
         runs["resumed"].train(resume_from_checkpoint=str(tmp / "interrupted" / "checkpoint-10"))
+        signalled = training_args(ZeroTrainingArguments, tmp / "signalled", zero_config=config, save_on_signal=True)
+        runs["signalled"] = ZeroTrainer(model=gpt2(), args=signalled, train_dataset=data, callbacks=[SignalAt(7)])
+        runs["signalled"].train()
+        runs["signalled"].close()
+        runs["continued"] = ZeroTrainer(model=gpt2(), args=signalled, train_dataset=data)
+        runs["continued"].train(resume_from_checkpoint=True)
         yield runs
     finally:
-        for name in ("whole", "interrupted", "resumed"):
+        for name in ("whole", "interrupted", "resumed", "signalled", "continued"):
             if name in runs:
                 runs[name].close()
 
@@ -253,6 +272,19 @@ def test_resume_from_checkpoint_continues_bitwise(gpt2_runs, tmp_path):
     loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "final")
     assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()  # tied again
     assert_same_tensors(loaded.state_dict(), final)
+
+
+def test_a_signal_saves_a_checkpoint_the_trainer_resumes_bitwise(gpt2_runs):
+    """SIGTERM during step 7 (ZeroTrainingArguments(save_on_signal=True)): checkpoint-7 is saved, training stops,
+    and train(resume_from_checkpoint=True) continues as the uninterrupted run, bit for bit."""
+    whole, signalled, continued = gpt2_runs["whole"], gpt2_runs["signalled"], gpt2_runs["continued"]
+    saved = sorted(p.name for p in Path(signalled.args.output_dir).glob("checkpoint-*"))
+    assert saved == ["checkpoint-7"] and signalled.state.global_step == 7 and max(losses(signalled)) == 7
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "the handler outlived training"
+    assert continued.state.global_step == STEPS
+    assert {s: loss for s, loss in losses(continued).items() if s > 7} == {
+        s: loss for s, loss in losses(whole).items() if s > 7}
+    assert_same_tensors(continued.engine.module_state_dict(), whole.engine.module_state_dict())
 
 
 class LoRALinear(nn.Module):

@@ -12,6 +12,7 @@ from .errors import (
     IllegalTransitionError,
     IOFailedError,
     NvmePathError,
+    NvmeSpaceError,
     PinnedMemoryError,
     StoreFullError,
     StoreRangeError,
@@ -22,15 +23,16 @@ from .extents import Extent, ExtentAllocator
 from .handle import Handle, completed, gather
 from .host_pool import HostBuffer, HostBufferPool, HostPoolConfig
 from .nvme_store import NvmeStore, NvmeStoreConfig
+from .nvme_room import check_room
 from .residency import Residency, Tier
 from .swap_config import SwapConfig
 from .swap_manager import SwapManager
 
 __all__ = [
     "AioConfig", "align_up", "aligned_empty", "ALIGNMENT", "AlignmentError", "BudgetExceededError",
-    "ChecksumMismatchError", "completed", "DeviceOutOfMemoryError", "DirectIOUnsupportedError",
+    "check_room", "ChecksumMismatchError", "completed", "DeviceOutOfMemoryError", "DirectIOUnsupportedError",
     "EngineUnavailableError", "Extent", "ExtentAllocator", "gather", "Handle", "HostBuffer", "HostBufferPool",
-    "HostPoolConfig", "IllegalTransitionError", "IOFailedError", "NvmePathError", "NvmeStore",
+    "HostPoolConfig", "IllegalTransitionError", "IOFailedError", "NvmePathError", "NvmeSpaceError", "NvmeStore",
     "NvmeStoreConfig", "PinnedMemoryError", "Residency", "StoreFullError", "StoreRangeError", "SwapConfig",
     "SwapManager", "Tier", "TieringConfigError", "TieringError",
 ]

@@ -5,6 +5,8 @@ its message, so a user can act on it without reading our code.
 """
 from __future__ import annotations
 
+import errno
+
 
 def fmt_bytes(n: int) -> str:
     """Human-readable size with a binary unit (errors and reports speak in these)."""
@@ -109,6 +111,16 @@ class StoreFullError(TieringError, OSError):
             f"cannot grow {path!r} from {fmt_bytes(size)} by {fmt_bytes(requested)}: "
             f"{err.strerror or err}",
         )
+
+
+class NvmeSpaceError(TieringError, OSError):
+    """The state homed on nvme cannot fit, found before any of it is written: too little free space in a
+    directory of nvme_path, or an nvme budget below it."""
+
+    def __init__(self, where: str, needed: int, limit: int, limit_is: str):
+        self.where, self.needed, self.limit = where, needed, limit
+        super().__init__(errno.ENOSPC, f"{where}: the state homed on nvme needs {fmt_bytes(needed)}, more than "
+                                       f"{limit_is.format(fmt_bytes(limit))}")
 
 
 class IOFailedError(TieringError, OSError):

@@ -61,6 +61,27 @@ def pin_memory(cfg: Config, cuda: bool | None = None) -> bool:
     return not asked or True in asked
 
 
+def nvme_segments(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, optimizer: bool = True) -> list[int]:
+    """Bytes of each segment the engine will home on nvme, in the order it registers them (per unit: its
+    parameter shard, then each sub-group's master, moments and gradient): what the store's room check adds up
+    before any of them is written."""
+    zo = cfg.zero_optimization
+    params_on_nvme = zo.stage == 3 and HOMES[zo.offload_param.device] == "nvme"
+    state_on_nvme = optimizer and HOMES[zo.offload_optimizer.device] == "nvme"  # the gradient is homed with it
+    masters = 0 if masters_are_params(cfg, dtype) else 1
+    sizes = []
+    for unit in units:
+        numel = unit.rank_range(zo.stage >= 1)[1]
+        if params_on_nvme:
+            sizes.append(dtype.itemsize * numel)
+        if state_on_nvme:
+            chunk = zo.sub_group_size or numel
+            for offset in range(0, numel, chunk):
+                n = min(chunk, numel - offset)
+                sizes += [4 * n] * (masters + 2) + [grad_dtype(cfg, dtype).itemsize * n]
+    return sizes
+
+
 def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, optimizer: bool = True) -> SwapConfig:
     """Tier budgets from the zero_tiering section; where unset, the host budget holds everything homed on
     the host plus a working window: the state of a few sub-groups, a few parameter shards, and (parameters

@@ -1,11 +1,14 @@
 """Collectives over flat tensors for the data-parallel ranks, with one rank needing no process group.
 
 `DataParallel.from_env()` joins the group torchrun describes (gloo on CPU, NCCL on GPU) or, with no
-WORLD_SIZE or WORLD_SIZE=1, stands alone: every collective is then the identity.
+WORLD_SIZE or WORLD_SIZE=1, stands alone: every collective is then the identity. A collective that fails
+because a peer rank died or stopped answering raises RankLostError, so a rank never outlives its job silently.
 """
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -22,22 +25,87 @@ def local_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+class RankLostError(RuntimeError):
+    """A collective failed because a peer rank died (its connection closed) or stopped answering (the
+    collective timed out). The group cannot be used again, so this rank stops too, saying what it knows:
+    `rank` and `world_size` (this rank's), `collective` (the DataParallel method) and `suspects` (the peer
+    ranks that may be lost: the other rank of two; empty where the backend's message cannot tell)."""
+
+    def __init__(self, message: str, *, rank: int, world_size: int, collective: str, suspects: tuple[int, ...]):
+        super().__init__(message)
+        self.rank, self.world_size, self.collective, self.suspects = rank, world_size, collective, suspects
+
+
+CLOSED = ("closed by peer", "reset by peer", "broken pipe", "remote process exited")
+TIMED_OUT = ("timed out", "timeout")
+"""Lowercase fragments of the backends' messages (gloo's, NCCL's) for a peer gone and for a peer silent."""
+
+def collective(method: Callable) -> Callable:
+    """Turn a backend's error for a lost peer, raised inside `method`, into RankLostError; other errors (a
+    misuse, a shape mismatch) pass unchanged. Costs a try on the way in, nothing else."""
+    @functools.wraps(method)
+    def run(self: DataParallel, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except RuntimeError as err:
+            lost = self.lost(method.__name__, err)
+            if lost is None:
+                raise
+            raise lost from err
+    return run
+
+
 class DataParallel:
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, *, timeout: float | None = None):
+        """`timeout`: seconds each collective waits, where zero set it when joining the group (for the message
+        when one times out); None for a group joined by the caller, whose own timeout rules."""
         self.group = group
+        self.timeout = timeout
         self.active = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if self.active else 1
         self.rank = dist.get_rank(group) if self.active else 0
 
+    @staticmethod
+    def world_size_to_join(join: bool = True) -> int:
+        """The world size `from_env` (join=True) or `DataParallel()` (join=False) will give, known before
+        joining: the config, which sets the batch sizes from it, is read first, as it holds the timeout."""
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size()
+        return int(os.environ.get("WORLD_SIZE", "1")) if join else 1
+
     @classmethod
-    def from_env(cls, device: torch.device) -> DataParallel:
-        """Join the process group torchrun set up in the environment, if there is more than one rank."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world > 1 and not dist.is_initialized():
+    def from_env(cls, device: torch.device, *, timeout: float) -> DataParallel:
+        """Join the process group torchrun set up in the environment, if there is more than one rank, with each
+        collective waiting at most `timeout` seconds for the others (zero_tiering.collective_timeout). A group
+        the caller initialized is used as it is, with its own timeout."""
+        if not dist.is_initialized() and cls.world_size_to_join() > 1:
             backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=timedelta(minutes=10))
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+            return cls(timeout=timeout)
         return cls()
 
+    def lost(self, name: str, err: RuntimeError) -> RankLostError | None:
+        """The RankLostError for `err` raised by collective `name`, or None where `err` is not a lost peer."""
+        text = str(err)
+        low = text.lower()
+        timed_out = any(s in low for s in TIMED_OUT)
+        if not (isinstance(err, dist.DistNetworkError) or timed_out or any(s in low for s in CLOSED)):
+            return None
+        suspects = tuple(r for r in range(self.world_size) if r != self.rank) if self.world_size == 2 else ()
+        who = f"rank {suspects[0]}" if suspects else f"a peer rank (of {self.world_size})"
+        if not timed_out:
+            why = "its connection closed: the process died or was killed"
+        elif self.timeout is not None:
+            why = f"no reply within {self.timeout:g} s, zero_tiering.collective_timeout"
+        else:
+            why = "no reply within the timeout of the caller's process group"
+        message = (f"rank {self.rank} of {self.world_size}: {name} failed: {who} stopped answering ({why}). This "
+                   f"rank stops too; checkpoints already saved are untouched. {dist.get_backend(self.group)} said: "
+                   f"{text}")
+        return RankLostError(message, rank=self.rank, world_size=self.world_size, collective=name,
+                             suspects=suspects)
+
+    @collective
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return tensor
@@ -49,6 +117,7 @@ class DataParallel:
         dist.all_reduce(tensor, group=self.group)
         return tensor
 
+    @collective
     def reduce_scatter_sum(self, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Sum `flat` (world_size equal shards) over ranks; `out` receives this rank's shard of the sum."""
         if self.world_size == 1:
@@ -59,6 +128,7 @@ class DataParallel:
         dist.reduce_scatter_tensor(out, flat, group=self.group)
         return out
 
+    @collective
     def all_gather(self, shard: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's `shard` into `out` (world_size x shard.numel() elements)."""
         if self.world_size == 1:
@@ -69,6 +139,7 @@ class DataParallel:
             dist.all_gather_into_tensor(out, shard, group=self.group)
         return out
 
+    @collective
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)

@@ -67,5 +67,5 @@ def fast_alternative(device: torch.device | str = "cpu") -> torch.dtype:
 def slow_dtype_line(speed: DtypeSpeed, device: torch.device | str, instead: torch.dtype, source: str) -> str:
     """The one line a user sees before training in a slow dtype: what was asked, its cost, what to use."""
     return (f"{speed.name} compute (from {source}) is slow on this {torch.device(device).type.upper()}: its matrix "
-            f"products take {speed.slowdown:.0f}x fp32's here (measured); use {NAMES[instead]} (--dtype "
-            f"{NAMES[instead]}); {speed.name} is meant for a GPU")
+            f"products take {speed.slowdown:.0f}x fp32's here (measured); use {NAMES[instead]}; {speed.name} is meant "
+            "for a GPU")

@@ -12,6 +12,8 @@ which brings them to the full buffers. Checkpoints read the engine through `coun
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 from collections.abc import Callable, Iterator
 from typing import Any, ContextManager, NamedTuple
 
@@ -24,7 +26,7 @@ from . import checkpoint
 from .comm import DataParallel
 from .config import Config
 from .counters import StepCounters
-from .optim.driver import STATE_PARTS, AdamDriver, SubGroup
+from .optim.driver import STATE_PARTS, AdamDriver
 from .optim.gradients import Gradients
 from .optim.loss_scaler import LossScaler
 from .optim.overlapped_step import OverlappedStep
@@ -32,6 +34,18 @@ from .optim.speculative_step import SpeculativeStep
 from .optim.param_groups import ZeroOptimizer
 from .params.placement import Placement
 from .params.unit import Unit
+from .preemption import SIGNALS, Preemption
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The step's gradient norm is nan or inf (a nan or inf loss, or an overflow) where no fp16 loss scaler
+    skips such steps: nothing of the step was applied; `step` is the optimizer step it would have been."""
+
+    def __init__(self, step: int, grad_norm: float, loss: float | None):
+        self.step, self.grad_norm, self.loss = step, grad_norm, loss
+        super().__init__(
+            f"step {step}: the gradient norm is {grad_norm} (the last micro-batch's loss: {loss}); nothing of this "
+            "step was applied. zero_tiering.nonfinite \"skip\" skips such steps and counts them (skipped_steps)")
 
 
 class StateTensor(NamedTuple):
@@ -75,6 +89,11 @@ class ZeroEngine(nn.Module):
         """Whether the next boundary speculates: the last step neither clipped nor overflowed."""
         self.stage = config.zero_optimization.stage
         self._last_grad_norm: float | None = None
+        self._last_loss: torch.Tensor | None = None
+        """The last micro-batch's loss, detached (read only to name a non-finite step: no sync per micro-batch)."""
+        self.preemption: Preemption | None = None
+        self._preemption_state: Callable[[], Any] | None = None
+        self._closed = False
 
     # -- DeepSpeed's counters ----------------------------------------------------------------------------------
 
@@ -97,6 +116,9 @@ class ZeroEngine(nn.Module):
     # -- the training loop's calls ---------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.preemption is not None and self.preemption.saved is not None:
+            self.close()  # saved at the last boundary on a signal; the loop has had its say about that step
+            raise SystemExit(0)
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
         return self.module(*args, **kwargs)
@@ -110,6 +132,7 @@ class ZeroEngine(nn.Module):
         self._finish_step()  # the gradients it accumulates into are the running step's to drop first
         if self.speculation is not None and self._bet and self.counters.at_boundary():
             self.speculation.begin(self.optimizer.param_groups, self.optimizer.step_count + 1, 1.0 / self.cur_scale)
+        self._last_loss = loss.detach()
         scaled = loss.float() / self.gradient_accumulation_steps
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
@@ -127,12 +150,22 @@ class ZeroEngine(nn.Module):
             self._optimizer_step()
         finally:
             self.swap.end_step()  # the trace of this step drives prefetch and eviction in the next
+        if self.preemption is not None and self.preemption.saved is None and self.preemption.requested(self.dp):
+            self._save_for_exit()
 
     def _optimizer_step(self) -> None:
         if self.overlap is not None:
             self.overlap.wait_all()
         grad_norm = self.gradients.norm(self.units)
-        overflow = self.loss_scaler is not None and not torch.isfinite(grad_norm).item()
+        finite = bool(torch.isfinite(grad_norm).item())  # the norm is every rank's: all agree
+        overflow = not finite and (self.loss_scaler is not None or self.config.zero_tiering.nonfinite == "skip")
+        if not finite and not overflow:
+            if self.speculation is not None:  # the early-stepped sub-groups go back to their state before it
+                self.speculation.settle(self.optimizer.param_groups, self.optimizer.step_count + 1, 1.0,
+                                        clipped=False, overflow=True)
+            self.driver.zero_grad()
+            loss = None if self._last_loss is None else self._last_loss.float().item()
+            raise NonFiniteLossError(self.counters.global_steps + 1, grad_norm.item(), loss)
         self.counters.global_steps += 1
         loss_scale = self.cur_scale
         clip = None
@@ -148,7 +181,8 @@ class ZeroEngine(nn.Module):
             self._bet = clip is None and not overflow
         if overflow:
             self.counters.skipped_steps += 1
-            self.loss_scaler.update(overflow=True)
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(overflow=True)
             self.driver.zero_grad()
             return
         self._last_grad_norm = grad_norm.item() / loss_scale
@@ -239,8 +273,34 @@ class ZeroEngine(nn.Module):
     def zero_grad(self) -> None:
         self.module.zero_grad(set_to_none=True)
 
+    def save_on_signal(self, save_dir: str | os.PathLike, client_state: Callable[[], Any] | None = None,
+                       signals: tuple[int, ...] = SIGNALS) -> None:
+        """On one of `signals` (SIGTERM, SIGUSR1) to any rank: at the next step boundary every rank saves a
+        checkpoint under `save_dir` (with `client_state()`, if given), rank 0 printing where; the next forward
+        closes the engine and exits with status 0 (so the loop still logs the step saved). Call it from the main
+        thread; load_checkpoint(save_dir) resumes."""
+        if self.preemption is not None:
+            self.preemption.close()
+        self.preemption = Preemption(save_dir, signals)
+        self._preemption_state = client_state
+
+    def _save_for_exit(self) -> None:
+        received = self.preemption.received
+        state = self._preemption_state() if self._preemption_state is not None else None
+        self.preemption.saved = self.save_checkpoint(self.preemption.save_dir, client_state=state)
+        if self.dp.rank == 0:
+            why = signal.Signals(received).name if received is not None else "a signal to another rank"
+            print(f"zero: {why}: saved a checkpoint at step {self.global_steps} to {self.preemption.saved}; "
+                  "exiting", flush=True)
+
     def close(self) -> None:
-        """Free every tier's buffers and remove the nvme store's file (after a step still running ends)."""
+        """Free every tier's buffers and remove the nvme store's file (after a step still running ends). A
+        second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.preemption is not None:
+            self.preemption.close()
         try:
             try:
                 if self.speculation is not None:

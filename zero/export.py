@@ -24,14 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import struct
 import sys
 
 import torch
 
+from .checkpoint.st_format import ALIASES_KEY, SAFETENSORS, header_bytes
+from .cli import add_debug_flag, run_command
 from .checkpoint.format import (
     AtomicFile,
-    CheckpointCorruptError,
     RecordReader,
     dtype_of,
     read_manifest,
@@ -39,15 +39,6 @@ from .checkpoint.format import (
     verify_files,
     write_atomic,
 )
-
-SAFETENSORS = "model.safetensors"
-ALIASES_KEY = "zero_tiering_aliases"
-ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-
 
 def export_plan(manifest: dict, reader: RecordReader) -> list[tuple[str, torch.dtype, list[int], tuple]]:
     """(name, dtype, shape, source) of every tensor written, in file order: unit slots (source ("unit", unit
@@ -61,22 +52,6 @@ def export_plan(manifest: dict, reader: RecordReader) -> list[tuple[str, torch.d
         out = torch.float32 if dtype.is_floating_point else dtype
         plan.append((name, out, list(record.shape), ("extra", name)))
     return plan
-
-
-def header_bytes(plan: list, metadata: dict[str, str]) -> bytes:
-    """The safetensors header for `plan`: JSON padded with spaces to a multiple of 8 bytes, after its
-    8-byte little-endian length."""
-    header: dict = {"__metadata__": metadata}
-    offset = 0
-    for name, dtype, shape, _ in plan:
-        if dtype not in ST_DTYPES:
-            raise CheckpointCorruptError("", f"{name!r} has dtype {dtype}, which safetensors cannot hold")
-        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
-        header[name] = {"dtype": ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
 
 
 def export_fp32(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, tag: str | None = None,
@@ -147,6 +122,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--tag", help="the checkpoint's tag (default: the one `latest` names)")
     parser.add_argument("--skip-verify", action="store_true",
                         help="do not check the files' checksums against the manifest first")
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
     path = export_fp32(args.ckpt_dir, args.out_dir, tag=args.tag, verify=not args.skip_verify)
     extra = " and config.json" if os.path.exists(os.path.join(args.out_dir, "config.json")) else ""
@@ -155,4 +131,4 @@ def main(argv: list[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    sys.exit(0 if run_command("zero.export", main) else 1)

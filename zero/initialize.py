@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiering import SwapManager, Tier
+from tiering import SwapManager, Tier, check_room
 from tiering.errors import fmt_bytes
 
-from .budgets import HOMES, grad_dtype, masters_are_params, swap_config
+from .budgets import HOMES, grad_dtype, masters_are_params, nvme_segments, swap_config
 from .comm import DataParallel, local_device
 from .compute_speed import SlowComputeWarning, dtype_speed, fast_alternative, slow_dtype_line
 from .config import Config, ConfigError, load_config
@@ -63,9 +63,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
     if source is None:
         raise ConfigError("config", "no config given: pass config='ds_config.json' or a dict")
     device = local_device()
-    dp = DataParallel.from_env(device) if dist_init_required is not False else DataParallel()
+    join = dist_init_required is not False
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-    cfg = load_config(source, world_size=dp.world_size, hidden_size=hidden)
+    cfg = load_config(source, world_size=DataParallel.world_size_to_join(join), hidden_size=hidden)
+    dp = DataParallel.from_env(device, timeout=cfg.zero_tiering.collective_timeout) if join else DataParallel()
     if cfg.optimizer is not None and optimizer is not None:
         raise ConfigError("optimizer", "both the config and the call give an optimizer: keep one")
     zo = cfg.zero_optimization
@@ -79,6 +80,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
     swap = SwapManager(swap_config(cfg, [flat for flat, _ in plan], dtype))
     driver = overlap = speculation = None
     try:
+        if swap.store is not None:  # a disk too small is one error now, before any byte is written
+            check_room(swap.store, nvme_segments(cfg, [flat for flat, _ in plan], dtype))
         state_home = HOMES[zo.offload_optimizer.device]
         work_tier: Tier = "device" if state_home == "device" else "host"
         grad_home: Tier = "nvme" if state_home == "nvme" else work_tier  # host holds no per-parameter bytes

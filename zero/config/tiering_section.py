@@ -49,5 +49,19 @@ class ZeroTieringSection(Section):
     shard resting on the device would need a second copy there); null: on where served; false: every sub-group
     steps after the backward."""
 
+    nonfinite: Literal["error", "skip"] = "error"
+    """What a step whose gradient norm is nan or inf does where no fp16 loss scaler handles it (bf16, fp32):
+    "error" raises NonFiniteLossError naming the step (nothing of it applied), "skip" drops its gradients and
+    counts it in skipped_steps, as an fp16 overflow is."""
+
     prefetch: bool = True
     """Prefetch segments along the recorded trace; false fetches each on demand (for debugging)."""
+
+    collective_timeout: float = setting(600.0, gt=0)
+    """Seconds a collective waits for the other ranks before this rank gives up with RankLostError (a rank that
+    died closes its connections and is noticed at once; this bounds the wait for one that hangs or whose host
+    vanished). Handed to torch.distributed.init_process_group where zero joins the group; a group the caller
+    initialized keeps its own timeout. With NCCL, torch's watchdog ends the process once it passes. 600 s, not
+    torch's 30 min (DeepSpeed's JSON has no such key): a lost rank frees the job's machines sooner, while the
+    longest wait a healthy rank sees (a peer saving a large checkpoint or reading its weights from disk) still
+    fits; raise it where those take longer."""

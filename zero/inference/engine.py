@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiering import SwapManager
+from tiering import SwapManager, check_room
 
-from ..budgets import HOMES, swap_config
+from ..budgets import HOMES, nvme_segments, swap_config
 from ..comm import DataParallel, local_device
 from ..config import ConfigError, load_config
 from ..initialize import plan_units
@@ -51,6 +51,8 @@ def init_inference(model: nn.Module, config: str | os.PathLike | Mapping | None 
     plan = plan_units(model, [{"params": list(model.parameters())}], DataParallel())
     swap = SwapManager(swap_config(cfg, [flat for flat, _ in plan], dtype, optimizer=False))
     try:
+        if swap.store is not None:
+            check_room(swap.store, nvme_segments(cfg, [flat for flat, _ in plan], dtype, optimizer=False))
         placement = PartitionedPlacement.build(
             model, plan, materialize=Materializer(model, PretrainedWeights(weights) if weights is not None else None),
             driver=None, param_home=HOMES[zo.offload_param.device], dtype=dtype, sub_group_size=0,

@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel, Trainer, TrainingArguments
+from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging
 
 from ..checkpoint.format import LATEST
@@ -68,6 +68,7 @@ from ..config import ConfigError, TrainingArgs, load_config
 from ..config.auto import resolve_auto
 from ..engine import ZeroEngine
 from ..initialize import initialize
+from ..preemption import Preemption
 from .weights import save_safetensors
 
 logger = logging.get_logger(__name__)
@@ -90,6 +91,12 @@ class ZeroTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "A DeepSpeed-format config (ds_config.json path or dict) for zero-tiering's engine. "
                           "`deepspeed=` is the same argument under the Trainer's name."},
+    )
+
+    save_on_signal: bool = field(
+        default=False,
+        metadata={"help": "On SIGTERM or SIGUSR1 (a scheduler's warning), save checkpoint-N in output_dir at the next "
+                          "step end and stop training; train(resume_from_checkpoint=True) continues from it."},
     )
 
     _VALID_DICT_FIELDS = [*TrainingArguments._VALID_DICT_FIELDS, "zero_config"]
@@ -138,6 +145,8 @@ class ZeroTrainer(Trainer):
         self.zero_weights = zero_weights
         self.engine: ZeroEngine | None = None
         super().__init__(model, args, *rest, **kwargs)
+        if getattr(self.args, "save_on_signal", False):
+            self.add_callback(SaveOnSignal(self))
         if self.args.max_steps > 0:  # every fact "auto" needs is known: report a bad config now, not in train()
             self._resolved_config(self.args.max_steps)
 
@@ -375,6 +384,28 @@ class ZeroTrainer(Trainer):
     def end(self) -> None:
         self.close()
         super().end()
+
+
+class SaveOnSignal(TrainerCallback):
+    """ZeroTrainingArguments(save_on_signal=True): a signal noted (zero/preemption.py) makes the step's end save
+    the Trainer's checkpoint-N (the engine's state in it, as any save) and stop training; every rank agrees on
+    the step, as the engine's own save_on_signal does."""
+
+    def __init__(self, trainer: ZeroTrainer):
+        self.trainer = trainer
+        self.preemption: Preemption | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.preemption = Preemption(args.output_dir)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.preemption.requested(self.trainer.engine.dp):
+            control.should_save = control.should_training_stop = True
+            if state.is_world_process_zero:
+                logger.warning(f"a signal: saving checkpoint-{state.global_step} in {args.output_dir} and stopping")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.preemption.close()
 
 
 class EngineOptimizer:

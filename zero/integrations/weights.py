@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..checkpoint.format import AtomicFile
 from ..checkpoint.layout import aliases, extras
-from ..export import ALIASES_KEY, SAFETENSORS, header_bytes
+from ..checkpoint.st_format import ALIASES_KEY, SAFETENSORS, header_bytes
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..export import ALIASES_KEY, SAFETENSORS, ST_DTYPES
+from ..checkpoint.st_format import ALIASES_KEY, SAFETENSORS, ST_DTYPES
 
 INDEX = "model.safetensors.index.json"
 DTYPES = {name: dtype for dtype, name in ST_DTYPES.items()}

@@ -27,7 +27,10 @@ from tqdm import tqdm
 
 from tiering.errors import fmt_bytes
 
+from ..cli import add_debug_flag
 from ..comm import local_device
+from ..checkpoint.format import CheckpointNotFoundError
+from ..config import ConfigError
 from ..compute_speed import NAMES, SlowComputeWarning, dtype_speed, fast_alternative, slow_dtype_line
 from ..initialize import initialize
 from .corpus import Batches, default_corpus, split_held_out, text_files
@@ -110,6 +113,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--summary-json", help="write the per-step reports here")
     parser.add_argument("--lr", type=float, help="peak learning rate (the optimizer's lr and the warmup's top)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save-dir", default="checkpoints",
+                        help="where checkpoints go: on SIGTERM or SIGUSR1 (a scheduler's warning) one is saved at the "
+                             "next step boundary and the job exits 0; and every --save-every steps")
+    parser.add_argument("--save-every", type=int, default=0, metavar="N", help="save a checkpoint every N steps")
+    parser.add_argument("--resume", metavar="auto|DIR",
+                        help="continue from the latest checkpoint in DIR (auto: in --save-dir, starting afresh "
+                             "where there is none yet)")
+    add_debug_flag(parser)
     parser.add_argument("--dtype", choices=sorted(DTYPES),
                         help="compute dtype, overriding the config's bf16/fp16 sections (default: the config's, "
                              "unless it is slow on this device: then bf16 or fp32, with a line saying so)")
@@ -119,7 +130,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def load_ds_config(args: argparse.Namespace) -> dict:
     if args.config:
         with open(args.config) as f:
-            config = json.load(f)
+            try:
+                config = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ConfigError("--config", f"{args.config} is not valid JSON: {exc}") from None
     else:
         config = json.loads(json.dumps(DEFAULT_CONFIG))
     zo = config.setdefault("zero_optimization", {})
@@ -173,7 +187,7 @@ def fast_compute(config: dict, args: argparse.Namespace, device: torch.device) -
     if args.dtype:
         return line + "; kept, as --dtype asks"
     set_dtype(config, instead)
-    return line + f"; training in {NAMES[instead]}"
+    return line + f"; training in {NAMES[instead]} (--dtype {speed.name} keeps {speed.name})"
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:
@@ -190,57 +204,83 @@ def main(argv: list[str] | None = None) -> TrainRun:
     torch.manual_seed(args.seed)
     config = load_ds_config(args)
     gpt_config = model_config(args)
+    tokens, held = split_held_out(text_files(args.data) if args.data else default_corpus(), gpt_config.seq_len)
     with torch.device("meta"):
         model = GPT(gpt_config)
     compute_line = fast_compute(config, args, local_device())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SlowComputeWarning)  # the line above says it, once
         engine, _, _, _ = initialize(model=model, config=config)
-    tokens, held = split_held_out(text_files(args.data) if args.data else default_corpus(), gpt_config.seq_len)
     micro = engine.config.train_micro_batch_size_per_gpu
     batches = Batches(tokens, micro, gpt_config.seq_len, args.seed + engine.dp.rank)  # each rank its own data
     held_batch = Batches(held, micro, gpt_config.seq_len, args.seed).next()
-    swap = engine.swap
     main_rank = engine.dp.rank == 0  # under torchrun, rank 0 alone reports
     say = functools.partial(print, flush=True) if main_rank else (lambda *args, **kwargs: None)
-    if compute_line:
-        say(compute_line)
-    say(f"model: {gpt_config.params / 1e6:.1f}M parameters, {gpt_config.n_layer} layers x {gpt_config.n_embd}; "
-          f"training state {fmt_bytes(16 * gpt_config.params)} (fp32 master + Adam + grads), "
-          f"stage {engine.stage}, compute {str(engine.compute_dtype).removeprefix('torch.')}")
-    say(f"tiers: device budget {fmt_bytes(swap.device_tier.budget) if swap.device_tier.budget else 'unlimited'}"
-          f" on {engine.device}, host budget {fmt_bytes(swap.pool.budget)}"
-          + (f", nvme {swap.store.path} ({swap.store.engine_reason})" if swap.store else ""))
-    held_before = held_out_loss(engine, held_batch)
-    reports = []
-    tokens_per_step = engine.config.train_batch_size * gpt_config.seq_len
-    # A progress bar on a terminal; in a log (stdout not a terminal) its redraws would interleave with the step
-    # lines, so there each step is one flushed line and nothing else.
-    bar = tqdm(range(args.steps), unit="step", file=sys.stdout, dynamic_ncols=True,
-               disable=not (main_rank and sys.stdout.isatty()))
-    for step in bar:
-        reports.append(train_step(engine, batches, step))
-        report = reports[-1]
-        bar.set_postfix_str(
-            f"loss {report.loss:.3f} | {tokens_per_step / report.step_s:,.0f} tok/s | "
-            f"device {fmt_bytes(swap.device_tier.in_use)} host {fmt_bytes(swap.pool.in_use)}"
-            + (f" nvme {fmt_bytes(swap.store.used_bytes)}" if swap.store else ""))
-        if main_rank:
-            if bar.disable:
-                say(summary_line(report))
-            else:
-                tqdm.write(summary_line(report))
-    held_after = held_out_loss(engine, held_batch)
-    say(f"held-out loss: {held_before:.4f} before training, {held_after:.4f} after {args.steps} steps")
-    if args.summary_json and main_rank:
-        with open(args.summary_json, "w") as f:
-            json.dump({"held_out_loss": [held_before, held_after],
-                       "steps": [vars(r) | {"compute_s": r.compute_s, "overlap": r.overlap} for r in reports]},
-                      f, indent=1)
-    engine.close()  # writes the Chrome trace when zero_tiering.trace_path is set
+    reports, held_before, held_after = [], None, None
+    try:  # whatever ends the run (the last step, a preemption's exit, an error) closes the engine
+        first = resume(engine, batches, args)
+
+        def data_state() -> dict:
+            return {"batches": batches.generator.get_state()}  # where the data stream is, for a resume
+
+        engine.save_on_signal(args.save_dir, client_state=data_state)
+        swap = engine.swap
+        if compute_line:
+            say(compute_line)
+        say(f"model: {gpt_config.params / 1e6:.1f}M parameters, {gpt_config.n_layer} layers x {gpt_config.n_embd}; "
+            f"training state {fmt_bytes(16 * gpt_config.params)} (fp32 master + Adam + grads), "
+            f"stage {engine.stage}, compute {str(engine.compute_dtype).removeprefix('torch.')}")
+        say(f"tiers: device budget {fmt_bytes(swap.device_tier.budget) if swap.device_tier.budget else 'unlimited'}"
+            f" on {engine.device}, host budget {fmt_bytes(swap.pool.budget)}"
+            + (f", nvme {swap.store.path} ({swap.store.engine_reason})" if swap.store else ""))
+        held_before = held_out_loss(engine, held_batch)
+        tokens_per_step = engine.config.train_batch_size * gpt_config.seq_len
+        # A progress bar on a terminal; in a log (stdout not a terminal) its redraws would interleave with the
+        # step lines, so there each step is one flushed line and nothing else.
+        bar = tqdm(range(first, args.steps), unit="step", file=sys.stdout, dynamic_ncols=True,
+                   disable=not (main_rank and sys.stdout.isatty()))
+        for step in bar:
+            reports.append(train_step(engine, batches, step))
+            report = reports[-1]
+            bar.set_postfix_str(
+                f"loss {report.loss:.3f} | {tokens_per_step / report.step_s:,.0f} tok/s | "
+                f"device {fmt_bytes(swap.device_tier.in_use)} host {fmt_bytes(swap.pool.in_use)}"
+                + (f" nvme {fmt_bytes(swap.store.used_bytes)}" if swap.store else ""))
+            if main_rank:
+                if bar.disable:
+                    say(summary_line(report))
+                else:
+                    tqdm.write(summary_line(report))
+            if args.save_every and (step + 1) % args.save_every == 0:
+                say(f"checkpoint: {engine.save_checkpoint(args.save_dir, client_state=data_state())}")
+        held_after = held_out_loss(engine, held_batch)
+        say(f"held-out loss: {held_before:.4f} before training, {held_after:.4f} after {args.steps} steps")
+    finally:
+        if args.summary_json and main_rank:
+            with open(args.summary_json, "w") as f:
+                json.dump({"held_out_loss": [held_before, held_after],
+                           "steps": [vars(r) | {"compute_s": r.compute_s, "overlap": r.overlap} for r in reports]},
+                          f, indent=1)
+        engine.close()  # writes the Chrome trace when zero_tiering.trace_path is set
     if args.trace:
         say(f"Chrome trace: {args.trace}")
     return TrainRun(reports, held_before, held_after)
+
+
+def resume(engine, batches: Batches, args: argparse.Namespace) -> int:
+    """Load the checkpoint --resume names, if any, with the data stream where it was; the first step to run."""
+    if not args.resume:
+        return 0
+    load_dir = args.save_dir if args.resume == "auto" else args.resume
+    if args.resume == "auto" and not os.path.exists(os.path.join(load_dir, "latest")):
+        return 0  # nothing saved yet: the first run of a job that may be preempted
+    path, state = engine.load_checkpoint(load_dir)
+    if path is None:
+        raise CheckpointNotFoundError(load_dir, "no `latest` there to resume from")
+    batches.generator.set_state(state["batches"])
+    if engine.dp.rank == 0:
+        print(f"resumed from {path} at step {engine.global_steps}", flush=True)
+    return engine.global_steps
 
 
 def held_out_loss(engine, batch: tuple[torch.Tensor, torch.Tensor]) -> float:

@@ -1,0 +1,107 @@
+"""Preemption: SIGTERM or SIGUSR1 (a scheduler's warning) makes the main job save a checkpoint at the next step
+boundary and exit 0 saying where; `--resume auto` continues from it, and the losses of the interrupted run and
+its continuation are bitwise the uninterrupted run's, on one rank and on two (the signal reaching one rank
+alone: the ranks agree at the boundary). A nan loss is a typed error naming the step, or a skipped step."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zero
+from zero.engine import NonFiniteLossError
+
+from conftest import REPO_ROOT, child_env
+from models import one_thread  # noqa: F401  (autouse fixture)
+from stage3_models import batches, free_port, stage3_config, tiny_gpt2
+
+STEPS = 6
+
+
+def job(tmp_path, name: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "zero.train", "--preset", "tiny", "--steps", str(STEPS), "--nvme-path",
+            str(tmp_path / f"nvme-{name}"), "--save-dir", str(tmp_path / "ckpt"), "--summary-json",
+            str(tmp_path / f"{name}.json"), *extra]
+
+
+def launch(argv: list[str], world: int, port: int) -> list[subprocess.Popen]:
+    """`world` ranks of the main job, started as torchrun starts them (no agent that would stop the others)."""
+    procs = []
+    for rank in range(world):
+        env = child_env() | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      cwd=REPO_ROOT))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen]) -> str:
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, f"exit {p.returncode}:\n{out}\n{err[-3000:]}"
+    return outs[0][0]
+
+
+def losses(tmp_path, name: str) -> list[float]:
+    return [s["loss"] for s in json.loads((tmp_path / f"{name}.json").read_text())["steps"]]
+
+
+@pytest.mark.parametrize("world, sig", [(1, signal.SIGTERM), (2, signal.SIGUSR1)])
+def test_a_signal_saves_at_the_boundary_and_the_resume_is_bitwise(tmp_path, world, sig):
+    whole = finish(launch(job(tmp_path, "whole", "--save-dir", str(tmp_path / "unused")), world, free_port()))
+    assert "held-out loss" in whole and not os.path.exists(tmp_path / "unused"), "no signal, nothing saved"
+
+    procs = launch(job(tmp_path, "first"), world, free_port())
+    for line in procs[0].stdout:  # rank 0 reports; the signal goes to the last rank alone
+        if line.startswith("step 1:"):
+            procs[-1].send_signal(sig)
+            break
+    rest, _ = procs[0].communicate(timeout=300)
+    finish(procs)
+    saved = [line for line in rest.splitlines() if line.startswith("zero: ")]
+    assert len(saved) == 1 and f"to {tmp_path / 'ckpt'}" in saved[0] and saved[0].endswith("; exiting")
+    assert (sig.name if world == 1 else "a signal to another rank") in saved[0]
+    first = losses(tmp_path, "first")
+    assert 2 <= len(first) < STEPS and f"saved a checkpoint at step {len(first)}" in saved[0]
+
+    out = finish(launch(job(tmp_path, "second", "--resume", "auto"), world, free_port()))
+    assert f"resumed from {tmp_path / 'ckpt'}/global_step{len(first)} at step {len(first)}" in out
+    assert first + losses(tmp_path, "second") == losses(tmp_path, "whole")
+
+
+def test_resume_auto_with_nothing_saved_starts_afresh(tmp_path):
+    finish(launch(job(tmp_path, "fresh", "--resume", "auto", "--steps", "1"), 1, free_port()))
+    assert len(losses(tmp_path, "fresh")) == 1
+
+
+@pytest.mark.parametrize("mode", ["error", "skip"])
+def test_a_nan_loss_is_named_or_skipped(tmp_path, mode):
+    config = stage3_config("nvme", "cpu", nvme_path=str(tmp_path))
+    config["zero_tiering"] = {"nonfinite": mode}
+    engine, *_ = zero.initialize(model=tiny_gpt2(), config=config)
+    try:
+        ids = batches(3)
+        for ok in ids[:1]:
+            engine.backward(engine(ok, labels=ok).loss)
+            engine.step()
+        before = {k: v.clone() for k, v in engine.module_state_dict().items()}
+        loss = engine(ids[1], labels=ids[1]).loss * float("nan")
+        engine.backward(loss)
+        if mode == "error":
+            with pytest.raises(NonFiniteLossError, match=r"step 2: the gradient norm is nan .*loss: nan"):
+                engine.step()
+        else:
+            engine.step()
+            assert engine.skipped_steps == 1
+        after = engine.module_state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before), "the bad step changed the weights"
+        engine.backward(engine(ids[2], labels=ids[2]).loss)  # training goes on from clean gradients
+        engine.step()
+        assert torch.isfinite(torch.tensor(engine.get_global_grad_norm()))
+    finally:
+        engine.close()

@@ -1,0 +1,43 @@
+"""How the command-line tools end on bad input: one line, `prog: what went wrong`, on stderr and exit status 1,
+never a traceback (argparse's own errors keep their usage line and status 2). Our typed errors name the problem
+and its numbers already; a traceback would bury that line. `--debug` keeps the traceback. An error that is not
+ours (a bug) keeps its traceback: that is what a bug report needs."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+from tiering import TieringError
+
+from .checkpoint.format import CheckpointError
+from .config import ConfigError
+
+T = TypeVar("T")
+USER_ERRORS = (TieringError, ConfigError, CheckpointError, json.JSONDecodeError, OSError)
+"""Bad input, a full disk, a corrupt file: what the user can fix. OSError: a missing or unreadable file named
+on the command line (a config, a data file)."""
+
+
+def add_debug_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true", help="on an error, print its traceback too")
+
+
+def run_command(prog: str, main: Callable[[list[str]], T], argv: list[str] | None = None,
+                errors: tuple[type[BaseException], ...] = ()) -> T:
+    """`main(argv)`, with our typed errors (and `errors`, a tool's own) turned into one line and exit status 1."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return main(argv)
+    except (*USER_ERRORS, *errors) as exc:
+        if "--debug" in argv:
+            raise
+        print(f"{prog}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        if "--debug" in argv:
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
