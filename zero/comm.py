@@ -10,6 +10,7 @@ import functools
 import os
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -137,6 +138,15 @@ class DataParallel:
             dist.all_gather(list(out.view(self.world_size, -1).unbind(0)), shard, group=self.group)
         else:
             dist.all_gather_into_tensor(out, shard, group=self.group)
+        return out
+
+    @collective
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (picklable), in rank order: the checkpoint's agreement among ranks."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     @collective

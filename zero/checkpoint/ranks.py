@@ -2,26 +2,14 @@
 raises, so no rank waits forever in a later collective."""
 from __future__ import annotations
 
-from typing import Any
-
-import torch.distributed as dist
-
 from ..comm import DataParallel
 from .format import CheckpointError
-
-
-def all_gather_object(dp: DataParallel, obj: Any) -> list[Any]:
-    if dp.world_size == 1:
-        return [obj]
-    out: list[Any] = [None] * dp.world_size
-    dist.all_gather_object(out, obj, group=dp.group)
-    return out
 
 
 def agree(dp: DataParallel, error: BaseException | None, what: str) -> None:
     """Every rank raises if any rank failed (its own error, or one naming the ranks that failed), so no rank
     waits forever in a later collective for a rank that gave up."""
-    failures = all_gather_object(dp, None if error is None else f"{type(error).__name__}: {error}")
+    failures = dp.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error
     failed = [(rank, text) for rank, text in enumerate(failures) if text is not None]

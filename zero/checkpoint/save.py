@@ -40,7 +40,7 @@ from .format import (
     write_atomic,
 )
 from .layout import aliases, extras, model_config, unit_layout
-from .ranks import agree, all_gather_object
+from .ranks import agree
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine
@@ -69,7 +69,7 @@ def check_boundary(engine: ZeroEngine) -> None:
 def check_tag(engine: ZeroEngine, tag: str) -> None:
     if not tag or tag in (".", "..", LATEST) or "/" in tag or "\\" in tag or tag.startswith("."):
         raise CheckpointError(f"checkpoint tag {tag!r} is not a plain directory name")
-    tags = all_gather_object(engine.dp, tag)
+    tags = engine.dp.all_gather_object(tag)
     if len(set(tags)) > 1:
         mode = str(engine.config.checkpoint.tag_validation).lower()
         message = f"ranks save under different tags: {tags}"
@@ -156,7 +156,7 @@ def save_checkpoint(engine: ZeroEngine, save_dir: str | os.PathLike, tag: Any = 
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it before raising
         error = exc
     agree(engine.dp, error, f"saving checkpoint {tag_dir!r}")
-    entries = all_gather_object(engine.dp, entry)
+    entries = engine.dp.all_gather_object(entry)
     if engine.dp.rank == 0:
         try:
             write_manifest(engine, save_dir, tag, tag_dir, entries, save_latest)
