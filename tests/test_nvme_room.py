@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,7 @@ from tiering.nvme_room import bytes_per_file
 from zero.budgets import nvme_segments
 from zero.config import load_config
 
-from conftest import REPO_ROOT, child_env
+from conftest import REPO_ROOT, child_env, mounted
 from models import one_thread  # noqa: F401  (autouse fixture)
 from stage3_models import stage3_config, tiny_gpt2
 
@@ -23,17 +24,10 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def small_disk(tmp_path):
+def small_disk():
     """A 64 MiB tmpfs: a real filesystem that fills (root may mount; elsewhere the tests skip)."""
-    path = tmp_path / "small"
-    path.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(path)], capture_output=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
+    with mounted("tmpfs", "size=64m") as path:
+        yield Path(path)
 
 
 def test_segments_go_whole_to_the_least_used_file(tmp_path):

@@ -17,7 +17,7 @@ from enum import Enum
 
 from .aligned import align_up
 from .checksum import checksum
-from .errors import BudgetExceededError
+from .errors import BudgetExceededError, StoreFullError
 from .handle import Handle, gather
 from .residency import Residency, Tier
 from .segment import Segment
@@ -69,7 +69,8 @@ class Eviction:
         up, whose state must not change under them). DONE: it fits now. WAIT: write-backs were started, wait
         and retry (with `wait=True` waited here, the lock released meanwhile, so only DONE comes back).
         BLOCKED: not blocking and only waiting would make room. Raises BudgetExceededError when even evicting
-        everything evictable cannot make room."""
+        everything evictable cannot make room, or the StoreFullError of a write-back where that is because the
+        disk under the store is full (a victim that cannot be written stays as it is; the next may still go)."""
         # What the copy takes from the budget: host buffers are whole 4 KiB pages.
         nbytes = self.device_tier.charge(seg.nbytes) if tier == "device" else align_up(max(seg.nbytes, 1))
         keep = (seg, *keep)
@@ -78,7 +79,7 @@ class Eviction:
             if short <= 0:
                 return DONE
             started: list[Handle] = []
-            blocked = None
+            blocked = full = None
             for victim in self._victims(tier, keep):
                 later = self.trace.next_use(victim.name)
                 if horizon is not None and later <= horizon and not self._expendable(victim, tier):
@@ -91,6 +92,9 @@ class Eviction:
                     outcome = self._evict_from(victim, tier, blocking, keep)
                 except BudgetExceededError as exc:
                     blocked = exc  # no room below for this one; the next victim may still do
+                    continue
+                except StoreFullError as exc:
+                    full = exc  # the disk is full: this one stays as it is; the next victim may still do
                     continue
                 match outcome.kind:
                     case Kind.DONE:
@@ -108,6 +112,8 @@ class Eviction:
                 return BLOCKED  # write-backs begun (if any) make room for a later try
             moving = [s.move for s in self.segments.values() if s.move is not None and s not in keep]
             if not started and not moving:
+                if full is not None:
+                    raise full  # the disk lacks the room, not the tier's budget: say so
                 raise BudgetExceededError(tier, int(self._budget(tier)), self._used(tier), nbytes, seg.name) from blocked
             pending = gather(started or moving[:1], f"room in {tier}")
             if not wait:

@@ -29,7 +29,8 @@ class NvmeStoreConfig:
     """Hard cap on the size of the store's files together, in bytes; None: as much as the filesystems give."""
 
     grow_step: int = 256 << 20
-    """A file grows (fallocate) by at least this many bytes when no free extent fits a request."""
+    """A file grows (fallocate) by this many bytes, or by what a request needs where that is more, when no free
+    extent fits it; on a disk with less than this left, by just what the request needs."""
 
     aio: AioConfig = field(default_factory=AioConfig)
     """I/O engine settings, for each file's engine."""

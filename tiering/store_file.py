@@ -20,6 +20,8 @@ from .stale import sweep as sweep_stale, this_host
 
 SWAP_SUFFIX = ".swap"
 SWAP_PREFIX = "zt-"
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+"""What a failed growth says when the filesystem (or a quota, or the file size limit) lacks the bytes."""
 
 
 def swap_file_name() -> str:
@@ -102,7 +104,7 @@ class StoreFile:
                 if room is not None and need > room:
                     return None
                 grow = max(need, self._grow_step)
-                self._grow(grow if room is None else min(grow, room))
+                self._grow(grow if room is None else min(grow, room), need)
                 extent = self._extents.allocate(nbytes)
             return extent
 
@@ -110,17 +112,22 @@ class StoreFile:
         with self._lock:
             self._extents.free(extent)
 
-    def _grow(self, grow: int) -> None:
+    def _grow(self, grow: int, need: int) -> None:
+        """Grow the file by `grow` bytes or, where the filesystem has no room for those, by just the `need` of
+        the request (a disk nearly full still holds what fits)."""
         old = self._extents.capacity
-        try:
-            os.posix_fallocate(self._fd, old, grow)
-        except OSError as exc:
-            if exc.errno == errno.EOPNOTSUPP:  # no fallocate here (ramfs, some network fs): sparse growth
-                os.ftruncate(self._fd, old + grow)
-            else:
+        for size in dict.fromkeys((grow, need)):
+            try:
+                os.posix_fallocate(self._fd, old, size)
+                break
+            except OSError as exc:
+                if exc.errno == errno.EOPNOTSUPP:  # no fallocate here (ramfs, some network fs): sparse growth
+                    os.ftruncate(self._fd, old + size)
+                    break
                 os.ftruncate(self._fd, old)  # give back a partial allocation
-                raise StoreFullError(self.path, grow, old, exc) from exc
-        self._extents.grow(old + grow)
+                if size == need or exc.errno not in NO_ROOM:
+                    raise StoreFullError(self.path, size, old, exc) from exc
+        self._extents.grow(old + size)
 
     # -- I/O ---------------------------------------------------------------------------------------------
 

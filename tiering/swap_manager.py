@@ -43,8 +43,9 @@ class SwapManager(Eviction, Intents, Keeping):
     with `overwrite=True`: no I/O moves bytes nobody will read. When a tier is full the segment needed farthest
     in the future per the trace is evicted (Belady), or the least recently used one before a trace exists; first
     of all a copy its user said it will overwrite next (`expect_overwrite`) once its home holds the bytes. If
-    nothing can go, BudgetExceededError says by how much. A user that writes a segment speculatively `keep`s
-    its bytes first and then `commit`s or `restore`s them (see kept.py).
+    nothing can go, BudgetExceededError says by how much, or StoreFullError that the disk under the store is
+    full (a copy that cannot be written there stays as it is; a prefetch then waits). A user that writes a
+    segment speculatively `keep`s its bytes first and then `commit`s or `restore`s them (see kept.py).
     `fetch` blocks only to wait for room or for a move of the same segment already under way; the move it
     starts runs in the background. Call `end_step()` at each step boundary: the first step records the trace.
     """
