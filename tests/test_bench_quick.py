@@ -1,5 +1,5 @@
 """The benchmarks' --quick modes run end to end and write their records (no speed thresholds: the machine is
-shared and noisy): bench/infer.py, bench/load.py, bench/adam_stream.py and bench/stream.py."""
+shared and noisy): bench/infer.py, bench/load.py, bench/adam_stream.py, bench/stream.py and bench/gpu_check.py."""
 from __future__ import annotations
 
 import json
@@ -55,3 +55,32 @@ def test_stream_bounds_each_step_by_fio_and_the_in_memory_step(tmp_path):
         assert abs(step["bound_s"] - max(result["in_memory_step_s"], moved / mixed)) < 1e-9
         assert 0 <= step["disk_idle"] <= 1 and step["vs_bound"] > 0
     assert sum(step["read_bytes"] for step in result["steps"]) > 0  # the quick model does stream through nvme
+
+
+def test_gpu_check_runs_on_cpu_and_says_what_it_skipped(tmp_path):
+    """bench/gpu_check.py with no GPU visible: parity runs on the CPU through the copy worker, the same losses
+    with every copy delayed; the GPU-only checks say skipped and why; the report is written."""
+    record_path = tmp_path / "x.json"
+    done = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "gpu_check.py"), "--quick", "--out",
+                           str(tmp_path), "--json", str(record_path), "--dir", str(tmp_path)],
+                          env=dict(child_env(), CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads(record_path.read_text())
+    checks = record["checks"]
+    assert record["passed"] and record["machine"]["device"] == "cpu (no CUDA)"
+    assert checks["cuda-marked tests"]["status"] == "skipped"
+    assert checks["profile of a streamed step"]["status"] == "skipped"
+    assert "cuda-marked tests — no CUDA" in record["skipped"]
+    assert any(line.startswith("torch.cuda.max_memory_allocated") and "no CUDA" in line for line in record["skipped"])
+    runs = checks["ZeRO-3 parity"]["runs"]
+    assert [r["run"] for r in runs] == ["cpu/cpu fp32", "cpu/cpu bf16", "nvme/nvme fp32", "nvme/nvme bf16"]
+    for run in runs:
+        assert run["device"] == "cpu" and run["delayed_copies"] > 0
+        assert run["delayed_losses"] == run["losses"] and run["delayed_equal"]
+    budgets = checks["budgets"]
+    assert budgets["status"] == "passed"
+    assert budgets["host_held_bytes"] <= budgets["host_budget_bytes"]
+    assert 0 < budgets["device_tier_peak_bytes"] <= budgets["device_budget_bytes"]
+    assert {r["system"] for r in checks["bench/train.py"]["runs"]} == {"torch", "ours-cpu", "ours-nvme"}
+    report = (tmp_path / "gpu_check.md").read_text()
+    assert "skipped: cuda-marked tests — no CUDA" in report and "## 2. ZeRO-3 parity: passed" in report
