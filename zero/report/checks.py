@@ -182,5 +182,5 @@ def stripes(paths: list[str]) -> list[Check]:
 def run_checks(nvme_path: str | list[str]) -> list[Check]:
     """Every check; with a list of directories (an nvme_path striped over several), the nvme ones for each."""
     paths = [nvme_path] if isinstance(nvme_path, str) else list(nvme_path)
-    return [*python_torch(), compute_dtypes(), cpu_adam(), libaio(), *(c for path in paths for c in nvme(path)), *stripes(paths),
-            *memory(), fio()]
+    return [*python_torch(), compute_dtypes(), cpu_adam(), libaio(), *(c for path in paths for c in nvme(path)),
+            *stripes(paths), *memory(), fio()]

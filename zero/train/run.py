@@ -27,11 +27,11 @@ from tqdm import tqdm
 
 from tiering.errors import fmt_bytes
 
+from ..checkpoint.format import CheckpointNotFoundError
 from ..cli import add_debug_flag
 from ..comm import local_device
-from ..checkpoint.format import CheckpointNotFoundError
-from ..config import ConfigError
 from ..compute_speed import NAMES, SlowComputeWarning, dtype_speed, fast_alternative, slow_dtype_line
+from ..config import ConfigError
 from ..initialize import initialize
 from .corpus import Batches, default_corpus, split_held_out, text_files
 from .gpt import GPT, PRESETS, GPTConfig
@@ -116,7 +116,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--save-dir", default="checkpoints",
                         help="where checkpoints go: on SIGTERM or SIGUSR1 (a scheduler's warning) one is saved at the "
                              "next step boundary and the job exits 0; and every --save-every steps")
-    parser.add_argument("--save-every", type=int, default=0, metavar="N", help="save a checkpoint every N steps")
+    parser.add_argument("--save-every", type=steps_arg, default=0, metavar="N",
+                        help="save a checkpoint every N steps (0: only on a signal)")
     parser.add_argument("--resume", metavar="auto|DIR",
                         help="continue from the latest checkpoint in DIR (auto: in --save-dir, starting afresh "
                              "where there is none yet)")
@@ -125,6 +126,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="compute dtype, overriding the config's bf16/fp16 sections (default: the config's, "
                              "unless it is slow on this device: then bf16 or fp32, with a line saying so)")
     return parser.parse_args(argv)
+
+
+def steps_arg(text: str) -> int:
+    """A count of steps, 0 or more (argparse names the flag and the value when this raises)."""
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
 
 
 def load_ds_config(args: argparse.Namespace) -> dict:
