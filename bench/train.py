@@ -30,8 +30,9 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 
-def ds_config(offload: str, nvme_path: str, micro_batch: int, lr: float = 1e-4) -> dict:
-    """The ds_config every system reads: ZeRO-3 with params and optimizer offloaded to `offload`."""
+def ds_config(offload: str, nvme_path: str, micro_batch: int, largest: int, lr: float = 1e-4) -> dict:
+    """The ds_config every system reads: ZeRO-3 with params and optimizer offloaded to `offload`. `largest`: the
+    model's largest parameter, in elements (DeepSpeed's nvme parameter buffers must hold it; ours ignore the key)."""
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
@@ -48,6 +49,7 @@ def ds_config(offload: str, nvme_path: str, micro_batch: int, lr: float = 1e-4) 
     if offload == "nvme":
         for section in ("offload_param", "offload_optimizer"):
             config["zero_optimization"][section]["nvme_path"] = nvme_path
+        config["zero_optimization"]["offload_param"]["buffer_size"] = max(100_000_000, largest)
         config["aio"] = {"block_size": 8 << 20, "queue_depth": 8, "single_submit": False, "overlap_events": True}
     return config
 
@@ -194,6 +196,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         have_deepspeed = True
     except ImportError:
         have_deepspeed = False
+    from zero.train.gpt import PRESETS
+
+    preset = PRESETS[args.preset.partition(":")[0]]  # NAME:LAYERS (bench/gpu_check.py): NAME cut to LAYERS blocks
+    largest = preset.vocab_size * preset.n_embd  # the embedding
     records = []
     with tempfile.TemporaryDirectory(dir=args.dir) as nvme_path:
         for system in args.systems.split(","):
@@ -201,7 +207,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 print(f"{system}: skipped (deepspeed is not installed)")
                 continue
             offload = "nvme" if "nvme" in system else "cpu"
-            config = ds_config(offload, nvme_path, args.micro_batch)
+            config = ds_config(offload, nvme_path, args.micro_batch, largest)
             record = run_child(args, system, config)
             if record is not None:
                 records.append(record)
@@ -225,8 +231,11 @@ def run_child(args: argparse.Namespace, system: str, config: dict) -> dict | Non
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        env.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                   LOCAL_RANK="0")
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        import torch
+
+        if not torch.cuda.is_available():
+            env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's CPU accelerator where there is no GPU
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     for line in result.stdout.splitlines():
         if line.startswith("RECORD "):
