@@ -71,7 +71,8 @@ def reference(make, data):
 @pytest.mark.parametrize("offload_param", ["cpu", "nvme"])
 def test_delayed_copies_fill_every_unit_with_its_own_bytes(offload_param, monkeypatch, tmp_path):
     """Optimizer state on nvme, parameters on nvme under a host budget of three parameter shards (3 x 53,248
-    bytes, and a little; parameters on host: all of them, homed there), and each optimizer step on its thread
+    bytes, and a little, plus the gradients' two staging buffers of a sub-group; parameters on host: all of
+    them, homed there), and each optimizer step on its thread
     while the next forward runs (overlap_step): the step's reads and writes take host buffers while the
     forward's copies are in flight, so a shard released before its copy has read it is dropped and its buffer
     refilled by a read. Every copy
@@ -82,7 +83,7 @@ def test_delayed_copies_fill_every_unit_with_its_own_bytes(offload_param, monkey
     ref_losses, ref_state = reference(make, data)
     delayed = DelayedCopies(monkeypatch, delay=0.005)
     config = stage3_config(offload_param, "nvme", nvme_path=tmp_path, sub_group_size=4096,
-                           zero_tiering={"host_budget": 160_000 if offload_param == "nvme" else None,
+                           zero_tiering={"host_budget": 160_000 + 2 * 4096 * 4 if offload_param == "nvme" else None,
                                          "overlap_step": True})
     engine, *_ = zero.initialize(model=make(), config=config)
     try:
