@@ -20,7 +20,7 @@ from .errors import (
 )
 from .eviction import DONE, Eviction, Kind, Outcome
 from .handle import Handle, completed, gather
-from .host_pool import HostBufferPool, HostPoolConfig
+from .host_pool import HostBuffer, HostBufferPool, HostPoolConfig
 from .intents import Intents
 from .kept import Keeping
 from .nvme_store import NvmeStore
@@ -330,6 +330,16 @@ class SwapManager(Eviction, Intents, Keeping):
     def unreserve_device(self, nbytes: int) -> None:
         with self._lock:
             self.device_tier.unreserve(nbytes)
+
+    def acquire_host(self, nbytes: int, what: str) -> HostBuffer:
+        """A host buffer of `nbytes` from the pool for the caller's own use (a staging buffer), evicting segments
+        to make room first, as a segment brought to the host would; give it back with its `release()`."""
+        stand_in = Segment(what, torch.uint8, (nbytes,), "host", Residency.HOST)  # sized like the buffer
+        with self._lock:
+            self._fit("host", stand_in, blocking=True, wait=True)
+            buffer = self.pool.acquire(nbytes, what)
+            self._note_peaks()
+            return buffer
 
     def end_step(self) -> None:
         """Mark a step boundary: the trace adopts this step's order if it changed."""

@@ -9,6 +9,8 @@ bytes per element, "range" = this rank's part of a unit: its shard from stage 1 
     |                      | separate fp32 master); + P x sum(shard) with stage 3 offload_param cpu       |
     | working window       | 4 sub-groups' state: 4 x parts x 4 x sub-group; stage 3: + 4 parameter shards |
     |                      | (P x largest shard); parameters on nvme: + P x min(max_in_cpu, all shards)   |
+    |                      | offload_optimizer: + 2 x R x sub-group, the gradients' staging on their way  |
+    |                      | to the host (R: the bytes of the dtype the reduction leaves them in)         |
     | prefetch             | 2 sub-groups' state: 2 x parts x 4 x sub-group; stage 3: + P x               |
     |                      | stage3_prefetch_bucket_size                                                  |
 
@@ -23,6 +25,7 @@ import torch
 from tiering import NvmeStoreConfig, SwapConfig, Tier
 
 from .config import Config, ConfigError
+from .optim.gradient_copies import SLOTS
 from .optim.gradients import COMM_DTYPES
 from .params.flat_unit import FlatUnit
 
@@ -40,12 +43,16 @@ def masters_are_params(cfg: Config, dtype: torch.dtype) -> bool:
             and zo.offload_param.device == zo.offload_optimizer.device != "none")
 
 
+def reduce_dtype(cfg: Config, dtype: torch.dtype) -> torch.dtype:
+    """What the reduction leaves gradients in, and they cross the bus in: the communication or compute dtype."""
+    return COMM_DTYPES.get(cfg.communication_data_type) or dtype
+
+
 def grad_dtype(cfg: Config, dtype: torch.dtype) -> torch.dtype:
     """What the accumulated gradient is kept in (AdamDriver.grad_dtype): without accumulation each step's
     gradient is stored once, exactly as the reduction leaves it (in the communication or compute dtype), so
     16 bits lose nothing; accumulating sums in fp32."""
-    reduced = COMM_DTYPES.get(cfg.communication_data_type) or dtype
-    return reduced if cfg.gradient_accumulation_steps == 1 else torch.float32
+    return reduce_dtype(cfg, dtype) if cfg.gradient_accumulation_steps == 1 else torch.float32
 
 
 def pin_memory(cfg: Config, cuda: bool | None = None) -> bool:
@@ -82,6 +89,13 @@ def nvme_segments(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, opt
     return sizes
 
 
+def largest_sub_group(cfg: Config, units: list[FlatUnit]) -> int:
+    """Elements of the largest sub-group: the largest range, cut at sub_group_size."""
+    zo = cfg.zero_optimization
+    largest = max((u.rank_range(zo.stage >= 1)[1] for u in units), default=0)
+    return min(largest, zo.sub_group_size or largest)
+
+
 def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, optimizer: bool = True) -> SwapConfig:
     """Tier budgets from the zero_tiering section; where unset, the host budget holds everything homed on
     the host plus a working window: the state of a few sub-groups, a few parameter shards, and (parameters
@@ -90,11 +104,13 @@ def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, optim
     ahead the prefetch bucket's parameters alone, leaving the rest of the host budget to cache them."""
     zo, zt = cfg.zero_optimization, cfg.zero_tiering
     shard_bytes = [4 * u.rank_range(zo.stage >= 1)[1] for u in units]
-    sub_group_bytes = min(max(shard_bytes, default=0), 4 * zo.sub_group_size or max(shard_bytes, default=0))
+    sub_group_bytes = 4 * largest_sub_group(cfg, units)
     parts = 0 if not optimizer else 3 if masters_are_params(cfg, dtype) else 4  # (master,) grad, two moments
     window = 4 * parts * sub_group_bytes  # the segments of up to four sub-groups
     offload = zo.offload_optimizer.device
     homed_on_host = parts * sum(shard_bytes) if offload == "cpu" else 0
+    if optimizer and offload != "none":  # gradient_copies.py: the staging of the gradients' way to the host
+        window += SLOTS * reduce_dtype(cfg, dtype).itemsize * largest_sub_group(cfg, units)
     prefetch = 2 * parts * sub_group_bytes  # read ahead the next sub-groups' state
     max_live = reuse_distance = None
     if zo.stage == 3:

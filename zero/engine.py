@@ -312,6 +312,7 @@ class ZeroEngine(nn.Module):
             self.placement.close()
             if self.config.zero_tiering.trace_path:
                 self.swap.write_chrome_trace(self.config.zero_tiering.trace_path)
+            self.gradients.close()
             self.driver.close()
             self.swap.close()
 

@@ -17,13 +17,15 @@ from torch import nn
 from tiering import SwapManager, Tier, check_room
 from tiering.errors import fmt_bytes
 
-from .budgets import HOMES, grad_dtype, masters_are_params, nvme_segments, swap_config
+from .budgets import (HOMES, grad_dtype, largest_sub_group, masters_are_params, nvme_segments, reduce_dtype,
+                      swap_config)
 from .comm import DataParallel, local_device
 from .compute_speed import SlowComputeWarning, dtype_speed, fast_alternative, slow_dtype_line
 from .config import Config, ConfigError, load_config
 from .counters import StepCounters
 from .engine import ZeroEngine
 from .optim.driver import AdamDriver
+from .optim.gradient_copies import GradientCopies
 from .optim.gradients import Gradients
 from .optim.loss_scaler import LossScaler
 from .optim.lr_schedules import WarmupSchedule
@@ -98,7 +100,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
                               param_order={id(p): i for i, p in enumerate(model.parameters())},
                               largest_unit=max((flat.padded_numel for flat, _ in plan), default=0),
                               prescale=cfg.prescale_gradients, predivide_factor=cfg.gradient_predivide_factor,
-                              communication_data_type=cfg.communication_data_type, speculation=speculation)
+                              communication_data_type=cfg.communication_data_type, speculation=speculation,
+                              copies=None if work_tier != "host" else GradientCopies(
+                                  swap, largest_sub_group(cfg, [flat for flat, _ in plan]), reduce_dtype(cfg, dtype)))
         if zo.stage == 3 and cfg.zero_tiering.overlap_step and work_tier == "host":
             overlap = OverlappedStep()
         materialize = Materializer(model, PretrainedWeights(weights) if weights is not None else None)

@@ -4,6 +4,8 @@ global gradient norm that clipping and fp16 overflow checks read.
 A unit's gradients are flattened into one buffer (the unit's layout), divided as DeepSpeed's gradient
 averaging asks, reduced (all-reduce, or reduce-scatter when gradients are partitioned: stage 2 on), and this
 rank's range is cast to fp32 once and added to the sub-groups' accumulated gradient (AdamDriver.accumulate).
+Where the optimizer works on the host, the range goes there first, asynchronously (gradient_copies.py), and is
+added one unit later; `drain` adds the last ones at the end of the backward.
 Norms are taken per parameter piece, keyed by the parameter's place in the model, so they sum in torch's
 clip_grad_norm_ order; on the accumulation boundary they are taken while the gradient is still in memory.
 """
@@ -15,6 +17,7 @@ from ..comm import DataParallel
 from ..counters import StepCounters
 from ..params.unit import Unit
 from .driver import AdamDriver, SubGroup
+from .gradient_copies import GradientCopies
 from .speculative_step import SpeculativeStep
 
 COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -24,11 +27,12 @@ class Gradients:
     def __init__(self, *, driver: AdamDriver, dp: DataParallel, counters: StepCounters, sharded: bool,
                  reduce_scatter: bool, param_order: dict[int, int], largest_unit: int, prescale: bool,
                  predivide_factor: float, communication_data_type: str | None,
-                 speculation: SpeculativeStep | None = None):
+                 speculation: SpeculativeStep | None = None, copies: GradientCopies | None = None):
         """`sharded`: each rank keeps optimizer state for its shard only (stage 1 on); `reduce_scatter`: the
         reduction leaves each rank its shard only (stage 2 on); `param_order`: id(param) -> its place in
         the model; `largest_unit`: the largest unit's padded element count (the scratch buffers' size);
-        `speculation`: where a unit whose gradient is complete goes to be stepped during the backward."""
+        `speculation`: where a unit whose gradient is complete goes to be stepped during the backward;
+        `copies`: the way to the host, where the optimizer works there."""
         self.driver = driver
         self.dp = dp
         self.counters = counters
@@ -41,6 +45,7 @@ class Gradients:
         self.predivide = dp.world_size if prescale else predivide_factor
         self.comm_dtype = COMM_DTYPES.get(communication_data_type)
         self.speculation = speculation
+        self.copies = copies
         self._scratches: dict[str, torch.Tensor] = {}
 
     def reduce(self, unit: Unit) -> bool:
@@ -48,32 +53,52 @@ class Gradients:
         to the accumulated gradient of its sub-groups. True when that completes its gradient for the step
         (the accumulation boundary: the optimizer step comes next)."""
         flat, full = unit.flat, unit.full
-        grads = flat.flatten_grads(self._scratch("grads", flat.padded_numel, self.comm_dtype or full.dtype,
+        slot = self.copies.scratch() if self.copies is not None else 0  # a scratch no copy still reads
+        grads = flat.flatten_grads(self._scratch(f"grads{slot}", flat.padded_numel, self.comm_dtype or full.dtype,
                                                  full.device))
         world = self.dp.world_size
         if world > 1 and self.predivide != 1.0:
             grads.div_(self.predivide)
         if self.reduce_scatter:
-            shard = self._scratch("shard", flat.shard_numel, grads.dtype, grads.device)
+            shard = self._scratch(f"shard{slot}", flat.shard_numel, grads.dtype, grads.device)
             self.dp.reduce_scatter_sum(grads, shard)
         else:
             self.dp.all_reduce_sum(grads)
             shard = grads.narrow(0, *flat.rank_range(self.sharded))
         if world > 1 and self.predivide != world:
             shard.div_(world / self.predivide)  # the mean over ranks
-        device = torch.device("cpu") if self.driver.work_tier == "host" else shard.device
-        if shard.dtype != torch.float32 or shard.device != device:  # cast to fp32 once, into reused memory
-            shard = self._scratch("fp32", shard.numel(), torch.float32, device).copy_(shard)
         last = self.counters.at_boundary()  # this step's gradient is complete after this add
         early = last and self.speculation is not None and self.speculation.running
-        if self.speculation is not None:
-            self.speculation.touch(unit.sub_groups)
-        for sg in unit.sub_groups:
-            self.driver.accumulate(sg, shard.narrow(0, sg.offset, sg.numel),
-                                   self.pieces(unit, sg) if last else None, fetch_soon=early)
-        if early:
-            self.speculation.submit(unit.sub_groups)
+        for i, sg in enumerate(unit.sub_groups):
+            def add(part: torch.Tensor, sg=sg, first=i == 0, final=i == len(unit.sub_groups) - 1) -> None:
+                if first and self.speculation is not None:  # when the adds happen, in their order: a unit
+                    self.speculation.touch(unit.sub_groups)  # reduced twice meets its first round here
+                self._add(unit, sg, part, last, early)
+                if early and final:  # the unit's gradient is complete: it may step now
+                    self.speculation.submit(unit.sub_groups)
+
+            part = shard.narrow(0, sg.offset, sg.numel)
+            if self.copies is None:
+                add(part)
+            else:
+                self.copies.send(slot, part, add)
         return last
+
+    def drain(self) -> None:
+        """At the end of the backward: every unit's gradient added (those still on their way to the host)."""
+        if self.copies is not None:
+            self.copies.drain()
+
+    def close(self) -> None:
+        if self.copies is not None:
+            self.copies.close()
+
+    def _add(self, unit: Unit, sg: SubGroup, part: torch.Tensor, last: bool, early: bool) -> None:
+        """Add the sub-group's part of the reduced gradient to its accumulated gradient, in fp32 (cast once, into
+        reused memory); on the boundary (`last`) its norms are taken meanwhile."""
+        if part.dtype != torch.float32:
+            part = self._scratch("fp32", part.numel(), torch.float32, part.device).copy_(part)
+        self.driver.accumulate(sg, part, self.pieces(unit, sg) if last else None, fetch_soon=early)
 
     def norm(self, units: list[Unit]) -> torch.Tensor:
         """The global 2-norm of the accumulated (still loss-scaled) gradient, fp32, computed as torch's

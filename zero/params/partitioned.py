@@ -395,6 +395,7 @@ class PartitionedPlacement(Placement):
         for unit in self.units:
             if unit.state is UnitState.BACKWARD:
                 self._finish_backward(unit)
+        self.gradients.drain()
 
     def _state_dict_hook(self, model: nn.Module):
         """A state_dict hook for `model` that fills the entries of partitioned parameters with their full

@@ -59,6 +59,7 @@ class ResidentPlacement(Placement):
     def finish_backward(self) -> None:
         for unit in self.units:
             self.gradients.reduce(unit)
+        self.gradients.drain()
 
     def shards_changed(self) -> None:
         if not self.sharded or self.dp.world_size == 1:
