@@ -205,11 +205,16 @@ def token_batches(count: int, batch: int, seq: int) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def streamed_engine(plan: Plan, batch: int, offload: str = "nvme"):
-    """ZeRO-3 in bf16, parameters and optimizer state on `offload`, under a device budget of half the model's bf16
-    parameters; on nvme also a host budget of half its fp32 training state (8 of 16 bytes a parameter)."""
+    """ZeRO-3 in bf16, parameters and optimizer state on `offload`, under a device budget of what a block's
+    backward needs with the next block prefetched (the root and two blocks gathered, the gradients of the root and
+    a block, the reduction's two scratches of the largest unit; 2 bytes each); on nvme also a host budget of half
+    its fp32 training state (8 of 16 bytes a parameter)."""
     model = own_gpt(0, None, plan.streamed)
     params = sum(p.numel() for p in model.parameters())
-    budgets = {"device_budget": params} | ({"host_budget": 8 * params} if offload == "nvme" else {})
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    root = params - len(model.blocks) * block
+    device_budget = 2 * (2 * root + 3 * block + 2 * max(root, block))
+    budgets = {"device_budget": device_budget} | ({"host_budget": 8 * params} if offload == "nvme" else {})
     with tempfile.TemporaryDirectory(dir=plan.nvme_parent) as nvme:
         config = stage3_config(offload, offload, nvme_path=nvme, bf16=True, micro=batch, zero_tiering=budgets)
         engine, *_ = zero.initialize(model=model, config=config)
@@ -284,6 +289,8 @@ def budgets(plan: Plan) -> dict:
         torch.cuda.reset_peak_host_memory_stats()
         baseline = torch.cuda.memory_allocated()  # what earlier checks left (cuBLAS's workspace): not this engine's
     with streamed_engine(plan, 2) as engine:
+        if plan.cuda:
+            torch.cuda.reset_peak_memory_stats()  # training's peak: building the model is not the budget's
         engine_train(engine, token_batches(3, 2, 16))
         pool, tier = engine.swap.pool, engine.swap.device_tier
         result = {"io_engine": engine.swap.store.engine_reason, "host_budget_bytes": pool.budget,

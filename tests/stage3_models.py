@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from zero.optim.gradients import REDUCTION_SCRATCH
 from zero.params.unit import UnitState
 from zero.train.gpt import GPT, PRESETS, GPTConfig
 
@@ -331,6 +332,11 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def device_held(engine) -> int:
+    """Bytes the device tier counts, less the reduction's scratch (made at the first backward and kept)."""
+    return engine.swap.device_tier.in_use - engine.swap.device_tier.parts().get(REDUCTION_SCRATCH, 0)
 
 
 def units_held(engine) -> list[str]:

@@ -121,13 +121,13 @@ def test_the_device_tier_lends_pool_pages_without_cuda():
     size reuses the first one's buffer instead of allocating."""
     tier = DeviceTier(1 << 20, torch.device("cpu"))
     try:
-        tier.reserve(8192, "unit")
+        tier.reserve(8192, "unit", "gathered units")
         first = tier.lend(8192, "unit")
         first.release()
         second = tier.lend(8192, "unit")
         assert tier.pool.allocations == 1 and second.capacity == 8192
         second.release()
-        tier.unreserve(8192)
+        tier.unreserve(8192, "gathered units")
         assert tier.in_use == 0
     finally:
         tier.close()

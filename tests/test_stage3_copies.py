@@ -17,8 +17,8 @@ from zero.params.unit import UnitState
 from zero.train.gpt import GPTConfig
 
 from stage3_models import (
-    VOCAB, CheckpointedGPT, batches, engine_train, full_state, one_thread, own_gpt, reference_train, stage3_config,
-    units_held,
+    VOCAB, CheckpointedGPT, batches, device_held, engine_train, full_state, one_thread, own_gpt, reference_train,
+    stage3_config, units_held,
 )
 
 SMALL = GPTConfig(n_layer=4, n_head=2, n_embd=32, vocab_size=VOCAB, seq_len=16)
@@ -198,7 +198,7 @@ def test_a_mispredicted_prefetch_is_dropped():
         losses = []
         for ids in data:
             losses += engine_train(engine, [ids])
-            assert engine.swap.device_tier.in_use == 0
+            assert device_held(engine) == 0
             assert all(unit.state is UnitState.RELEASED for unit in engine.units), units_held(engine)
         assert losses == ref_losses
         assert all(torch.equal(full_state(engine)[k], v) for k, v in ref_state.items())

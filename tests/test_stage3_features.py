@@ -19,8 +19,8 @@ import zero
 
 from stage3_models import (
     OWN_CONFIG, REPO_ROOT, CheckpointedGPT, CrossBlockTie, PartlyUnusedGPT, TwiceGPT, batches, closure_model,
-    engine_train, full_state, gpt2_config, llama_config, one_thread, own_gpt, reference_train, stage3_config,
-    tiny_gpt2, tiny_llama, units_held,
+    device_held, engine_train, full_state, gpt2_config, llama_config, one_thread, own_gpt, reference_train,
+    stage3_config, tiny_gpt2, tiny_llama, units_held,
 )
 
 STEPS = 12
@@ -216,12 +216,12 @@ def test_no_grad_eval_and_inference_forwards_release_every_unit(tmp_path):
     ref = make()
     engine, *_ = zero.initialize(model=make(), config=stage3_config("nvme", "cpu", nvme_path=tmp_path))
     try:
-        baseline = engine.swap.device_tier.in_use
+        baseline = device_held(engine)
 
         def check(logits, ref_logits, what):
             assert torch.equal(logits, ref_logits), what
             assert not units_held(engine), (what, units_held(engine))
-            assert engine.swap.device_tier.in_use == baseline, what
+            assert device_held(engine) == baseline, what
 
         losses = engine_train(engine, data[:3])
         ref_losses = reference_train(ref, data[:3])
@@ -253,12 +253,12 @@ def test_gathered_parameters_reads_full_values(tmp_path):
     try:
         engine_train(engine, data)
         reference_train(ref, data, clip=1.0)
-        baseline = engine.swap.device_tier.in_use
+        baseline = device_held(engine)
         with engine.gathered_parameters():
             for (name, p), q in zip(model.named_parameters(), ref.parameters()):
                 assert p.shape == q.shape and torch.equal(p, q), name
-            assert engine.swap.device_tier.in_use > baseline
-        assert not units_held(engine) and engine.swap.device_tier.in_use == baseline
+            assert device_held(engine) > baseline
+        assert not units_held(engine) and device_held(engine) == baseline
         target = model.model.layers[1].mlp.up_proj.weight
         with engine.gathered_parameters([target]):
             assert torch.equal(target, ref.model.layers[1].mlp.up_proj.weight)
@@ -326,7 +326,7 @@ def test_state_dict_returns_real_tensors(tmp_path):
     try:
         engine_train(engine, data)
         reference_train(ref, data)
-        baseline = engine.swap.device_tier.in_use
+        baseline = device_held(engine)
         state = engine.module.state_dict()
         expected = ref.state_dict()
         assert list(state) == list(expected)
@@ -334,7 +334,7 @@ def test_state_dict_returns_real_tensors(tmp_path):
         for key, value in expected.items():
             assert state[key].shape == value.shape and torch.equal(state[key], value), key
             assert state[key].untyped_storage().nbytes() >= value.numel() * value.element_size(), key
-        assert engine.swap.device_tier.in_use == baseline and not units_held(engine)
+        assert device_held(engine) == baseline and not units_held(engine)
         state["transformer.h.0.mlp.c_fc.weight"].fill_(3.0)
         assert torch.equal(full_state(engine)["transformer.h.0.mlp.c_fc.weight"],
                            expected["transformer.h.0.mlp.c_fc.weight"])

@@ -1,8 +1,10 @@
 """Memory bounds of ZeRO-3, with the arithmetic written here.
 
 1. The device tier (the swap manager's accounting, `engine.swap.device_tier`; on a machine without CUDA it is
-   host memory counted against the device budget) holds at most the gathered units that are live at once, plus
-   the segments homed on it. The live units, from the partitioner's design:
+   host memory counted against the device budget) holds at most the gathered units that are live at once, the
+   gradients of the units in their backward (autograd's, as large as the unit, until its reduce), the
+   reduction's scratch (two flat gradient buffers of the largest unit, made at the first backward and kept),
+   plus the segments homed on it. The live units, from the partitioner's design:
    - the root unit (every parameter outside the repeated blocks: embeddings, final norm, tied head) follows
      the whole model's module: gathered by the model's forward pre-hook before anything runs, released
      after the model's forward; re-gathered when backward reaches the model's outputs (the loss), released
@@ -19,9 +21,10 @@
      micro-batch learns the order and prefetches nothing; from the second on, while a block computes the next
      one is on the device too (forward: block i+1; backward: block i-1; the root, gathered all along, prefetches
      the first block of each pass).
-   So: peak - baseline = root.nbytes + max(block.nbytes) in the first micro-batch, and root.nbytes +
-   2 x max(block.nbytes) <= 3 x the largest unit's padded_numel x itemsize after; within a device budget
-   that leaves no room for the next block, root.nbytes + max(block.nbytes) throughout.
+   The root's gradients (its tied head's come first in backward) are counted until the very end, a block's
+   while its backward runs. So: peak - baseline - scratch = 2 x (root.nbytes + max(block.nbytes)) in the first
+   micro-batch and one block more after, prefetched; within a device budget that leaves no room for the next
+   block, the first micro-batch's throughout.
 2. A model built on meta whose fp32 training state is >= 4x the host budget, with parameters and optimizer
    state on nvme, trains with a peak RSS (measured from outside by /usr/bin/time) under the budgets plus an
    overhead measured here.
@@ -39,6 +42,9 @@ import torch
 
 import zero
 from tiering.aligned import align_up
+from tiering.errors import fmt_bytes
+from zero.optim.gradients import REDUCTION_SCRATCH
+from zero.params.partitioned import GATHERED, GRADIENTS
 from zero.train.gpt import Block, GPTConfig
 
 from stage3_models import (
@@ -66,8 +72,8 @@ bytes) is under a fifth of all units (1,236,992 bytes), so a partitioner that ke
 
 def measure_device_peak(engine, steps: int) -> tuple[int, list[int]]:
     """Train `steps` micro-batches; returns the device tier's baseline (bytes in use before the first
-    forward) and, per micro-batch, its peak above the baseline. Asserts the tier is back to the baseline
-    after every step."""
+    forward) and, per micro-batch, its peak above the baseline and the reduction's scratch (made at the first
+    backward and kept: `scratch`). Asserts the tier is back to the baseline (and the scratch) after every step."""
     tier = engine.swap.device_tier
     baseline = tier.in_use
     peaks = []
@@ -76,10 +82,19 @@ def measure_device_peak(engine, steps: int) -> tuple[int, list[int]]:
         loss = loss_of(engine, ids, hf=is_hf(engine.module))
         engine.backward(loss)
         engine.step()
-        peaks.append(tier.peak - baseline)
-        assert tier.in_use == baseline, f"{tier.in_use - baseline} bytes still held after the step"
+        kept = scratch(engine)
+        peaks.append(tier.peak - baseline - kept)
+        assert tier.in_use == baseline + kept, f"{tier.in_use - baseline - kept} bytes still held after the step"
+        assert tier.parts()[GATHERED] == tier.parts()[GRADIENTS] == 0, tier.parts()
         assert not units_held(engine), units_held(engine)
     return baseline, peaks
+
+
+def scratch(engine) -> int:
+    """The reduction's device scratch: at world size 1 two flat gradient buffers of the largest unit, in fp32."""
+    kept = engine.swap.device_tier.parts()[REDUCTION_SCRATCH]
+    assert kept == 2 * max(u.flat.padded_numel for u in engine.units) * 4
+    return kept
 
 
 def unit_bytes(engine) -> tuple[int, int, int]:
@@ -101,36 +116,40 @@ CHECKPOINTING = [
 @pytest.mark.parametrize("checkpointing", CHECKPOINTING)
 @pytest.mark.parametrize("offload_param", ["cpu", "nvme"])
 def test_device_peak_is_root_plus_one_block_and_the_next(offload_param, checkpointing, tmp_path):
-    """Shards rest on host or nvme: the device tier holds nothing but gathered and prefetched units (baseline
-    0). Its peak in the first micro-batch is the root unit plus one block, 32,768 + 200,704 = 233,472 bytes; in
-    every later one (forward, backward with recomputation, optimizer step) one block more, prefetched:
-    434,176 bytes, still about a third of all units."""
+    """Shards rest on host or nvme: the device tier holds nothing but gathered and prefetched units, the
+    gradients of units in their backward, and the reduction's scratch (baseline 0). Above the scratch its peak
+    in the first micro-batch is, in a block's backward, the root unit and the block, and the gradients of both
+    (the root's, of the tied embedding, come first and are reduced last): 2 x 32,768 + 2 x 200,704 = 466,944
+    bytes; in every later one (forward, backward with recomputation, optimizer step) one block more, prefetched:
+    667,648 bytes, about half of all units."""
     model = own_gpt(0, checkpointing, PEAK_CONFIG)
     config = stage3_config(offload_param, "cpu", nvme_path=tmp_path, accum=2)
     engine, *_ = zero.initialize(model=model, config=config)
     try:
         root, block, everything = unit_bytes(engine)
         assert (root, block, everything) == (32_768, 200_704, 1_236_992)
-        assert root + 2 * block <= 3 * max(root, block)  # the largest unit x (2 live units + 1 prefetched)
         baseline, peaks = measure_device_peak(engine, 6)
         assert baseline == 0
-        assert peaks == [root + block] + [root + 2 * block] * 5, (peaks, root, block)
+        assert peaks == [2 * root + 2 * block] + [2 * root + 3 * block] * 5, (peaks, root, block)
+        assert max(peaks) < everything
     finally:
         engine.close()
 
 
 @pytest.mark.parametrize("offload_param", ["cpu", "nvme"])
 def test_prefetch_stays_within_the_device_budget(offload_param, tmp_path):
-    """A device budget of the root unit plus one block leaves prefetch no room once a block is gathered (only the
-    first block of each pass is prefetched, while the root alone is there): the peak stays root + one block,
-    every micro-batch, and training matches torch."""
+    """A device budget of what a block's backward needs without prefetch (the reduction's scratch, 2 x 200,704
+    bytes; the root and the block, and the gradients of both: 466,944) leaves prefetch no room in the backward:
+    the peak stays there, every micro-batch, through full steps with prefetch on, and training matches torch.
+    The budget counts every part (a part left out would let the peak pass it)."""
     data = batches(6)
     ref_losses = reference_train(own_gpt(0, None, PEAK_CONFIG), data)
+    budget = 401_408 + 466_944
     engine, *_ = zero.initialize(model=own_gpt(0, None, PEAK_CONFIG), config=stage3_config(
-        offload_param, "cpu", nvme_path=tmp_path, zero_tiering={"device_budget": 233_472}))
+        offload_param, "cpu", nvme_path=tmp_path, zero_tiering={"device_budget": budget}))
     try:
         root, block, _ = unit_bytes(engine)
-        assert root + block == 233_472
+        assert 2 * block + 2 * root + 2 * block == budget
         tier = engine.swap.device_tier
         losses = []
         for ids in data:
@@ -139,8 +158,27 @@ def test_prefetch_stays_within_the_device_budget(offload_param, tmp_path):
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-            assert tier.peak == root + block, tier.peak
+            assert tier.peak == budget, tier.peak
         assert losses == ref_losses
+    finally:
+        engine.close()
+
+
+def test_a_device_budget_too_small_for_the_backward_names_its_parts(tmp_path):
+    """A page under what a block's backward needs (as above): the error is the typed budget error, with the
+    budget, what was asked and the bytes of every part that held the budget then."""
+    from tiering import BudgetExceededError
+
+    budget = 401_408 + 466_944 - 4096
+    engine, *_ = zero.initialize(model=own_gpt(0, None, PEAK_CONFIG), config=stage3_config(
+        "cpu", "cpu", zero_tiering={"device_budget": budget}))
+    try:
+        with pytest.raises(BudgetExceededError) as info:
+            engine_train(engine, batches(1))
+        err = info.value
+        assert err.tier == "device" and err.budget == budget and err.in_use + err.requested > budget
+        assert sum(err.parts.values()) == err.in_use and err.parts[GATHERED] and err.parts[REDUCTION_SCRATCH]
+        assert f"({', '.join(f'{k} {fmt_bytes(v)}' for k, v in err.parts.items() if v)})" in str(err), str(err)
     finally:
         engine.close()
 
@@ -148,8 +186,9 @@ def test_prefetch_stays_within_the_device_budget(offload_param, tmp_path):
 def test_device_peak_with_shards_homed_on_the_device():
     """offload_param none: each unit's shard (world size 1: the whole padded unit) rests in the device tier,
     charged in whole 4 KiB pages on the CPU stand-in (align_up), so the baseline is the sum of the shards'
-    charges; the optimizer state is on the host (offload_optimizer cpu). Above the baseline: root + one block,
-    and one more block prefetched after the first micro-batch."""
+    charges; the optimizer state is on the host (offload_optimizer cpu). Above the baseline and the scratch:
+    as with shards on the host, the root and a block and their gradients, one more block prefetched after the
+    first micro-batch."""
     model = own_gpt(0, None, PEAK_CONFIG)
     engine, *_ = zero.initialize(model=model, config=stage3_config("none", "cpu", accum=2))
     try:
@@ -158,14 +197,14 @@ def test_device_peak_with_shards_homed_on_the_device():
         assert shards == sum(align_up(u.flat.padded_numel * 4) for u in engine.units)
         baseline, peaks = measure_device_peak(engine, 4)
         assert baseline == shards, (baseline, shards)
-        assert peaks == [root + block] + [root + 2 * block] * 3, peaks
+        assert peaks == [2 * root + 2 * block] + [2 * root + 3 * block] * 3, peaks
     finally:
         engine.close()
 
 
 def test_device_peak_gpt2_with_checkpointing():
-    """transformers GPT-2 (gradient_checkpointing_enable): the same bound, root + its largest block, one more
-    block prefetched."""
+    """transformers GPT-2 (gradient_checkpointing_enable): the same bound, root + its largest block and their
+    gradients, one more block prefetched."""
     model = tiny_gpt2(n_layer=4)
     model.gradient_checkpointing_enable()
     model.train()
@@ -173,7 +212,7 @@ def test_device_peak_gpt2_with_checkpointing():
     try:
         root, block, everything = unit_bytes(engine)
         baseline, peaks = measure_device_peak(engine, 4)
-        assert baseline == 0 and max(peaks) <= root + 2 * block < everything, (peaks, root, block)
+        assert baseline == 0 and max(peaks) <= 2 * root + 3 * block < everything, (peaks, root, block)
     finally:
         engine.close()
 
@@ -218,7 +257,7 @@ def test_cuda_max_memory_allocated_within_live_units():
         peak = torch.cuda.max_memory_allocated() - base
         assert peak <= bound, dict(peak=peak, root=root, block=block, activations=activations, bound=bound)
         assert torch.cuda.memory_allocated() == base, "device memory still held after the steps"
-        assert engine.swap.device_tier.peak <= root + 2 * block
+        assert engine.swap.device_tier.peak <= 2 * root + 3 * block + scratch(engine)  # as on CPU, above
     finally:
         engine.close()
 
@@ -311,13 +350,11 @@ def test_meta_model_with_state_4x_the_host_budget_trains_within_it(tmp_path):
                                         autograd, the nvme store; its state is < 1 MiB)
       + host budget + device budget    (the tiers' hard caps; the device tier is host memory here)
       + activations                    (measured on one real block, see activation_bytes)
-      + 6 x the largest unit in fp32   (transients outside the tiers, three at a time: at init a unit being
+      + 5 x the largest unit in fp32   (transients outside the tiers, three at a time: at init a unit being
                                         materialized, its fp32 flat copy and its full buffer before it is
-                                        resized away; in backward a unit's parameter gradients, their
-                                        flattened copy and the reduced shard; two more for the allocator
-                                        and the kernels' workspaces: measured, see below; and one for the
-                                        second reduction scratch, which the gradients' copies to the host
-                                        double-buffer: 563 MiB against 557 with five, 2026-11-24)
+                                        resized away; two more for the allocator and the kernels'
+                                        workspaces: measured, see below. The backward's, a unit's parameter
+                                        gradients and the reduction's scratch, are in the device budget)
 
     while the fp32 training state is >= 4x the host budget and > 1.5x everything the bound allows above the
     warm baseline, so a run that kept the state in memory could not pass. (Measured with the fix in the
@@ -333,7 +370,8 @@ def test_meta_model_with_state_4x_the_host_budget_trains_within_it(tmp_path):
     host_budget = state // 4
     block_bytes = (12 * config.n_embd**2 + 13 * config.n_embd) * 4
     root_bytes = (config.vocab_size + config.seq_len + 2) * config.n_embd * 4
-    device_budget = 2 * (root_bytes + block_bytes)  # room for the live units with a block's slack
+    # the live units with a block's slack, their gradients, the reduction's two scratches
+    device_budget = 3 * (root_bytes + block_bytes) + 2 * block_bytes
     spec = dict(model=BIG, batch=BIG_BATCH, steps=BIG_STEPS, nvme_path=str(tmp_path), host_budget=host_budget,
                 device_budget=device_budget)
     rss, report = run_measured(spec)  # first: fails fast while the engine cannot do it
@@ -342,7 +380,7 @@ def test_meta_model_with_state_4x_the_host_budget_trains_within_it(tmp_path):
     tiny = dict(n_layer=1, n_head=2, n_embd=32, vocab_size=256, seq_len=64)
     warm_rss, _ = run_measured(dict(spec, model=tiny, host_budget=8 * MiB, device_budget=8 * MiB))
     activations = activation_bytes(config, BIG_BATCH)
-    transients = 6 * block_bytes
+    transients = 5 * block_bytes
     bound = warm_rss + host_budget + device_budget + activations + transients
     numbers = {k: f"{v / MiB:.1f} MiB" for k, v in dict(
         rss=rss, bound=bound, imports_baseline=imports_rss, warm_baseline=warm_rss, state=state,

@@ -411,7 +411,7 @@ def test_budget_error_carries_the_numbers_and_changes_nothing(make_manager):
         mgr.fetch("b")  # 5000 B take two pages; the device-homed a holds one of two
     err = info.value
     assert (err.tier, err.budget, err.in_use, err.requested, err.what) == ("device", 2 * PAGE, PAGE, 2 * PAGE, "b")
-    assert "device budget 8.0 KiB exhausted: 4.0 KiB in use, 8.0 KiB requested for 'b'" in str(err)
+    assert "device budget 8.0 KiB exhausted: 4.0 KiB in use (segments 4.0 KiB), 8.0 KiB requested for 'b'" in str(err)
     assert states(mgr, "a", "b") == [R.DEVICE, R.HOST] and mgr.segments["b"].pins == 0
 
 

@@ -43,6 +43,9 @@ class DeviceTier:
         self._lock = threading.Lock()
         self.in_use = 0
         self.peak = 0
+        self.reserved: dict[str, int] = {}
+        """Bytes the callers allocate themselves, by part (gathered units, the backward's gradients...): with the
+        segments' own buffers (the rest of in_use) every byte the budget counts, named in its error."""
         self.pool = (HostBufferPool(HostPoolConfig(budget=budget if budget is not None else 1 << 62, pin=False))
                      if self.device.type == "cpu" else None)
         """Without CUDA: where the tier's memory comes from (with CUDA: the caching allocator)."""
@@ -65,7 +68,8 @@ class DeviceTier:
         """Device storage for `nbytes`; raises BudgetExceededError past the budget (callers evict first)."""
         with self._lock:
             if self.budget is not None and self.in_use + self.charge(nbytes) > self.budget:
-                raise BudgetExceededError("device", self.budget, self.in_use, self.charge(nbytes), what)
+                raise BudgetExceededError("device", self.budget, self.in_use, self.charge(nbytes), what,
+                                          parts=self.parts())
             if self.pool is not None:
                 buffer = self.pool.acquire(nbytes, what)  # within its budget: it lends no more than in_use counts
             else:
@@ -84,19 +88,25 @@ class DeviceTier:
         except torch.cuda.OutOfMemoryError as exc:
             raise DeviceOutOfMemoryError(what, nbytes, self.budget, self.in_use,
                                          torch.cuda.memory_reserved(self.device),
-                                         torch.cuda.memory_allocated(self.device)) from exc
+                                         torch.cuda.memory_allocated(self.device), self.parts()) from exc
 
-    def reserve(self, nbytes: int, what: str) -> None:
-        """Count bytes the caller allocates itself; raises BudgetExceededError past the budget."""
+    def reserve(self, nbytes: int, what: str, part: str) -> None:
+        """Count bytes the caller allocates itself, as `part`; raises BudgetExceededError past the budget."""
         with self._lock:
             if self.budget is not None and self.in_use + nbytes > self.budget:
-                raise BudgetExceededError("device", self.budget, self.in_use, nbytes, what)
+                raise BudgetExceededError("device", self.budget, self.in_use, nbytes, what, parts=self.parts())
             self.in_use += nbytes
+            self.reserved[part] = self.reserved.get(part, 0) + nbytes
             self.peak = max(self.peak, self.in_use)
 
-    def unreserve(self, nbytes: int) -> None:
+    def unreserve(self, nbytes: int, part: str) -> None:
         with self._lock:
             self.in_use -= nbytes
+            self.reserved[part] -= nbytes
+
+    def parts(self) -> dict[str, int]:
+        """What holds the budget now: the segments' buffers, then each reserved part."""
+        return {"segments": self.in_use - sum(self.reserved.values()), **self.reserved}
 
     def free(self, buffer: DeviceBuffer | HostBuffer) -> None:
         size = buffer.capacity

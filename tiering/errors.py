@@ -33,14 +33,17 @@ class TieringConfigError(TieringError, ValueError):
 class BudgetExceededError(TieringError, MemoryError):
     """A tier's hard budget cannot hold a request, even after evicting what could be evicted."""
 
-    def __init__(self, tier: str, budget: int, in_use: int, requested: int, what: str = "", path: str = ""):
+    def __init__(self, tier: str, budget: int, in_use: int, requested: int, what: str = "", path: str = "",
+                 parts: dict[str, int] | None = None):
         self.tier, self.budget, self.in_use, self.requested, self.what = tier, budget, in_use, requested, what
         self.path = path  # the store file, for tier 'nvme'
+        self.parts = parts or {}  # what holds the budget, by part (the device tier's)
         target = f" for {what!r}" if what else ""
         where = f" in {path!r}" if path else ""
+        held = ", ".join(f"{part} {fmt_bytes(n)}" for part, n in self.parts.items() if n)
         super().__init__(
-            f"{tier} budget {fmt_bytes(budget)} exhausted{where}: {fmt_bytes(in_use)} in use, "
-            f"{fmt_bytes(requested)} requested{target}"
+            f"{tier} budget {fmt_bytes(budget)} exhausted{where}: {fmt_bytes(in_use)} in use"
+            f"{f' ({held})' if held else ''}, {fmt_bytes(requested)} requested{target}"
         )
 
 
@@ -56,16 +59,19 @@ class PinnedMemoryError(TieringError, MemoryError):
 
 class DeviceOutOfMemoryError(TieringError, MemoryError):
     """CUDA ran out of memory for an allocation within the device budget: memory outside the budget (activations,
-    autograd's gradients, other processes) left too little. Names the budget, what was live and what was asked."""
+    other processes) left too little. Names the budget, what was live (by part) and what was asked."""
 
-    def __init__(self, what: str, requested: int, budget: int | None, in_use: int, reserved: int, allocated: int):
+    def __init__(self, what: str, requested: int, budget: int | None, in_use: int, reserved: int, allocated: int,
+                 parts: dict[str, int] | None = None):
         self.what, self.requested, self.budget, self.in_use = what, requested, budget, in_use
-        self.reserved, self.allocated = reserved, allocated
+        self.reserved, self.allocated, self.parts = reserved, allocated, parts or {}
         limit = "no device budget" if budget is None else f"device budget {fmt_bytes(budget)}"
+        held = ", ".join(f"{part} {fmt_bytes(n)}" for part, n in self.parts.items() if n)
         super().__init__(
             f"CUDA out of memory allocating {fmt_bytes(requested)} for {what!r}: {limit}, {fmt_bytes(in_use)} of it "
-            f"in use by the tiers; torch holds {fmt_bytes(allocated)} allocated, {fmt_bytes(reserved)} reserved "
-            "(the rest is activations, gradients and other processes): lower device_budget or the batch size")
+            f"in use by the tiers{f' ({held})' if held else ''}; torch holds {fmt_bytes(allocated)} allocated, "
+            f"{fmt_bytes(reserved)} reserved (the rest is activations and other processes): lower device_budget or "
+            "the batch size")
 
 
 class NvmePathError(TieringError, OSError):

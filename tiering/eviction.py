@@ -114,7 +114,8 @@ class Eviction:
             if not started and not moving:
                 if full is not None:
                     raise full  # the disk lacks the room, not the tier's budget: say so
-                raise BudgetExceededError(tier, int(self._budget(tier)), self._used(tier), nbytes, seg.name) from blocked
+                raise BudgetExceededError(tier, int(self._budget(tier)), self._used(tier), nbytes, seg.name,
+                                          parts=self.device_tier.parts() if tier == "device" else None) from blocked
             pending = gather(started or moving[:1], f"room in {tier}")
             if not wait:
                 return Outcome(Kind.WAIT, pending)

@@ -318,18 +318,19 @@ class SwapManager(Eviction, Intents, Keeping):
             self._read_ahead.pop(0)
         return handles
 
-    def reserve_device(self, nbytes: int, what: str) -> None:
-        """Count `nbytes` of device memory the caller allocates itself (a gathered unit's full buffer)
-        against the device budget, evicting segments to make room first; undo with `unreserve_device`."""
+    def reserve_device(self, nbytes: int, what: str, part: str) -> None:
+        """Count `nbytes` of device memory the caller allocates itself (`part`: a gathered unit's full buffer,
+        the backward's gradients of a unit, the reduction's scratch) against the device budget, evicting segments
+        to make room first; undo with `unreserve_device`."""
         stand_in = Segment(what, torch.uint8, (nbytes,), "device", Residency.DEVICE)  # sized like the buffer
         with self._lock:
             self._fit("device", stand_in, blocking=True, wait=True)
-            self.device_tier.reserve(nbytes, what)
+            self.device_tier.reserve(nbytes, what, part)
             self._note_peaks()
 
-    def unreserve_device(self, nbytes: int) -> None:
+    def unreserve_device(self, nbytes: int, part: str) -> None:
         with self._lock:
-            self.device_tier.unreserve(nbytes)
+            self.device_tier.unreserve(nbytes, part)
 
     def acquire_host(self, nbytes: int, what: str) -> HostBuffer:
         """A host buffer of `nbytes` from the pool for the caller's own use (a staging buffer), evicting segments

@@ -11,6 +11,8 @@ clip_grad_norm_ order; on the accumulation boundary they are taken while the gra
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..comm import DataParallel
@@ -20,6 +22,9 @@ from .driver import AdamDriver, SubGroup
 from .gradient_copies import GradientCopies
 from .speculative_step import SpeculativeStep
 
+REDUCTION_SCRATCH = "reduction scratch"
+"""The device budget's part the reduction's buffers take: a unit's flattened gradients and its reduced shard, one
+of each per device scratch (gradient_copies.SLOTS of them where the gradients go to the host)."""
 COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -27,12 +32,14 @@ class Gradients:
     def __init__(self, *, driver: AdamDriver, dp: DataParallel, counters: StepCounters, sharded: bool,
                  reduce_scatter: bool, param_order: dict[int, int], largest_unit: int, prescale: bool,
                  predivide_factor: float, communication_data_type: str | None,
-                 speculation: SpeculativeStep | None = None, copies: GradientCopies | None = None):
+                 speculation: SpeculativeStep | None = None, copies: GradientCopies | None = None,
+                 reserve_device: Callable[[int, str, str], None] | None = None):
         """`sharded`: each rank keeps optimizer state for its shard only (stage 1 on); `reduce_scatter`: the
         reduction leaves each rank its shard only (stage 2 on); `param_order`: id(param) -> its place in
         the model; `largest_unit`: the largest unit's padded element count (the scratch buffers' size);
         `speculation`: where a unit whose gradient is complete goes to be stepped during the backward;
-        `copies`: the way to the host, where the optimizer works there."""
+        `copies`: the way to the host, where the optimizer works there; `reserve_device(nbytes, what, part)`:
+        counts the scratch buffers made on the device against the device budget (SwapManager.reserve_device)."""
         self.driver = driver
         self.dp = dp
         self.counters = counters
@@ -46,6 +53,7 @@ class Gradients:
         self.comm_dtype = COMM_DTYPES.get(communication_data_type)
         self.speculation = speculation
         self.copies = copies
+        self.reserve_device = reserve_device
         self._scratches: dict[str, torch.Tensor] = {}
 
     def reduce(self, unit: Unit) -> bool:
@@ -59,8 +67,9 @@ class Gradients:
         world = self.dp.world_size
         if world > 1 and self.predivide != 1.0:
             grads.div_(self.predivide)
-        if self.reduce_scatter:
-            shard = self._scratch(f"shard{slot}", flat.shard_numel, grads.dtype, grads.device)
+        if self.reduce_scatter and world > 1:  # (one rank: its shard is the whole, reduced already)
+            shard = self._scratch(f"shard{slot}", flat.shard_numel, grads.dtype, grads.device,
+                                  largest=self.largest_unit // world)
             self.dp.reduce_scatter_sum(grads, shard)
         else:
             self.dp.all_reduce_sum(grads)
@@ -97,7 +106,8 @@ class Gradients:
         """Add the sub-group's part of the reduced gradient to its accumulated gradient, in fp32 (cast once, into
         reused memory); on the boundary (`last`) its norms are taken meanwhile."""
         if part.dtype != torch.float32:
-            part = self._scratch("fp32", part.numel(), torch.float32, part.device).copy_(part)
+            part = self._scratch("fp32", part.numel(), torch.float32, part.device,
+                                 on_device=self.copies is None).copy_(part)
         self.driver.accumulate(sg, part, self.pieces(unit, sg) if last else None, fetch_soon=early)
 
     def norm(self, units: list[Unit]) -> torch.Tensor:
@@ -126,10 +136,16 @@ class Gradients:
                 out.append((start - lo, end - start, self.param_order[id(slot.param)]))
         return out
 
-    def _scratch(self, role: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A reused buffer of at least `numel` elements for `role` (gradient reduction runs every micro-batch:
-        fresh memory each time would be page faults on every step)."""
+    def _scratch(self, role: str, numel: int, dtype: torch.dtype, device: torch.device, *,
+                 largest: int | None = None, on_device: bool = True) -> torch.Tensor:
+        """A reused buffer of `numel` elements for `role` (gradient reduction runs every micro-batch: fresh
+        memory each time would be page faults on every step), made once at the size of the largest request,
+        `largest` (default: the largest unit); `on_device`: in the device tier (with CUDA on the GPU; without,
+        the CPU stands in for it), so the device budget counts it while it lives."""
         buffer = self._scratches.get(role)
-        if buffer is None or buffer.numel() < numel:
-            buffer = self._scratches[role] = torch.empty(max(numel, self.largest_unit), dtype=dtype, device=device)
+        if buffer is None:
+            size = max(numel, self.largest_unit if largest is None else largest)
+            if on_device and self.reserve_device is not None:
+                self.reserve_device(size * dtype.itemsize, f"gradient reduction {role}", REDUCTION_SCRATCH)
+            buffer = self._scratches[role] = torch.empty(size, dtype=dtype, device=device)
         return buffer[:numel]

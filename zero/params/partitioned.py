@@ -36,6 +36,10 @@ from .materialize import Materializer, host_empty
 from .placement import Placement
 from .unit import Fill, Unit, UnitState
 
+GATHERED = "gathered units"
+GRADIENTS = "unit gradients"
+"""The device budget's parts this placement counts (with the segments and the reduction's scratch): the full
+buffers of gathered and prefetched units, and autograd's gradients of a unit in its backward until reduced."""
 SWAPS_STORAGE_BYTES = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 """Whether this torch can hand a storage another's bytes in place; without it (older torch) a CPU full buffer
 is resized, taking fresh pages at each gather."""
@@ -178,7 +182,7 @@ class PartitionedPlacement(Placement):
         storage in place (the storage object stays the one autograd's saved views hold): a step reuses pages
         instead of faulting in fresh ones at every gather."""
         tier = self.swap.device_tier
-        self.swap.reserve_device(tier.charge(unit.nbytes), unit.name)
+        self.swap.reserve_device(tier.charge(unit.nbytes), unit.name, GATHERED)
         storage = unit.full.untyped_storage()
         try:
             lent = tier.lend(unit.nbytes, unit.name) if SWAPS_STORAGE_BYTES else None
@@ -192,7 +196,7 @@ class PartitionedPlacement(Placement):
                     lent.release()
                     raise
         except BaseException:
-            self.swap.unreserve_device(tier.charge(unit.nbytes))
+            self.swap.unreserve_device(tier.charge(unit.nbytes), GATHERED)
             raise
         unit.lent = lent
         unit.flat.bind(unit.full)
@@ -212,7 +216,7 @@ class PartitionedPlacement(Placement):
             storage._swap_data_ptr_(unit.lent.storage.untyped_storage())  # the pages back to the pool's buffer
             unit.lent.release()
             unit.lent = None
-        self.swap.unreserve_device(self.swap.device_tier.charge(unit.nbytes))
+        self.swap.unreserve_device(self.swap.device_tier.charge(unit.nbytes), GATHERED)
 
     def _start_fill(self, unit: Unit) -> Fill:
         """Fetch the unit's shard and copy it into the full buffer (with several ranks: into this rank's part of
@@ -360,14 +364,22 @@ class PartitionedPlacement(Placement):
         self.release(unit)
 
     def _pre_backward(self, unit: Unit) -> None:
+        self._reserve_gradients(unit)  # before the gather prefetches the next unit: the gradients come first
         self._gather_in_order(unit)
         unit.backward_refs += 1
         self._arm(unit)
 
     def _arm(self, unit: Unit) -> None:
         if unit.state is not UnitState.BACKWARD:
+            self._reserve_gradients(unit)
             unit.to("arm")
             unit.grads_pending = len(unit.flat.slots)
+
+    def _reserve_gradients(self, unit: Unit) -> None:
+        """Count autograd's gradients of the unit's parameters (as large as its full buffer) until its reduce."""
+        if not unit.grads_reserved:
+            self.swap.reserve_device(self.swap.device_tier.charge(unit.nbytes), f"{unit.name} gradients", GRADIENTS)
+            unit.grads_reserved = True
 
     def _grad_ready(self, unit: Unit) -> None:
         if unit.state is not UnitState.BACKWARD:  # a parameter used outside its module's forward got a gradient first
@@ -380,7 +392,10 @@ class PartitionedPlacement(Placement):
 
     def _finish_backward(self, unit: Unit) -> None:
         unit.to("grads_ready")
-        if self.gradients.reduce(unit) and unit.sub_groups and unit.sub_groups[0].master_in is None:
+        last = self.gradients.reduce(unit)  # frees the parameters' gradients
+        self.swap.unreserve_device(self.swap.device_tier.charge(unit.nbytes), GRADIENTS)
+        unit.grads_reserved = False
+        if last and unit.sub_groups and unit.sub_groups[0].master_in is None:
             # The step that follows rewrites the shard from the fp32 masters: its room is the first to give
             # up, for the gradients coming and the step's state (written home already, it costs no write).
             self.swap.expect_overwrite(unit.segment)

@@ -69,6 +69,8 @@ class Unit:
     """Of `refs`, those its backward drops once every gradient is in."""
     grads_pending: int = 0
     """Parameters whose gradient backward has not produced yet (in state BACKWARD)."""
+    grads_reserved: bool = False
+    """The device budget counts autograd's gradients of its parameters (from its backward's start to its reduce)."""
     fill: Fill | None = None
     """The last copy of the shard into the full buffer (partitioned units)."""
     lent: HostBuffer | None = None
