@@ -401,14 +401,22 @@ def markdown(record: dict) -> str:
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)) + "\n"
 
 
+def check_numbers(text: str) -> set[int]:
+    """--only's value: check numbers 1-5, comma-separated."""
+    numbers = {int(n) for n in text.split(",") if n.strip().isdigit()}
+    if not numbers or not numbers <= set(range(1, 6)) or len(numbers) != len(text.split(",")):
+        raise argparse.ArgumentTypeError(f"{text!r}: check numbers from 1 to 5, comma-separated (e.g. 3,5)")
+    return numbers
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small models, bench/train.py --quick (~3 min on a GPU)")
     parser.add_argument("--out", default=os.path.join(HERE, "out"), help="where gpu_check.md, .json and the trace go")
     parser.add_argument("--json", default=None, help="the JSON record here instead of OUT/gpu_check.json")
     parser.add_argument("--dir", default=None, help="where the nvme tier's temporary directories go (an SSD)")
-    parser.add_argument("--only", type=lambda text: {int(n) for n in text.split(",")}, default=None,
-                        metavar="N,N", help="run these checks only, by number (1-5), e.g. 3,5")
+    parser.add_argument("--only", type=check_numbers, default=None, metavar="N,N",
+                        help="run these checks only, by number (1-5), e.g. 3,5")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     plan = Plan(args.quick, args.dir)

@@ -15,6 +15,7 @@ same offload device, `-overlap` variants included.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -30,9 +31,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 
-def ds_config(offload: str, nvme_path: str, micro_batch: int, largest: int, lr: float = 1e-4) -> dict:
-    """The ds_config every system reads: ZeRO-3 with params and optimizer offloaded to `offload`. `largest`: the
-    model's largest parameter, in elements (DeepSpeed's nvme parameter buffers must hold it; ours ignore the key)."""
+def ds_config(offload: str, nvme_path: str, micro_batch: int, lr: float = 1e-4) -> dict:
+    """The ds_config every system reads: ZeRO-3 with params and optimizer offloaded to `offload`."""
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
@@ -49,7 +49,6 @@ def ds_config(offload: str, nvme_path: str, micro_batch: int, largest: int, lr: 
     if offload == "nvme":
         for section in ("offload_param", "offload_optimizer"):
             config["zero_optimization"][section]["nvme_path"] = nvme_path
-        config["zero_optimization"]["offload_param"]["buffer_size"] = max(100_000_000, largest)
         config["aio"] = {"block_size": 8 << 20, "queue_depth": 8, "single_submit": False, "overlap_events": True}
     return config
 
@@ -114,9 +113,17 @@ def child(args: argparse.Namespace) -> dict:
             io_s.append(swap.timeline.busy_seconds("nvme->host", "host->nvme", since=start))
 
     else:
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's CPU accelerator, set before it picks one
         import deepspeed
 
         config.pop("zero_tiering", None)
+        if "nvme_path" in config["zero_optimization"]["offload_param"]:
+            # its nvme parameter buffers must hold the largest parameter (the 1b preset's embedding has 103M
+            # elements, over its default 1e8); ours ignore the key
+            with torch.device("meta"):
+                largest = max(p.numel() for p in GPT(gpt).parameters())
+            config["zero_optimization"]["offload_param"]["buffer_size"] = max(100_000_000, largest)
         with deepspeed.zero.Init(config_dict_or_path=config):
             model = GPT(gpt)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -191,15 +198,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.preset, args.steps, args.warmup, args.seq_len = "tiny", 2, 1, 64
         args.systems = "torch,ours-cpu,ours-nvme"
         args.device_budget = "1MiB"
-    try:
-        import deepspeed  # noqa: F401
-        have_deepspeed = True
-    except ImportError:
-        have_deepspeed = False
-    from zero.train.gpt import PRESETS
-
-    preset = PRESETS[args.preset.partition(":")[0]]  # NAME:LAYERS (bench/gpu_check.py): NAME cut to LAYERS blocks
-    largest = preset.vocab_size * preset.n_embd  # the embedding
+    have_deepspeed = importlib.util.find_spec("deepspeed") is not None  # imported in its children only
     records = []
     with tempfile.TemporaryDirectory(dir=args.dir) as nvme_path:
         for system in args.systems.split(","):
@@ -207,7 +206,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 print(f"{system}: skipped (deepspeed is not installed)")
                 continue
             offload = "nvme" if "nvme" in system else "cpu"
-            config = ds_config(offload, nvme_path, args.micro_batch, largest)
+            config = ds_config(offload, nvme_path, args.micro_batch)
             record = run_child(args, system, config)
             if record is not None:
                 records.append(record)
@@ -232,10 +231,6 @@ def run_child(args: argparse.Namespace, system: str, config: dict) -> dict | Non
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        import torch
-
-        if not torch.cuda.is_available():
-            env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's CPU accelerator where there is no GPU
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     for line in result.stdout.splitlines():
         if line.startswith("RECORD "):

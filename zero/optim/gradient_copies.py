@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from tiering import SwapManager
-from tiering.host_pool import HostBuffer
 from tiering.copy_stream import CopyEvent
+from tiering.host_pool import HostBuffer
 
 SLOTS = 2
 """Staging buffers, and device scratches: one landing while the next is copied."""

@@ -32,8 +32,8 @@ class Gradients:
     def __init__(self, *, driver: AdamDriver, dp: DataParallel, counters: StepCounters, sharded: bool,
                  reduce_scatter: bool, param_order: dict[int, int], largest_unit: int, prescale: bool,
                  predivide_factor: float, communication_data_type: str | None,
-                 speculation: SpeculativeStep | None = None, copies: GradientCopies | None = None,
-                 reserve_device: Callable[[int, str, str], None] | None = None):
+                 reserve_device: Callable[[int, str, str], None], speculation: SpeculativeStep | None = None,
+                 copies: GradientCopies | None = None):
         """`sharded`: each rank keeps optimizer state for its shard only (stage 1 on); `reduce_scatter`: the
         reduction leaves each rank its shard only (stage 2 on); `param_order`: id(param) -> its place in
         the model; `largest_unit`: the largest unit's padded element count (the scratch buffers' size);
@@ -145,7 +145,7 @@ class Gradients:
         buffer = self._scratches.get(role)
         if buffer is None:
             size = max(numel, self.largest_unit if largest is None else largest)
-            if on_device and self.reserve_device is not None:
+            if on_device:
                 self.reserve_device(size * dtype.itemsize, f"gradient reduction {role}", REDUCTION_SCRATCH)
             buffer = self._scratches[role] = torch.empty(size, dtype=dtype, device=device)
         return buffer[:numel]
