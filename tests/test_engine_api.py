@@ -148,7 +148,7 @@ def test_training_data_gives_a_loader_of_micro_batches():
 def test_config_by_older_names(tmp_path):
     """config_params (DeepSpeed's older keyword) and args.deepspeed_config (its argparse convention)."""
     engine, *_ = zero.initialize(model=tied_blocks(0), config_params=make_config(1, "none", accum=2))
-    assert engine.gradient_accumulation_steps == 2
+    assert engine.gradient_accumulation_steps() == 2
     engine.close()
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(make_config(2, "cpu", accum=3)))

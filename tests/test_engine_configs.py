@@ -158,7 +158,7 @@ def test_config_file_path_and_duplicate_keys(tmp_path):
     good = tmp_path / "ds_config.json"
     good.write_text(json.dumps(make_config(1, "cpu", accum=2)))
     engine, *_ = zero.initialize(model=tied_blocks(0), config=str(good))
-    assert engine.gradient_accumulation_steps == 2 and engine.stage == 1
+    assert engine.gradient_accumulation_steps() == 2 and engine.stage == 1
     engine.close()
     duplicate = tmp_path / "duplicate.json"
     duplicate.write_text('{"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "gradient_clipping": 2.0}')

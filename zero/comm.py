@@ -26,6 +26,29 @@ def local_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,
+                     verbose: bool = True, timeout: timedelta | None = None, init_method: str | None = None,
+                     dist_init_required: bool | None = None, config=None, rank: int = -1, world_size: int = -1) -> None:
+    """DeepSpeed's `init_distributed`: join the process group the launcher (torchrun, `python -m zero.launch`)
+    described in the environment, gloo on CPU and NCCL on GPUs unless `dist_backend` says; nothing with one rank
+    and no group asked for, or a group already joined. `rank` and `world_size` (>= 0) stand in for RANK and
+    WORLD_SIZE; MPI discovery is not done (a launcher's environment is what is read)."""
+    if dist.is_initialized() or dist_init_required is False:
+        return
+    if rank >= 0:
+        os.environ["RANK"] = str(rank)
+    if world_size >= 0:
+        os.environ["WORLD_SIZE"] = str(world_size)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not dist_init_required:
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    backend = dist_backend or ("nccl" if local_device().type == "cuda" else "gloo")
+    dist.init_process_group(backend, init_method=init_method, timeout=timeout or timedelta(minutes=30))
+
+
 class RankLostError(RuntimeError):
     """A collective failed because a peer rank died (its connection closed) or stopped answering (the
     collective timed out). The group cannot be used again, so this rank stops too, saying what it knows:
@@ -139,6 +162,18 @@ class DataParallel:
         else:
             dist.all_gather_into_tensor(out, shard, group=self.group)
         return out
+
+    @collective
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """`tensor` takes rank `src`'s values on every rank."""
+        if self.world_size == 1:
+            return tensor
+        if tensor.device.type == "cpu" and dist.get_backend(self.group) == "nccl":
+            on_device = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+            dist.broadcast(on_device, dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
+            return tensor.copy_(on_device)
+        dist.broadcast(tensor, dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
+        return tensor
 
     @collective
     def all_gather_object(self, obj: Any) -> list[Any]:

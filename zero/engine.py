@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, ContextManager, NamedTuple
 
@@ -26,15 +27,18 @@ from . import checkpoint
 from .comm import DataParallel
 from .config import Config
 from .counters import StepCounters
-from .optim.driver import STATE_PARTS, AdamDriver
+from .optim.driver import STATE_PARTS, AdamDriver, SubGroup
 from .optim.gradients import Gradients
 from .optim.loss_scaler import LossScaler
 from .optim.overlapped_step import OverlappedStep
 from .optim.speculative_step import SpeculativeStep
 from .optim.param_groups import ZeroOptimizer
+from .params.ds_param import OWNER, mark, set_owner
+from .params.flat_unit import ParamSlot
 from .params.placement import Placement
-from .params.unit import Unit
+from .params.unit import DS_STATUS, Unit
 from .preemption import SIGNALS, Preemption
+from .unsupported import UnsupportedFeatureError
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -94,12 +98,33 @@ class ZeroEngine(nn.Module):
         self.preemption: Preemption | None = None
         self._preemption_state: Callable[[], Any] | None = None
         self._closed = False
+        ds_ids = {id(p): i for i, p in enumerate(module.parameters())}
+        for unit in self.units:
+            for slot in unit.flat.slots:
+                if unit.segment is not None:
+                    mark(slot.param, ds_ids.get(id(slot.param), -1), slot.shape, self, DS_STATUS[unit.state])
+                else:
+                    set_owner(slot.param, self)
 
-    # -- DeepSpeed's counters ----------------------------------------------------------------------------------
+    # -- DeepSpeed's counters and sizes -------------------------------------------------------------------------
 
-    @property
     def gradient_accumulation_steps(self) -> int:
         return self.counters.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
+    @property
+    def global_samples(self) -> int:
+        """Samples the optimizer steps so far have consumed over all ranks (skipped steps included, as DeepSpeed
+        counts them)."""
+        return self.counters.global_steps * self.config.train_batch_size
 
     @property
     def micro_steps(self) -> int:
@@ -133,7 +158,7 @@ class ZeroEngine(nn.Module):
         if self.speculation is not None and self._bet and self.counters.at_boundary():
             self.speculation.begin(self.optimizer.param_groups, self.optimizer.step_count + 1, 1.0 / self.cur_scale)
         self._last_loss = loss.detach()
-        scaled = loss.float() / self.gradient_accumulation_steps
+        scaled = loss.float() / self.counters.gradient_accumulation_steps
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
         scaled.backward()
@@ -224,11 +249,14 @@ class ZeroEngine(nn.Module):
     # -- full parameters on demand ----------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def gathered_parameters(self, params: list[nn.Parameter] | None = None, modify: bool = False):
+    def gathered_parameters(self, params: list[nn.Parameter] | None = None, modify: bool = False,
+                            modifier_rank: int | None = None):
         """Inside the block the given parameters (default: all) hold their full values, as DeepSpeed's
-        GatheredParameters gives them. With `modify=True` the values they hold on exit become the model's:
-        the fp32 masters (and, for stage 3, the parameter shards) are rewritten; every rank must make the same
-        change. Moments are kept."""
+        GatheredParameters gives them; every rank calls it. With `modify=True` the values they hold on exit
+        become the model's: their fp32 masters (and, for stage 3, the parameter shards) are rewritten; every
+        rank must make the same change. With `modifier_rank` (DeepSpeed's), the values that rank holds on exit
+        are first sent to every rank, then become the model's. Moments are kept; a block that raises changes
+        nothing."""
         self._finish_step()
         wanted = None if params is None else {id(p) for p in params}
         chosen = [unit for unit in self.units
@@ -237,20 +265,94 @@ class ZeroEngine(nn.Module):
             self.placement.gather(unit)
         try:
             yield
-            if modify:
+            if modify or modifier_rank is not None:
                 for unit in chosen:
-                    self._adopt_full_values(unit)
+                    if modifier_rank is not None:
+                        self.dp.broadcast(unit.full, modifier_rank)
+                    self._adopt_full_values(unit, wanted)
         finally:
             for unit in chosen:
                 self.placement.release(unit)
 
-    def _adopt_full_values(self, unit: Unit) -> None:
-        """Make the unit's full buffer the truth: copy this rank's range into the masters and the shard."""
-        values = unit.full.narrow(0, *self.placement.rank_range(unit))
-        for sg in unit.sub_groups:
-            with self.driver.held(sg, "master", dirty=True) as master:
-                master.copy_(values.narrow(0, sg.offset, sg.numel))
+    def _adopt_full_values(self, unit: Unit, wanted: set[int] | None) -> None:
+        """Make the unit's full buffer the truth for the parameters in `wanted` (None: all): copy their part of
+        this rank's range into the masters, and the range into the shard (the others' values are its own)."""
+        for slot in unit.flat.slots:
+            if wanted is None or id(slot.param) in wanted:
+                for sg, at, offset, numel in self._pieces(unit, slot.offset, slot.numel):
+                    with self.driver.held(sg, "master", dirty=True) as master:
+                        master.narrow(0, at, numel).copy_(unit.full.narrow(0, offset, numel))
         self.placement.adopt_full(unit)
+
+    def _pieces(self, unit: Unit, offset: int, numel: int) -> Iterator[tuple[SubGroup, int, int, int]]:
+        """Where the flat range [offset, offset + numel) of `unit` meets this rank's sub-groups: (sub-group,
+        offset in it, offset in the flat buffer, length)."""
+        start = self.placement.rank_range(unit)[0]
+        for sg in unit.sub_groups:
+            lo, hi = max(offset, start + sg.offset), min(offset + numel, start + sg.offset + sg.numel)
+            if lo < hi:
+                yield sg, lo - start - sg.offset, lo, hi - lo
+
+    # -- one parameter's training state, whole (zero.utils' safe_get_* and safe_set_*) ---------------------------
+
+    def _slot_of(self, param: torch.Tensor) -> tuple[Unit, ParamSlot] | None:
+        for unit in self.units:
+            for slot in unit.flat.slots:
+                if slot.param is param:
+                    return unit, slot
+        return None
+
+    def full_state(self, param: torch.Tensor, part: str) -> torch.Tensor | None:
+        """`param`'s whole fp32 `part` ("master", "exp_avg", "exp_avg_sq", or "grad": the gradient accumulated
+        since the last step, unscaled) in its shape, gathered from every rank; every rank calls it. None for a
+        parameter the engine does not train, or for "grad" when no gradient waits for a step."""
+        found = self._slot_of(param)
+        if found is None:
+            return None
+        self._finish_step()
+        unit, slot = found
+        if part == "grad" and all(sg.grad_fresh for sg in unit.sub_groups):
+            return None
+        out = torch.zeros(slot.numel, dtype=torch.float32)
+        for sg, at, offset, numel in self._pieces(unit, slot.offset, slot.numel):
+            with self.driver.held(sg, part) as state:
+                out.narrow(0, offset - slot.offset, numel).copy_(state.narrow(0, at, numel))
+        if self.placement.sharded:
+            self.dp.all_reduce_sum(out)  # each rank filled its own range, zeros elsewhere
+        if part == "grad":
+            out /= self.cur_scale
+        return out.view(slot.shape)
+
+    def set_full_state(self, param: torch.Tensor, part: str, value: torch.Tensor) -> None:
+        """Rewrite `param`'s `part` (as `full_state` names them; "grad" scaled back as the step reads it) from
+        `value`, its whole value in its shape; setting "master" sets the parameter too (in the compute dtype).
+        Every rank calls it with the same value."""
+        found = self._slot_of(param)
+        if found is None:
+            raise ValueError(f"this engine does not train the parameter of shape {tuple(param.shape)} (frozen, or "
+                             "not in the model it was initialized with)")
+        unit, slot = found
+        if tuple(value.shape) != tuple(slot.shape):
+            raise ValueError(f"{slot.name}: a value of shape {tuple(value.shape)} for a parameter of shape "
+                             f"{tuple(slot.shape)}")
+        self._finish_step()
+        flat = value.detach().reshape(-1).float().cpu()
+        if part == "grad":
+            flat = flat * self.cur_scale
+        start = self.placement.rank_range(unit)[0]
+        for sg, at, offset, numel in self._pieces(unit, slot.offset, slot.numel):
+            fresh = part == "grad" and sg.grad_fresh  # a spent gradient: the rest of the sub-group is zero
+            with self.driver.held(sg, part, dirty=True, overwrite=fresh) as state:
+                if fresh:
+                    state.zero_()
+                state.narrow(0, at, numel).copy_(flat.narrow(0, offset - slot.offset, numel))
+            if part == "grad":
+                sg.grad_fresh, sg.norms = False, None
+            elif part == "master":
+                with self.placement.shard(unit, write=True) as shard:
+                    shard.narrow(0, offset - start, numel).copy_(flat.narrow(0, offset - slot.offset, numel))
+        if part == "master":
+            self.placement.shards_changed()
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state_dict with real tensors (gathered unit by unit under stage 3); tied parameters
@@ -259,6 +361,41 @@ class ZeroEngine(nn.Module):
         return self.module.state_dict()
 
     # -- what DeepSpeed's engine also answers ----------------------------------------------------------------
+
+    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Rank 0 writes the model's state_dict in the compute dtype (torch.save) to `save_dir/save_filename`,
+        through a temporary file renamed into place; every rank calls it (stage 3 gathers unit by unit, the
+        whole model then held on rank 0 in 16 bits, as DeepSpeed does). As DeepSpeed, stage 3 saves only with
+        zero_optimization.stage3_gather_16bit_weights_on_model_save true: otherwise it warns and returns False."""
+        if self.stage == 3 and not self.config.zero_optimization.gather_16bit_weights_on_model_save:
+            warnings.warn("save_16bit_model did nothing: under stage 3 it needs zero_optimization."
+                          "stage3_gather_16bit_weights_on_model_save true (zero.export writes the fp32 weights "
+                          "from a checkpoint without it)", stacklevel=2)
+            return False
+        state = self.module_state_dict()
+        if exclude_frozen_parameters:
+            frozen = {name for name, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        if self.dp.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(save_dir, save_filename)
+            torch.save({k: v.detach().cpu() for k, v in state.items()}, path + ".tmp")
+            os.replace(path + ".tmp", path)
+        self.dp.barrier()
+        return True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DeepSpeed's block whose backwards skip the gradients' reduction. One rank has nothing to skip: it
+        runs the block as it is. With several ranks each micro-batch's gradient is reduced as its backward goes
+        (as DeepSpeed's stages 2 and 3, which refuse no_sync too): gradient_accumulation_steps in the config
+        accumulates micro-batches instead."""
+        if self.dp.world_size > 1:
+            raise UnsupportedFeatureError(
+                "engine.no_sync() with several ranks", "set gradient_accumulation_steps in the config and call "
+                "engine.backward and engine.step every micro-batch: the optimizer steps at the boundary")
+        yield
 
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
@@ -310,6 +447,10 @@ class ZeroEngine(nn.Module):
                     self.overlap.close()
         finally:
             self.placement.close()
+            for unit in self.units:
+                for slot in unit.flat.slots:
+                    if getattr(slot.param, OWNER, None) is self:
+                        delattr(slot.param, OWNER)  # a closed engine gathers nothing
             if self.config.zero_tiering.trace_path:
                 self.swap.write_chrome_trace(self.config.zero_tiering.trace_path)
             self.gradients.close()

@@ -281,7 +281,7 @@ class ZeroTrainer(Trainer):
         if scaled_for_ga is None:  # the Trainer's rule: normalized by the whole accumulated batch's items
             scaled_for_ga = (getattr(self, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None
                              ) or getattr(self, "compute_loss_func", None) is not None
-        accumulation = engine.gradient_accumulation_steps
+        accumulation = engine.gradient_accumulation_steps()
         boundary = engine.is_gradient_accumulation_boundary()
         if self.is_in_train and boundary != self.accelerator.gradient_state.sync_gradients:
             raise RuntimeError(

@@ -4,6 +4,8 @@ Unit by unit, so a model whose training state exceeds host memory can be initial
 parameters get host memory (the Parameter objects keep their identity), then take their values from a
 pretrained checkpoint (PretrainedWeights: read by name, straight into them) or, without one, from each owning
 module's own initialization: a transformers model's `_init_weights(module)`, else `reset_parameters()`.
+Parameters zero.Init partitioned take their values from its store (every rank's slice, gathered), never from
+an initialization.
 Frozen parameters (in no unit) and buffers are materialized the same way once the units are done (`rest`).
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ from torch import nn
 
 from tiering import aligned_empty
 
+from .ds_param import owner_of
 from .flat_unit import FlatUnit
 from .pretrained import PretrainedWeights, PretrainedWeightsError
 
@@ -35,16 +38,24 @@ class Materializer:
             own = list(module.parameters(recurse=False))
             if not any(id(p) in ours for p in own):
                 continue
-            foreign = [p for p in own if p.is_meta and id(p) not in ours]
+            foreign = [p for p in own if p.is_meta and id(p) not in ours and _staged(p) is None]
             if foreign and self.weights is None:
                 raise ValueError(f"{type(module).__name__} holds meta parameters of several units; give them "
                                  "real values before zero.initialize")
             self._materialize(module, own)
 
     def _materialize(self, module: nn.Module, params: list[nn.Parameter]) -> None:
+        staged = [p for p in params if p.is_meta and _staged(p) is not None]
+        params = [p for p in params if _staged(p) is None]
+        for p in staged:  # in module order on every rank: each read gathers the ranks' slices
+            store = _staged(p)
+            swap_keeping_attributes(p, nn.Parameter(host_empty(p.shape, p.dtype), p.requires_grad))
+            store.take(p, p.data)
+        if not any(p.is_meta for p in params):
+            return
         for p in params:
             if p.is_meta:
-                torch.utils.swap_tensors(p, nn.Parameter(host_empty(p.shape, p.dtype), p.requires_grad))
+                swap_keeping_attributes(p, nn.Parameter(host_empty(p.shape, p.dtype), p.requires_grad))
         if self.weights is None:
             self._initialize(module)
             return
@@ -107,6 +118,20 @@ class Materializer:
                 if module._buffers[n].isnan().any():
                     raise ValueError(f"buffer {n!r} of {type(module).__name__} was built on meta and its "
                                      "model's _init_weights does not set it: give it real values")
+
+
+def _staged(param: nn.Parameter):
+    """The zero.Init store holding `param`'s slices, or None."""
+    owner = owner_of(param)
+    return owner if hasattr(owner, "take") else None
+
+
+def swap_keeping_attributes(param: nn.Parameter, new: nn.Parameter) -> None:
+    """Give `param` the tensor `new` holds, the Parameter object and its attributes (DeepSpeed's `ds_*`)
+    staying the same."""
+    attributes = dict(param.__dict__)
+    torch.utils.swap_tensors(param, new)
+    param.__dict__.update(attributes)
 
 
 def host_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:

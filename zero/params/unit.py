@@ -20,6 +20,7 @@ from tiering import Handle, HostBuffer, IllegalTransitionError
 from tiering.copy_stream import CopyEvent
 
 from ..optim.driver import SubGroup
+from .ds_param import ZeroParamStatus, set_status
 from .flat_unit import FlatUnit
 
 
@@ -42,6 +43,10 @@ TRANSITIONS: dict[str, tuple[frozenset[UnitState], UnitState]] = {
     "release": (frozenset({S.GATHERED, S.STALE}), S.RELEASED),
     "stepped": (frozenset({S.GATHERED}), S.STALE),
 }
+DS_STATUS = {S.RELEASED: ZeroParamStatus.NOT_AVAILABLE, S.PREFETCHED: ZeroParamStatus.INFLIGHT,
+             S.GATHERED: ZeroParamStatus.AVAILABLE, S.BACKWARD: ZeroParamStatus.AVAILABLE,
+             S.STALE: ZeroParamStatus.AVAILABLE}
+"""What DeepSpeed's `ds_status` says of a partitioned parameter in each state."""
 del S
 
 
@@ -97,6 +102,8 @@ class Unit:
             raise IllegalTransitionError(f"unit {self.name or 'root'}", action,
                                          " or ".join(s.name for s in sources), self.state.name)
         self.state = target
+        if self.segment is not None:  # partitioned: DeepSpeed's readers see the state in ds_status
+            set_status((slot.param for slot in self.flat.slots), DS_STATUS[target])
 
 
 class Fill:

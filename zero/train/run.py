@@ -307,7 +307,7 @@ def train_step(engine, batches: Batches, step: int) -> StepReport:
     bets0 = None if engine.speculation is None else asdict(engine.speculation.stats)
     start = time.perf_counter()
     losses = []
-    for _ in range(engine.gradient_accumulation_steps):
+    for _ in range(engine.gradient_accumulation_steps()):
         inputs, targets = batches.next()
         with swap.compute(f"forward {step}"):
             loss = engine(inputs.to(engine.device), targets.to(engine.device))

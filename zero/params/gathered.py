@@ -1,0 +1,34 @@
+"""`GatheredParameters` (DeepSpeed's `deepspeed.zero.GatheredParameters`): partitioned parameters whole for the
+length of a block, asked of whoever holds them: zero.Init's store before `initialize`, the engine after.
+Parameters nobody partitioned are left as they are, as DeepSpeed leaves them."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from .ds_param import owner_of
+
+
+@contextlib.contextmanager
+def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor] | None, modifier_rank: int | None = None,
+                       fwd_module: torch.nn.Module | None = None, enabled: bool = True) -> Iterator[None]:
+    """Inside the block `params` hold their full values on every rank (every rank enters it). With
+    `modifier_rank`, what that rank's parameters hold on exit becomes every rank's and the model's (the fp32
+    masters too, once `initialize` has made them); without, changes are dropped. A block that raises changes
+    nothing. `fwd_module` is accepted for DeepSpeed's signature: units are gathered by the forward that runs
+    them, so no parameter needs registering with another module's forward."""
+    if not enabled or params is None:
+        yield
+        return
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    owners: dict[int, tuple[object, list[torch.Tensor]]] = {}
+    for p in params:
+        owner = owner_of(p)
+        if owner is not None:
+            owners.setdefault(id(owner), (owner, []))[1].append(p)
+    with contextlib.ExitStack() as stack:
+        for owner, owned in owners.values():
+            stack.enter_context(owner.gathered_parameters(owned, modifier_rank=modifier_rank))
+        yield

@@ -1,0 +1,241 @@
+"""`zero.Init` (DeepSpeed's `deepspeed.zero.Init`): modules built inside it are partitioned as they are built, so
+a model larger than host memory never exists whole.
+
+Inside the block every parameter registered on a module is partitioned once its module's construction is over:
+when the module is assigned to its parent (its `__init__` has returned by then), or at the block's end for the
+top-level model and modules never assigned. Partitioning a parameter sends rank 0's values to every rank (as
+DeepSpeed does), keeps this rank's 1/world slice in an InitStore (host memory, or a file on nvme), and leaves the
+parameter on the meta device with DeepSpeed's attributes (`ds_shape`, ...). `initialize` fills a unit's meta
+parameters from their slices as it builds the unit (the same route as a model built on meta): one unit whole at a
+time. Inside `GatheredParameters` a partitioned parameter holds its full values; what the modifier rank writes
+there is partitioned again on exit.
+
+As under DeepSpeed, a module's constructor that changes a child's parameters after building the child (Hugging
+Face's `post_init`) changes nothing: the child is partitioned by then. Such models are built on meta instead
+(`with torch.device("meta")`), and `initialize` runs their `_init_weights` unit by unit.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as module_hooks
+
+from tiering import NvmeStoreConfig, SwapConfig, SwapManager
+
+from ..comm import DataParallel, local_device
+from ..config import ConfigError, load_config
+from ..unsupported import UnsupportedFeatureError
+from .ds_param import ZeroParamStatus, mark, owner_of, set_status
+from .materialize import host_empty, swap_keeping_attributes
+
+CHUNK_BYTES = 32 << 20
+"""A slice staged on nvme is written and read in segments of at most this many bytes (the staging store's host
+budget holds two)."""
+
+
+class InitStore:
+    """This rank's slices of the parameters zero.Init partitioned, until `initialize` takes them: in host memory,
+    or on nvme through a swap manager of its own, its file removed once `initialize` has taken the last slice, or
+    when the store is collected (parameters replaced before `initialize`, a resized embedding's old weight, keep
+    it alive until they go)."""
+
+    def __init__(self, dp: DataParallel, nvme: NvmeStoreConfig | None):
+        self.dp = dp
+        self.swap = None if nvme is None else SwapManager(SwapConfig(host_budget=2 * CHUNK_BYTES, nvme=nvme,
+                                                                     pin=False, timeline=False))
+        self._close = weakref.finalize(self, self.swap.close) if self.swap is not None else None
+        """Closes the staging swap manager once: when the last slice is taken, or when the store is collected."""
+        self.slices: dict[int, list] = {}
+        """ds_id -> this rank's slice: [tensor] in host memory, or the names of its nvme segments."""
+        self.next_id = 0
+        self.written = 0
+        """Slices kept so far (names nvme segments uniquely)."""
+
+    def put(self, param: nn.Parameter) -> None:
+        """Partition `param`: rank 0's values everywhere, this rank's slice kept, the parameter left on meta."""
+        ds_id, self.next_id = self.next_id, self.next_id + 1
+        self._partition(ds_id, param.detach().reshape(-1).cpu(), src=0)
+        shape = param.shape
+        _to_meta(param)
+        mark(param, ds_id, shape, self)
+
+    def _partition(self, ds_id: int, values: torch.Tensor, src: int) -> None:
+        """Keep this rank's slice of `values` (rank `src`'s, sent to every rank) as parameter `ds_id`'s."""
+        self.dp.broadcast(values, src)
+        per = -(-values.numel() // self.dp.world_size)
+        start = min(self.dp.rank * per, values.numel())
+        mine = values.narrow(0, start, min(per, values.numel() - start))
+        old = self.slices.get(ds_id, [])
+        self.slices[ds_id] = self._keep(mine)
+        self._forget(old)
+
+    def _keep(self, values: torch.Tensor) -> list:
+        if self.swap is None:
+            kept = host_empty(values.shape, values.dtype)
+            kept.copy_(values)
+            return [kept]
+        names, step = [], max(1, CHUNK_BYTES // values.element_size())
+        for start in range(0, values.numel(), step):
+            piece = values.narrow(0, start, min(step, values.numel() - start))
+            name, self.written = f"init/{self.written}", self.written + 1
+            self.swap.register(name, dtype=values.dtype, shape=piece.shape, home="nvme", data=piece).wait()
+            names.append(name)
+        return names
+
+    def read_into(self, param: nn.Parameter, out: torch.Tensor) -> None:
+        """Fill `out` (host, the parameter's shape) with its full values: every rank's slice, gathered. Every
+        rank calls it, for the same parameters in the same order."""
+        numel, world = param.ds_numel, self.dp.world_size
+        per = -(-numel // world)
+        mine = torch.zeros(per, dtype=out.dtype)
+        at = 0
+        for piece in self.slices[param.ds_id]:
+            if isinstance(piece, str):
+                with self.swap.held(piece, "host") as piece:
+                    mine.narrow(0, at, piece.numel()).copy_(piece)
+            else:
+                mine.narrow(0, at, piece.numel()).copy_(piece)
+            at += piece.numel()
+        if world == 1:
+            out.view(-1).copy_(mine)
+            return
+        full = torch.empty(per * world, dtype=out.dtype)
+        self.dp.all_gather(mine, full)
+        out.view(-1).copy_(full.narrow(0, 0, numel))
+
+    def take(self, param: nn.Parameter, out: torch.Tensor) -> None:
+        """`read_into`, then the slice is no longer kept: `initialize` has made the parameter its own."""
+        self.read_into(param, out)
+        self._drop(param.ds_id)
+
+    def _forget(self, pieces: list) -> None:
+        for name in pieces:
+            if isinstance(name, str):
+                self.swap.unregister(name)
+
+    def _drop(self, ds_id: int) -> None:
+        pieces = self.slices.pop(ds_id, None)
+        if pieces is None:
+            return
+        self._forget(pieces)
+        if not self.slices and self.swap is not None:  # the last slice taken: the staging file goes
+            self._close()
+            self.swap = None
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, params: list[nn.Parameter], modifier_rank: int | None = None) -> Iterator[None]:
+        """GatheredParameters for parameters partitioned but not yet initialized: inside, each holds its full
+        values (host memory); on exit what `modifier_rank` holds is partitioned again (None: changes dropped)."""
+        params = [p for p in params if owner_of(p) is self and p.is_meta]
+        for p in params:
+            full = torch.empty(p.ds_shape, dtype=p.dtype)
+            self.read_into(p, full)
+            swap_keeping_attributes(p, nn.Parameter(full, p.requires_grad))
+        set_status(params, ZeroParamStatus.AVAILABLE)
+        try:
+            yield
+            if modifier_rank is not None:
+                for p in params:
+                    self._partition(p.ds_id, p.detach().reshape(-1), src=modifier_rank)
+        finally:
+            for p in params:
+                _to_meta(p)
+            set_status(params, ZeroParamStatus.NOT_AVAILABLE)
+
+
+class Init:
+    """DeepSpeed's `zero.Init`, as a context manager (and, given `module`, on a model already built).
+
+    `remote_device`: where the slices wait for `initialize`: "cpu" (host memory) or "nvme" (files under the
+    config's offload_param nvme_path); None takes offload_param.device from the config ("none" and no config:
+    host memory, this being a CPU-side staging: the device takes them unit by unit at `initialize`).
+    `config_dict_or_path` (or `config`): the ds_config `initialize` will get. `dtype`: the slices' dtype
+    (default: the parameters' own, so fp32 masters start from the exact values built). `pin_memory` and
+    `mem_efficient_linear` are accepted and change nothing here. `data_parallel_group`: the group to partition
+    over (default: the world, joined here under torchrun as `initialize` would)."""
+
+    def __init__(self, module: nn.Module | None = None, data_parallel_group=None, mem_efficient_linear: bool = True,
+                 remote_device: str | None = None, pin_memory: bool = False,
+                 config_dict_or_path: str | os.PathLike | Mapping | None = None, config: Any = None,
+                 enabled: bool = True, dtype: torch.dtype | None = None, mpu=None, **options: Any):
+        if mpu is not None or options.get("zero_param_parallel_group") is not None:
+            raise UnsupportedFeatureError("zero.Init with model parallelism (mpu, zero_param_parallel_group)",
+                                          "data parallelism over every rank: leave them out")
+        for name in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
+            if options.pop(name, False):
+                raise UnsupportedFeatureError(f"zero.Init({name}=True)", "bf16 or fp16 parameters (the config's "
+                                              "bf16 / fp16 section)")
+        options.pop("zero_param_parallel_group", None)
+        if options:
+            raise TypeError(f"zero.Init got unexpected arguments: {', '.join(sorted(options))}")
+        self.enabled = enabled
+        self.dtype = dtype
+        self._hooks: list = []
+        self._pending: dict[int, nn.Parameter] = {}
+        if not enabled:
+            return
+        source = config_dict_or_path if config_dict_or_path is not None else config
+        cfg = None if source is None else load_config(source, world_size=DataParallel.world_size_to_join())
+        if data_parallel_group is not None:
+            dp = DataParallel(data_parallel_group)
+        else:
+            timeout = cfg.zero_tiering.collective_timeout if cfg is not None else 600.0
+            dp = DataParallel.from_env(local_device(), timeout=timeout)
+        offload = cfg.zero_optimization.offload_param if cfg is not None else None
+        where = remote_device or (offload.device if offload is not None else "cpu")
+        if where not in ("none", "cpu", "nvme"):
+            raise ConfigError("remote_device", 'one of "cpu", "nvme" (or "none")', value=where)
+        nvme = None
+        if where == "nvme":
+            if offload is None or not offload.nvme_path:
+                raise ConfigError("remote_device", 'is "nvme": the config must give zero_optimization.'
+                                  "offload_param.nvme_path, the directory the slices wait in", value=where)
+            paths = offload.nvme_path if isinstance(offload.nvme_path, tuple) else (offload.nvme_path,)
+            nvme = NvmeStoreConfig(nvme_path=paths[0], aio=cfg.to_aio_config())
+        self.store = InitStore(dp, nvme)
+        if module is not None:
+            self._partition(module.parameters())
+
+    def __enter__(self) -> Init:
+        if self.enabled:
+            self._hooks = [module_hooks.register_module_parameter_registration_hook(self._registered),
+                           module_hooks.register_module_module_registration_hook(self._module_registered)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        pending, self._pending = list(self._pending.values()), {}
+        if exc[0] is None:
+            self._put(pending)
+
+    def _registered(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            self._pending[id(param)] = param
+
+    def _module_registered(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
+        """`child` is being assigned to its parent, so its construction is over: partition what it built."""
+        if child is not None:
+            self._partition(child.parameters())
+
+    def _partition(self, params: Iterable[nn.Parameter]) -> None:
+        self._put([self._pending.pop(id(p), p) for p in params
+                   if id(p) in self._pending or (not self._hooks and not p.is_meta)])
+
+    def _put(self, params: list[nn.Parameter]) -> None:
+        for p in params:
+            if self.dtype is not None and p.dtype != self.dtype:
+                p.data = p.data.to(self.dtype)
+            self.store.put(p)
+
+
+def _to_meta(param: nn.Parameter) -> None:
+    swap_keeping_attributes(param, nn.Parameter(torch.empty(param.shape if not param.is_meta else param.ds_shape,
+                                                             dtype=param.dtype, device="meta"), param.requires_grad))
