@@ -17,9 +17,10 @@ Face's `post_init`) changes nothing: the child is partitioned by then. Such mode
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -37,6 +38,19 @@ from .materialize import host_empty, swap_keeping_attributes
 CHUNK_BYTES = 32 << 20
 """A slice staged on nvme is written and read in segments of at most this many bytes (the staging store's host
 budget holds two)."""
+TRIM_BYTES = 64 << 20
+"""Parameter bytes freed between two `malloc_trim` calls."""
+
+
+def _malloc_trim() -> Callable[[], None]:
+    """glibc's malloc_trim(0), or nothing elsewhere. The weights a module's constructor allocates come from malloc,
+    and freed among smaller live allocations they stay in the process: building 8 blocks of 32 MiB under zero.Init
+    kept RSS 190 MiB above where a trim brings it."""
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    return lambda: trim(0)
 
 
 class InitStore:
@@ -54,6 +68,9 @@ class InitStore:
         self.slices: dict[int, list] = {}
         """ds_id -> this rank's slice: [tensor] in host memory, or the names of its nvme segments."""
         self.next_id = 0
+        self.freed = 0
+        """Parameter bytes partitioned since the last trim."""
+        self.trim = _malloc_trim()
         self.written = 0
         """Slices kept so far (names nvme segments uniquely)."""
 
@@ -62,8 +79,12 @@ class InitStore:
         ds_id, self.next_id = self.next_id, self.next_id + 1
         self._partition(ds_id, param.detach().reshape(-1).cpu(), src=0)
         shape = param.shape
+        self.freed += param.numel() * param.element_size()
         _to_meta(param)
         mark(param, ds_id, shape, self)
+        if self.freed >= TRIM_BYTES:
+            self.trim()
+            self.freed = 0
 
     def _partition(self, ds_id: int, values: torch.Tensor, src: int) -> None:
         """Keep this rank's slice of `values` (rank `src`'s, sent to every rank) as parameter `ds_id`'s."""

@@ -1,0 +1,206 @@
+"""zero.Init partitions modules as they are built, GatheredParameters gives them whole (before initialize and
+after), DeepSpeed's ds_* attributes say what a reader of them expects, and zero.utils reads and sets a
+parameter's training state whole; a model whose fp32 training state is twice the host budget is built under
+zero.Init and trains within the budget plus 1 GiB.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import zero as deepspeed
+from zero.config import ConfigError
+from zero.unsupported import UnsupportedFeatureError
+
+NOT_AVAILABLE, AVAILABLE = deepspeed.zero.ZeroParamStatus.NOT_AVAILABLE, deepspeed.zero.ZeroParamStatus.AVAILABLE
+
+
+class Blocks(nn.Module):
+    def __init__(self, dim: int = 16, layers: int = 3):
+        super().__init__()
+        self.embed = nn.Embedding(32, dim)
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, ids, labels):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) * self.scale
+        return nn.functional.cross_entropy((x @ self.embed.weight.t()).flatten(0, 1), labels.flatten())
+
+
+def config(tmp_path, device: str = "nvme", **zero_tiering) -> dict:
+    offload = {"device": device, **({"nvme_path": str(tmp_path)} if device == "nvme" else {})}
+    return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": 3, "offload_param": dict(offload), "offload_optimizer": dict(offload),
+                                  "stage3_param_persistence_threshold": 0},  # every unit released after use
+            "zero_tiering": zero_tiering}
+
+
+def built(seed: int = 0, init=None) -> Blocks:
+    torch.manual_seed(seed)
+    if init is None:
+        return Blocks()
+    with init:
+        return Blocks()
+
+
+def test_modules_built_inside_are_partitioned_with_deepspeeds_attributes(tmp_path):
+    plain = built()
+    model = built(init=deepspeed.zero.Init(config_dict_or_path=config(tmp_path)))
+    assert os.listdir(tmp_path)  # the slices wait on nvme
+    ids = set()
+    for (name, p), (_, q) in zip(model.named_parameters(), plain.named_parameters()):
+        assert p.is_meta and p.ds_shape == q.shape and p.ds_numel == q.numel(), name
+        assert p.ds_status is NOT_AVAILABLE
+        ids.add(p.ds_id)
+    assert len(ids) == len(list(plain.parameters()))
+    everything = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(everything):
+        for (name, p), (_, q) in zip(model.named_parameters(), plain.named_parameters()):
+            assert p.ds_status is AVAILABLE and torch.equal(p, q), name
+    assert all(p.is_meta for p in everything)
+
+
+def test_gathered_parameters_keeps_the_modifier_ranks_changes_and_only_those(tmp_path):
+    model = built(init=deepspeed.zero.Init(config_dict_or_path=config(tmp_path)))
+    weight = model.layers[1].weight
+    with deepspeed.zero.GatheredParameters(weight):  # no modifier: changes are dropped
+        before = weight.detach().clone()
+        weight.data.add_(1.0)
+    with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
+        assert torch.equal(weight, before)
+        weight.data.mul_(2.0)
+    with pytest.raises(ZeroDivisionError), deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
+        weight.data.zero_()
+        1 / 0  # a block that raises changes nothing
+    with deepspeed.zero.GatheredParameters([weight], enabled=False):
+        assert weight.is_meta
+    with deepspeed.zero.GatheredParameters([weight]):
+        assert torch.equal(weight, before * 2.0)
+
+
+def test_initialize_takes_the_slices_and_trains_as_the_plain_model(tmp_path):
+    """The model built under zero.Init, given to initialize, trains bitwise as the same model built plainly
+    (fp32, one rank); the staging file is gone once initialize has taken every slice."""
+    losses = []
+    for init in (None, deepspeed.zero.Init(config_dict_or_path=config(tmp_path))):
+        model = built(init=init)
+        engine, *_ = deepspeed.initialize(model=model, config=config(tmp_path))
+        staged = sorted(os.listdir(tmp_path))
+        torch.manual_seed(5)
+        run = []
+        for _ in range(3):
+            ids = torch.randint(0, 32, (2, 8))
+            loss = engine(ids, torch.roll(ids, 1, 1))
+            engine.backward(loss)
+            engine.step()
+            run.append(loss.item())
+        assert all(p.ds_status is NOT_AVAILABLE for p in model.parameters())
+        engine.close()
+        losses.append((run, staged))
+    assert losses[0][0] == losses[1][0]
+    assert len(losses[1][1]) == 1  # the engine's own store, the staging file removed
+
+
+def test_after_initialize_the_modifier_rank_rewrites_the_masters_and_utils_read_them(tmp_path):
+    model = built(init=deepspeed.zero.Init(config_dict_or_path=config(tmp_path, "cpu")))
+    engine, *_ = deepspeed.initialize(model=model, config=config(tmp_path, "cpu"))
+    weight, other = model.layers[2].weight, model.layers[2].bias
+    other_before = deepspeed.utils.safe_get_full_fp32_param(other)
+    with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
+        assert weight.ds_status is AVAILABLE
+        weight.data.fill_(0.25)
+    assert torch.equal(deepspeed.utils.safe_get_full_fp32_param(weight), torch.full((16, 16), 0.25))
+    assert torch.equal(deepspeed.utils.safe_get_full_fp32_param(other), other_before)
+    assert deepspeed.utils.safe_get_full_grad(weight) is None  # no backward since the last step
+    deepspeed.utils.safe_set_full_optimizer_state(other, torch.full((16,), 3.0), "exp_avg")
+    assert torch.equal(deepspeed.utils.safe_get_full_optimizer_state(other, "exp_avg"), torch.full((16,), 3.0))
+    deepspeed.utils.safe_set_full_fp32_param(other, torch.arange(16.0))
+    with deepspeed.zero.GatheredParameters([other]):
+        assert torch.equal(other, torch.arange(16.0))
+    ids = torch.randint(0, 32, (2, 8))
+    engine.backward(engine(ids, ids))
+    grad = deepspeed.utils.safe_get_full_grad(weight)
+    assert grad.shape == (16, 16) and grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="exp_avg"):
+        deepspeed.utils.safe_get_full_optimizer_state(weight, "momentum")
+    engine.step()
+    engine.close()
+    assert deepspeed.utils.safe_get_full_fp32_param(weight) is None  # a closed engine answers nothing
+
+
+def test_what_init_cannot_serve_is_named(tmp_path):
+    no_path = config(tmp_path, "cpu")
+    with pytest.raises(ConfigError, match="nvme_path"):
+        deepspeed.zero.Init(config_dict_or_path=no_path, remote_device="nvme")
+    with pytest.raises(UnsupportedFeatureError, match="mpu"):
+        deepspeed.zero.Init(mpu=object())
+    with pytest.raises(UnsupportedFeatureError, match="zero_quantized_weights"):
+        deepspeed.zero.Init(zero_quantized_weights=True)
+    with deepspeed.zero.Init(enabled=False):
+        model = Blocks()
+    assert not any(p.is_meta for p in model.parameters())
+
+
+MEMORY_SCRIPT = textwrap.dedent('''
+    import json, sys, torch
+    from torch import nn
+    import zero as deepspeed
+
+    def rss(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(1024, 4096), nn.Linear(4096, 1024)) for _ in range(8))
+        def forward(self, x):
+            for block in self.blocks:
+                x = x + block(x)
+            return x.square().mean()
+
+    config = json.loads(sys.argv[1])
+    torch.set_num_threads(2)
+    imports = rss("VmHWM")
+    open("/proc/self/clear_refs", "w").write("5")  # the peak from here on
+    before = rss("VmRSS")
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = Net()
+    building = rss("VmHWM") - before
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    for _ in range(2):
+        loss = engine(torch.randn(1, 4, 1024))
+        engine.backward(loss)
+        engine.step()
+    engine.close()
+    numel = sum(p.ds_numel for p in model.parameters())
+    print(json.dumps(dict(peak=max(imports, rss("VmHWM")), building=building, numel=numel)))
+''')
+
+
+@pytest.mark.slow
+def test_a_model_twice_the_host_budget_is_built_under_init_and_trains_within_it(tmp_path):
+    """fp32 state 16 bytes a parameter (master in the parameter shard, two moments, the gradient): 67M
+    parameters are 1.0 GiB of state against a 512 MiB host budget. Built under zero.Init with the slices on
+    nvme, building raises the process's peak by less than half the model's 256 MiB of weights; the whole run
+    stays within the budget plus 1 GiB."""
+    budget = 512 << 20
+    cfg = config(tmp_path, host_budget=budget)
+    done = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, json.dumps(cfg)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    weights = 4 * result["numel"]
+    assert 16 * result["numel"] >= 2 * budget
+    assert result["building"] < weights / 2
+    assert result["peak"] <= budget + (1 << 30)
