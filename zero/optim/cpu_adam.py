@@ -79,7 +79,7 @@ class CPUAdam(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        _check_group({**self.defaults, **param_group})
+        check_group({**self.defaults, **param_group})
         for p in params:
             if p.device.type != "cpu" or p.dtype != torch.float32:
                 raise ValueError(f"CPUAdam steps CPU fp32 params; got {p.dtype} on {p.device} "
@@ -95,7 +95,7 @@ class CPUAdam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state_dict of ours or of torch.optim.Adam(W); groups using options we lack raise."""
         for group in state_dict["param_groups"]:
-            _check_group({**self.defaults, **group})
+            check_group({**self.defaults, **group})
         super().load_state_dict(state_dict)
         for group in self.param_groups:
             for key, value in self.defaults.items():
@@ -164,7 +164,8 @@ def _check_option(option: str, value: object, accepted: object) -> None:
         raise UnsupportedOptionError(option, value, accepted)
 
 
-def _check_group(group: dict[str, Any]) -> None:
+def check_group(group: dict[str, Any]) -> None:
+    """A param group's options and hyperparameters (its params aside): what CPUAdam does not implement raises."""
     for option, accepted in UNSUPPORTED.items():
         _check_option(option, group.get(option, accepted), accepted)
     beta1, beta2 = group["betas"]

@@ -10,9 +10,12 @@ parameters from their slices as it builds the unit (the same route as a model bu
 time. Inside `GatheredParameters` a partitioned parameter holds its full values; what the modifier rank writes
 there is partitioned again on exit.
 
-As under DeepSpeed, a module's constructor that changes a child's parameters after building the child (Hugging
-Face's `post_init`) changes nothing: the child is partitioned by then. Such models are built on meta instead
-(`with torch.device("meta")`), and `initialize` runs their `_init_weights` unit by unit.
+As under DeepSpeed, a module's constructor that changes a child's parameters after building the child changes
+nothing: the child is partitioned by then. Hugging Face models are the exception made (transformers does it for
+DeepSpeed): their `post_init` weight initialization ran on meta parameters, so it runs again when the model's
+construction is over (when it is assigned to its parent, or at the block's end), each module's parameters
+gathered while its `_init_weights` runs: the same draws at the same point of the construction as outside
+zero.Init, so the same weights.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from ..comm import DataParallel, local_device
 from ..config import ConfigError, load_config
 from ..unsupported import UnsupportedFeatureError
 from .ds_param import ZeroParamStatus, mark, owner_of, set_status
+from .gathered import GatheredParameters
 from .materialize import host_empty, swap_keeping_attributes
 
 CHUNK_BYTES = 32 << 20
@@ -199,6 +203,11 @@ class Init:
         self.dtype = dtype
         self._hooks: list = []
         self._pending: dict[int, nn.Parameter] = {}
+        self._parents: dict[int, nn.Module] = {}
+        """Modules that got children inside the block, by id: the Hugging Face models among them initialize again."""
+        self._children: set[int] = set()
+        self._initialized: set[int] = set()
+        """Modules and parameters (ids) whose Hugging Face initialization has run on real values."""
         if not enabled:
             return
         source = config_dict_or_path if config_dict_or_path is not None else config
@@ -234,8 +243,13 @@ class Init:
             hook.remove()
         self._hooks.clear()
         pending, self._pending = list(self._pending.values()), {}
+        parents, self._parents = [m for i, m in self._parents.items() if i not in self._children], {}
+        self._children = set()
         if exc[0] is None:
             self._put(pending)
+            for model in parents:
+                if callable(getattr(model, "_initialize_weights", None)):
+                    self._initialize_hf(model)
 
     def _registered(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and not param.is_meta:
@@ -245,16 +259,52 @@ class Init:
         """`child` is being assigned to its parent, so its construction is over: partition what it built."""
         if child is not None:
             self._partition(child.parameters())
+            self._parents[id(parent)] = parent
+            self._children.add(id(child))
+            if callable(getattr(child, "_initialize_weights", None)):
+                self._initialize_hf(child)
 
     def _partition(self, params: Iterable[nn.Parameter]) -> None:
         self._put([self._pending.pop(id(p), p) for p in params
                    if id(p) in self._pending or (not self._hooks and not p.is_meta)])
+
+    def _initialize_hf(self, model: nn.Module) -> None:
+        """Run a Hugging Face model's weight initialization again (its post_init ran it on meta parameters) for
+        the modules no earlier run covered (a sub-model's ran when it was assigned), each module's
+        `_init_weights` with the module's own parameters gathered and what it draws kept."""
+        for item in (*model.modules(), *model.parameters()):  # a tied weight is once among the parameters
+            if id(item) not in self._initialized and getattr(item, "_is_hf_initialized", False):
+                del item._is_hf_initialized  # set by the pass on meta, which initialized nothing
+        pretrained = [m for m in model.modules() if callable(getattr(m, "_initialize_weights", None))]
+        for m in pretrained:
+            m._init_weights = _gathering(m._init_weights)
+        try:
+            if hasattr(model, "initialize_weights"):
+                model.initialize_weights()
+            else:
+                model.apply(model._initialize_weights)
+        finally:
+            for m in pretrained:
+                del m._init_weights
+        self._initialized.update(id(item) for item in (*model.modules(), *model.parameters()))
 
     def _put(self, params: list[nn.Parameter]) -> None:
         for p in params:
             if self.dtype is not None and p.dtype != self.dtype:
                 p.data = p.data.to(self.dtype)
             self.store.put(p)
+
+
+def _gathering(init_weights: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
+    """`init_weights(module)` with the parameters it may touch gathered: the module's subtree (GPT-2's attention
+    initializes its child's weight), unless the subtree holds a list of blocks or a sub-model (the model, its
+    layer list), whose initialization touches its own parameters only and whose subtree is the model."""
+    def run(module: nn.Module) -> None:
+        whole = not any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) or callable(getattr(m, "_initialize_weights", None))
+                        for m in module.modules())
+        with GatheredParameters(list(module.parameters(recurse=whole)), modifier_rank=0):
+            init_weights(module)
+    return run
 
 
 def _to_meta(param: nn.Parameter) -> None:
