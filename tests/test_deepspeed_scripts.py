@@ -82,11 +82,17 @@ def run_script(tmp_path, world: int, device: str) -> tuple[dict, dict]:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert os.listdir(nvme) == []  # the staging file and the engine's store are gone
     result = json.loads((tmp_path / "result.json").read_text())
-    return result, torch.load(tmp_path / "weights.pt")
+    return result, torch.load(tmp_path / "weights.pt", map_location="cpu")
 
 
-@pytest.mark.parametrize("world,device", [(1, "nvme"), (1, "cpu"), (2, "nvme")])
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL between them)")
+
+
+@pytest.mark.parametrize("world,device", [(1, "nvme"), (1, "cpu"), (2, "nvme"),
+                                          pytest.param(2, "cpu", marks=[pytest.mark.cuda, TWO_GPUS], id="2-cpu-nccl")])
 def test_a_deepspeed_script_runs_unchanged_and_trains_as_plain_pytorch(tmp_path, world, device):
+    """Where CUDA is present the script trains on the GPUs (NCCL between two) against plain PyTorch on the CPU:
+    the same 1e-6, TF32 being off in torch by default."""
     result, saved = run_script(tmp_path, world, device)
     losses, weights, trained = plain_run(world)
     steps = EPOCHS * train_loop.SAMPLES // (MICRO * ACCUM * world)

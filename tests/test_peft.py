@@ -5,13 +5,12 @@ fresh base model with it loaded computes the engine's loss.
 """
 from __future__ import annotations
 
+import peft
 import torch
 
 import zero as deepspeed
 
 from stage3_models import batches, one_thread, tiny_llama  # noqa: F401
-
-peft = __import__("pytest").importorskip("peft")
 
 
 def test_peft_lora_trains_under_zero3_and_its_adapter_saves_and_reloads(tmp_path):

@@ -107,7 +107,7 @@ def main():
         if hasattr(loader.sampler, "set_epoch"):
             loader.sampler.set_epoch(epoch)
         for batch in loader:
-            loss = engine(batch)
+            loss = engine([t.to(engine.device) for t in batch])
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())

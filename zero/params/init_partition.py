@@ -35,7 +35,7 @@ from tiering import NvmeStoreConfig, SwapConfig, SwapManager
 from ..comm import DataParallel, local_device
 from ..config import ConfigError, load_config
 from ..unsupported import UnsupportedFeatureError
-from .ds_param import ZeroParamStatus, mark, owner_of, set_status
+from .ds_param import OWNER, ZeroParamStatus, mark, owner_of, set_status
 from .gathered import GatheredParameters
 from .materialize import host_empty, swap_keeping_attributes
 
@@ -135,9 +135,12 @@ class InitStore:
         out.view(-1).copy_(full.narrow(0, 0, numel))
 
     def take(self, param: nn.Parameter, out: torch.Tensor) -> None:
-        """`read_into`, then the slice is no longer kept: `initialize` has made the parameter its own."""
+        """`read_into`, then the slice is no longer kept: `initialize` has made the parameter its own (whole, until
+        its placement partitions it and names itself the owner)."""
         self.read_into(param, out)
         self._drop(param.ds_id)
+        delattr(param, OWNER)
+        param.ds_status = ZeroParamStatus.AVAILABLE
 
     def _forget(self, pieces: list) -> None:
         for name in pieces:
