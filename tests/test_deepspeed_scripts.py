@@ -113,3 +113,19 @@ def test_a_deepspeed_script_runs_unchanged_and_trains_as_plain_pytorch(tmp_path,
             assert master is None, name  # a frozen parameter has no optimizer state
     tags = sorted(os.listdir(tmp_path / "ckpt"))
     assert f"global_step{steps}" in tags and "latest" in tags
+
+
+def test_one_parameters_state_is_read_and_set_whole_on_two_ranks_at_every_stage():
+    """tests/deepspeed_scripts/state_access.py over `python -m zero.launch --num_gpus 2`: safe_set_* then safe_get_*
+    give back the value on every rank (each rank holds a part of it from stage 1 on), GatheredParameters keeps the
+    modifier rank's change, and after a step a gradient set on one parameter is the only one there (the ranks agree
+    on which have none, or their collectives would not match)."""
+    script = os.path.join(os.path.dirname(__file__), "deepspeed_scripts", "state_access.py")
+    done = subprocess.run([sys.executable, "-m", "zero.launch", "--num_gpus", "2", "--master_port", str(free_port()),
+                           "--no_local_rank", script], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["stage"] for r in results] == [0, 1, 2, 3]
+    for r in results:
+        assert r["wrong"] == [] and r["without_gradient"] == r["params"] - 1, r

@@ -153,7 +153,7 @@ def test_config_by_older_names(tmp_path):
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(make_config(2, "cpu", accum=3)))
     engine, *_ = zero.initialize(args=argparse.Namespace(deepspeed_config=str(path)), model=tied_blocks(0))
-    assert engine.gradient_accumulation_steps == 3 and engine.stage == 2
+    assert engine.gradient_accumulation_steps() == 3 and engine.stage == 2
     engine.close()
 
 

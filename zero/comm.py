@@ -157,6 +157,12 @@ class DataParallel:
         """Concatenate every rank's `shard` into `out` (world_size x shard.numel() elements)."""
         if self.world_size == 1:
             return out.copy_(shard)
+        if out.device.type == "cpu" and dist.get_backend(self.group) == "nccl":
+            # NCCL gathers device memory only (host tensors: zero.Init's slices before initialize).
+            device = torch.device("cuda", torch.cuda.current_device())
+            on_device = torch.empty(out.shape, dtype=out.dtype, device=device)
+            dist.all_gather_into_tensor(on_device, shard.to(device), group=self.group)
+            return out.copy_(on_device)
         if out.device.type == "cpu":
             dist.all_gather(list(out.view(self.world_size, -1).unbind(0)), shard, group=self.group)
         else:

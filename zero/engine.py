@@ -98,11 +98,14 @@ class ZeroEngine(nn.Module):
         self.preemption: Preemption | None = None
         self._preemption_state: Callable[[], Any] | None = None
         self._closed = False
-        ds_ids = {id(p): i for i, p in enumerate(module.parameters())}
+        # zero.Init numbered the parameters it built; the others continue its numbering (DeepSpeed's are unique).
+        next_id = 1 + max((p.ds_id for p in module.parameters() if hasattr(p, "ds_id")), default=-1)
         for unit in self.units:
             for slot in unit.flat.slots:
                 if unit.segment is not None:
-                    mark(slot.param, ds_ids.get(id(slot.param), -1), slot.shape, self, DS_STATUS[unit.state])
+                    if not hasattr(slot.param, "ds_id"):
+                        slot.param.ds_id, next_id = next_id, next_id + 1
+                    mark(slot.param, slot.param.ds_id, slot.shape, self, DS_STATUS[unit.state])
                 else:
                     set_owner(slot.param, self)
 
@@ -255,8 +258,9 @@ class ZeroEngine(nn.Module):
         GatheredParameters gives them; every rank calls it. With `modify=True` the values they hold on exit
         become the model's: their fp32 masters (and, for stage 3, the parameter shards) are rewritten; every
         rank must make the same change. With `modifier_rank` (DeepSpeed's), the values that rank holds on exit
-        are first sent to every rank, then become the model's. Moments are kept; a block that raises changes
-        nothing."""
+        are first sent to every rank, then become the model's. Moments are kept. A block that raises (or one
+        without `modify` or `modifier_rank`) leaves the masters as they were; what it wrote into a full buffer
+        that stays (stages 0-2, a persistent unit) is there until the next step rewrites it from them."""
         self._finish_step()
         wanted = None if params is None else {id(p) for p in params}
         chosen = [unit for unit in self.units
@@ -309,19 +313,23 @@ class ZeroEngine(nn.Module):
         found = self._slot_of(param)
         if found is None:
             return None
+        _check_part(part)
         self._finish_step()
         unit, slot = found
-        if part == "grad" and all(sg.grad_fresh for sg in unit.sub_groups):
-            return None
-        out = torch.zeros(slot.numel, dtype=torch.float32)
+        out = torch.zeros(slot.numel + 1, dtype=torch.float32)  # the last element counts pieces holding gradients
         for sg, at, offset, numel in self._pieces(unit, slot.offset, slot.numel):
+            if part == "grad" and sg.grad_fresh:
+                continue  # a spent gradient: zeros
             with self.driver.held(sg, part) as state:
                 out.narrow(0, offset - slot.offset, numel).copy_(state.narrow(0, at, numel))
+            out[-1] += 1
         if self.placement.sharded:
-            self.dp.all_reduce_sum(out)  # each rank filled its own range, zeros elsewhere
+            self.dp.all_reduce_sum(out)  # each rank filled its own range, zeros elsewhere: every rank sees the count
         if part == "grad":
+            if out[-1] == 0:
+                return None
             out /= self.cur_scale
-        return out.view(slot.shape)
+        return out[:-1].view(slot.shape)
 
     def set_full_state(self, param: torch.Tensor, part: str, value: torch.Tensor) -> None:
         """Rewrite `param`'s `part` (as `full_state` names them; "grad" scaled back as the step reads it) from
@@ -329,8 +337,10 @@ class ZeroEngine(nn.Module):
         Every rank calls it with the same value."""
         found = self._slot_of(param)
         if found is None:
-            raise ValueError(f"this engine does not train the parameter of shape {tuple(param.shape)} (frozen, or "
-                             "not in the model it was initialized with)")
+            raise ValueError(f"this engine does not train the parameter of shape "
+                             f"{tuple(getattr(param, 'ds_shape', param.shape))} (frozen, or not in the model it was "
+                             "initialized with)")
+        _check_part(part)
         unit, slot = found
         if tuple(value.shape) != tuple(slot.shape):
             raise ValueError(f"{slot.name}: a value of shape {tuple(value.shape)} for a parameter of shape "
@@ -365,22 +375,42 @@ class ZeroEngine(nn.Module):
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Rank 0 writes the model's state_dict in the compute dtype (torch.save) to `save_dir/save_filename`,
-        through a temporary file renamed into place; every rank calls it (stage 3 gathers unit by unit, the
-        whole model then held on rank 0 in 16 bits, as DeepSpeed does). As DeepSpeed, stage 3 saves only with
-        zero_optimization.stage3_gather_16bit_weights_on_model_save true: otherwise it warns and returns False."""
+        through a temporary file renamed into place; every rank calls it (stage 3 gathers unit by unit, rank 0
+        copying each to host memory, where the whole model is then held in 16 bits, as DeepSpeed does). As
+        DeepSpeed, stage 3 saves only with zero_optimization.stage3_gather_16bit_weights_on_model_save true:
+        otherwise it warns and returns False."""
         if self.stage == 3 and not self.config.zero_optimization.gather_16bit_weights_on_model_save:
             warnings.warn("save_16bit_model did nothing: under stage 3 it needs zero_optimization."
                           "stage3_gather_16bit_weights_on_model_save true (zero.export writes the fp32 weights "
                           "from a checkpoint without it)", stacklevel=2)
             return False
-        state = self.module_state_dict()
-        if exclude_frozen_parameters:
-            frozen = {name for name, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
-            state = {k: v for k, v in state.items() if k not in frozen}
-        if self.dp.rank == 0:
+        self._finish_step()
+        keep = self.dp.rank == 0
+        names: dict[int, list[str]] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if p.requires_grad or not exclude_frozen_parameters:
+                names.setdefault(id(p), []).append(name)
+        state: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            self.placement.gather(unit)
+            try:
+                for slot in unit.flat.slots:
+                    if keep and id(slot.param) in names:
+                        value = slot.param.detach().to("cpu", copy=True)
+                        state.update((name, value) for name in names[id(slot.param)])
+            finally:
+                self.placement.release(unit)
+        if keep:
+            for name, p in self.module.named_parameters(remove_duplicate=False):  # those in no unit: frozen
+                if name not in state and id(p) in names:
+                    state[name] = p.detach().cpu()
+            for prefix, owner in self.module.named_modules():
+                for name, buffer in owner.named_buffers(recurse=False):
+                    if name not in owner._non_persistent_buffers_set:
+                        state[f"{prefix}.{name}" if prefix else name] = buffer.detach().cpu()
             os.makedirs(save_dir, exist_ok=True)
             path = os.path.join(save_dir, save_filename)
-            torch.save({k: v.detach().cpu() for k, v in state.items()}, path + ".tmp")
+            torch.save(state, path + ".tmp")
             os.replace(path + ".tmp", path)
         self.dp.barrier()
         return True
@@ -506,6 +536,11 @@ class ZeroEngine(nn.Module):
         self._finish_step()
         return checkpoint.load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                           load_lr_scheduler_states=load_lr_scheduler_states)
+
+
+def _check_part(part: str) -> None:
+    if part not in (*STATE_PARTS, "grad"):
+        raise ValueError(f"state part {part!r}: one of {', '.join((*STATE_PARTS, 'grad'))}")
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:

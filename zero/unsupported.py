@@ -63,6 +63,8 @@ FUSED_LAYERS_INSTEAD = "the model's own layers (e.g. Hugging Face's); DeepSpeed'
 """For DeepSpeed's fused transformer layer and its config."""
 
 TOP_LEVEL_INSTEAD = {
+    "pipe": PIPELINE_INSTEAD,
+    "moe": MOE_INSTEAD,
     "PipelineModule": PIPELINE_INSTEAD,
     "PipelineEngine": PIPELINE_INSTEAD,
     "checkpointing": (

@@ -293,7 +293,7 @@ class Init:
 
     def _put(self, params: list[nn.Parameter]) -> None:
         for p in params:
-            if self.dtype is not None and p.dtype != self.dtype:
+            if self.dtype is not None and p.is_floating_point() and p.dtype != self.dtype:
                 p.data = p.data.to(self.dtype)
             self.store.put(p)
 

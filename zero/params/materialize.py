@@ -47,12 +47,14 @@ class Materializer:
     def _materialize(self, module: nn.Module, params: list[nn.Parameter]) -> None:
         staged = [p for p in params if p.is_meta and _staged(p) is not None]
         params = [p for p in params if _staged(p) is None]
-        for p in staged:  # in module order on every rank: each read gathers the ranks' slices
+        if any(p.is_meta for p in params):
+            self._fill(module, params)
+        for p in staged:  # after any initialization, which leaves them on meta; in the same order on every rank
             store = _staged(p)
             swap_keeping_attributes(p, nn.Parameter(host_empty(p.shape, p.dtype), p.requires_grad))
             store.take(p, p.data)
-        if not any(p.is_meta for p in params):
-            return
+
+    def _fill(self, module: nn.Module, params: list[nn.Parameter]) -> None:
         for p in params:
             if p.is_meta:
                 swap_keeping_attributes(p, nn.Parameter(host_empty(p.shape, p.dtype), p.requires_grad))
