@@ -204,3 +204,27 @@ def test_a_model_twice_the_host_budget_is_built_under_init_and_trains_within_it(
     assert 16 * result["numel"] >= 2 * budget
     assert result["building"] < weights / 2
     assert result["peak"] <= budget + (1 << 30)
+
+
+def test_save_16bit_model_writes_the_gathered_weights_where_the_config_asks(tmp_path):
+    """Stage 3 writes only with stage3_gather_16bit_weights_on_model_save (as DeepSpeed: a warning and False
+    otherwise); the file holds every parameter (tied ones under each name) and buffer, whole, as the engine's
+    state_dict gives them. One rank needs no sync: no_sync() runs its block."""
+    cfg = config(tmp_path, "cpu")
+    engine, *_ = deepspeed.initialize(model=built(), config=cfg)
+    with pytest.warns(UserWarning, match="stage3_gather_16bit_weights_on_model_save"):
+        assert engine.save_16bit_model(tmp_path / "out") is False
+    assert not (tmp_path / "out").exists()
+    engine.close()
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    engine, *_ = deepspeed.initialize(model=built(), config=cfg)
+    ids = torch.randint(0, 32, (2, 8))
+    with engine.no_sync():
+        engine.backward(engine(ids, ids))
+    engine.step()
+    assert engine.save_16bit_model(tmp_path / "out", "weights.bin") is True
+    saved = torch.load(tmp_path / "out" / "weights.bin")
+    expected = engine.module_state_dict()
+    assert saved.keys() == expected.keys()
+    assert all(torch.equal(saved[k], expected[k]) for k in expected)
+    engine.close()

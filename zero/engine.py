@@ -280,12 +280,18 @@ class ZeroEngine(nn.Module):
 
     def _adopt_full_values(self, unit: Unit, wanted: set[int] | None) -> None:
         """Make the unit's full buffer the truth for the parameters in `wanted` (None: all): copy their part of
-        this rank's range into the masters, and the range into the shard (the others' values are its own)."""
-        for slot in unit.flat.slots:
-            if wanted is None or id(slot.param) in wanted:
-                for sg, at, offset, numel in self._pieces(unit, slot.offset, slot.numel):
-                    with self.driver.held(sg, "master", dirty=True) as master:
-                        master.narrow(0, at, numel).copy_(unit.full.narrow(0, offset, numel))
+        this rank's range into the masters (each sub-group fetched once), and the range into the shard (the
+        others' values are its own)."""
+        ranges = ([(0, unit.flat.padded_numel)] if wanted is None else
+                  [(slot.offset, slot.numel) for slot in unit.flat.slots if id(slot.param) in wanted])
+        runs: dict[int, tuple[SubGroup, list[tuple[int, int, int]]]] = {}
+        for start, length in ranges:
+            for sg, at, offset, numel in self._pieces(unit, start, length):
+                runs.setdefault(id(sg), (sg, []))[1].append((at, offset, numel))
+        for sg, pieces in runs.values():
+            with self.driver.held(sg, "master", dirty=True) as master:
+                for at, offset, numel in pieces:
+                    master.narrow(0, at, numel).copy_(unit.full.narrow(0, offset, numel))
         self.placement.adopt_full(unit)
 
     def _pieces(self, unit: Unit, offset: int, numel: int) -> Iterator[tuple[SubGroup, int, int, int]]:

@@ -118,7 +118,7 @@ class InitStore:
         rank calls it, for the same parameters in the same order."""
         numel, world = param.ds_numel, self.dp.world_size
         per = -(-numel // world)
-        mine = torch.zeros(per, dtype=out.dtype)
+        mine = out.view(-1) if world == 1 else torch.zeros(per, dtype=out.dtype)  # one rank: its slice is all
         at = 0
         for piece in self.slices[param.ds_id]:
             if isinstance(piece, str):
@@ -128,7 +128,6 @@ class InitStore:
                 mine.narrow(0, at, piece.numel()).copy_(piece)
             at += piece.numel()
         if world == 1:
-            out.view(-1).copy_(mine)
             return
         full = torch.empty(per * world, dtype=out.dtype)
         self.dp.all_gather(mine, full)
@@ -311,5 +310,5 @@ def _gathering(init_weights: Callable[[nn.Module], None]) -> Callable[[nn.Module
 
 
 def _to_meta(param: nn.Parameter) -> None:
-    swap_keeping_attributes(param, nn.Parameter(torch.empty(param.shape if not param.is_meta else param.ds_shape,
-                                                             dtype=param.dtype, device="meta"), param.requires_grad))
+    swap_keeping_attributes(param, nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                                                param.requires_grad))
