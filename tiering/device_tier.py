@@ -79,6 +79,18 @@ class DeviceTier:
             self.peak = max(self.peak, self.in_use)
         return buffer
 
+    def adopt(self, storage: torch.Tensor, what: str) -> DeviceBuffer:
+        """Count `storage` (flat uint8, on this tier's device, made by the caller) as a segment's buffer; raises
+        BudgetExceededError past the budget. Freeing it drops the reference: torch frees it once nobody else
+        holds it (a copy in flight holds it, see `copy`)."""
+        nbytes = storage.numel()
+        with self._lock:
+            if self.budget is not None and self.in_use + nbytes > self.budget:
+                raise BudgetExceededError("device", self.budget, self.in_use, nbytes, what, parts=self.parts())
+            self.in_use += nbytes
+            self.peak = max(self.peak, self.in_use)
+        return DeviceBuffer(storage)
+
     @contextlib.contextmanager
     def out_of_memory(self, nbytes: int, what: str) -> Iterator[None]:
         """Around a device allocation within the budget: CUDA's out-of-memory becomes DeviceOutOfMemoryError,

@@ -13,6 +13,7 @@ bytes per element, "range" = this rank's part of a unit: its shard from stage 1 
     |                      | to the host (R: the bytes of the dtype the reduction leaves them in)         |
     | prefetch             | 2 sub-groups' state: 2 x parts x 4 x sub-group; stage 3: + P x               |
     |                      | stage3_prefetch_bucket_size                                                  |
+    | activations          | zero_tiering.activation_host_bytes with activation_offload cpu or nvme       |
 
 and the host budget is their sum; sub-group = min(largest range, sub_group_size or largest range) elements. DeepSpeed counts its stage-3 limits
 (prefetch bucket, max live parameters, max reuse distance) in parameters; the swap manager in bytes of the
@@ -123,12 +124,17 @@ def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, optim
         prefetch += zo.prefetch_bucket_size * dtype.itemsize
         max_live = zo.max_live_parameters * dtype.itemsize
         reuse_distance = zo.max_reuse_distance * dtype.itemsize
+    if cfg.activation_offload in ("cpu", "nvme"):
+        homed_on_host += zt.activation_host_bytes
     paths = {(o.nvme_path,) if isinstance(o.nvme_path, str) else o.nvme_path
              for o in (zo.offload_optimizer, zo.offload_param) if o.device == "nvme"}
     if len(paths) > 1:
         raise ConfigError("zero_optimization.offload_param.nvme_path",
                           "offload_param and offload_optimizer must share one nvme_path (the same directories, in "
                           "the same order)", value=sorted((p[0] if len(p) == 1 else list(p) for p in paths), key=str))
+    if cfg.activation_offload == "nvme" and not paths:
+        raise ConfigError("zero_tiering.activation_offload", "activations on nvme need the nvme store: set "
+                          "offload_param or offload_optimizer to nvme with an nvme_path", value="nvme")
     nvme = None
     if paths:
         nvme = NvmeStoreConfig(nvme_path=paths.pop(), budget=zt.nvme_budget, aio=cfg.to_aio_config())

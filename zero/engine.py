@@ -24,6 +24,7 @@ from torch import nn
 from tiering import SwapManager
 
 from . import checkpoint
+from .activations import ActivationOffload
 from .comm import DataParallel
 from .config import Config
 from .counters import StepCounters
@@ -69,7 +70,7 @@ class ZeroEngine(nn.Module):
                  gradients: Gradients, counters: StepCounters, optimizer: ZeroOptimizer, lr_scheduler,
                  dp: DataParallel, swap: SwapManager, loss_scaler: LossScaler | None, compute_dtype: torch.dtype,
                  device: torch.device, overlap: OverlappedStep | None = None,
-                 speculation: SpeculativeStep | None = None):
+                 speculation: SpeculativeStep | None = None, activations: ActivationOffload | None = None):
         super().__init__()
         self.module = module
         self.config = config
@@ -89,6 +90,8 @@ class ZeroEngine(nn.Module):
         """Runs each optimizer step on a thread while the next forward runs (overlap_step), or None."""
         self.speculation = speculation
         """Steps sub-groups during the boundary's backward and validates them at the step (speculative_step), or None."""
+        self.activations = activations
+        """Where the forward's saved activations rest until the backward (activation_offload), or None."""
         self._bet = True
         """Whether the next boundary speculates: the last step neither clipped nor overflowed."""
         self.stage = config.zero_optimization.stage
@@ -149,7 +152,11 @@ class ZeroEngine(nn.Module):
             raise SystemExit(0)
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
-        return self.module(*args, **kwargs)
+        if self.activations is None or not torch.is_grad_enabled():
+            return self.module(*args, **kwargs)
+        micro_batch = self.counters.micro_steps % self.counters.gradient_accumulation_steps
+        with self.activations.saving(micro_batch):
+            return self.module(*args, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.counters.at_boundary()
@@ -166,6 +173,8 @@ class ZeroEngine(nn.Module):
             scaled = scaled * self.loss_scaler.scale
         scaled.backward()
         self.placement.finish_backward()
+        if self.activations is not None:
+            self.activations.collect()  # the graph is freed: its activations' segments go
         return loss
 
     def step(self) -> None:
@@ -483,6 +492,8 @@ class ZeroEngine(nn.Module):
                     self.overlap.close()
         finally:
             self.placement.close()
+            if self.activations is not None:
+                self.activations.close()
             for unit in self.units:
                 for slot in unit.flat.slots:
                     if getattr(slot.param, OWNER, None) is self:

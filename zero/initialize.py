@@ -17,6 +17,7 @@ from torch import nn
 from tiering import SwapManager, Tier, check_room
 from tiering.errors import fmt_bytes
 
+from .activations import HOMES as ACTIVATION_HOMES, ActivationOffload
 from .budgets import (HOMES, grad_dtype, largest_sub_group, masters_are_params, nvme_segments, reduce_dtype,
                       swap_config)
 from .comm import DataParallel, local_device
@@ -115,10 +116,14 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
             lr_scheduler = lr_scheduler(zero_opt)
         elif lr_scheduler is None and cfg.scheduler is not None:
             lr_scheduler = WarmupSchedule(zero_opt, cfg.scheduler)
+        activations = None
+        if cfg.activation_offload != "none":
+            activations = ActivationOffload(swap, ACTIVATION_HOMES[cfg.activation_offload],
+                                            synchronize=cfg.activation_checkpointing.synchronize_checkpoint_boundary)
         engine = ZeroEngine(module=model, config=cfg, placement=placement, driver=driver, gradients=gradients,
                             counters=counters, optimizer=zero_opt, lr_scheduler=lr_scheduler, dp=dp, swap=swap,
                             loss_scaler=loss_scaler(cfg), compute_dtype=dtype, device=device, overlap=overlap,
-                            speculation=speculation)
+                            speculation=speculation, activations=activations)
     except BaseException:
         if speculation is not None:
             speculation.close()

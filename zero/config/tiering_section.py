@@ -54,6 +54,19 @@ class ZeroTieringSection(Section):
     "error" raises NonFiniteLossError naming the step (nothing of it applied), "skip" drops its gradients and
     counts it in skipped_steps, as an fp16 overflow is."""
 
+    activation_offload: Literal["none", "device", "cpu", "nvme"] | None = None
+    """Where the activations autograd saves outside recomputed regions rest between the forward and the backward
+    (with activation checkpointing: each checkpointed block's inputs, and what the layers outside the blocks
+    save). "cpu" or "nvme": each becomes a segment, copied off the device on the copy stream as the forward goes
+    and read back ahead of the backward along the trace (nvme needs an nvme_path in offload_param or
+    offload_optimizer); "device": kept where autograd made them, counted against the device budget (the yardstick
+    the offloads are measured against); "none": autograd keeps them, uncounted; null: "cpu" with
+    activation_checkpointing.cpu_checkpointing, else "none"."""
+
+    activation_host_bytes: int = setting(1 << 30, convert=parse_size, ge=0)
+    """What a derived host budget (host_budget null) sets aside for offloaded activations ("cpu": all of them
+    must fit; "nvme": the rest spill to nvme). An explicit host_budget must hold them itself."""
+
     prefetch: bool = True
     """Prefetch segments along the recorded trace; false fetches each on demand (for debugging)."""
 

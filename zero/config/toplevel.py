@@ -7,6 +7,7 @@ from typing import Literal
 
 from tiering.aio_config import AioConfig
 
+from .activation_checkpointing import ActivationCheckpointingConfig
 from .aio import AioSection
 from .checkpoint import CheckpointConfig
 from .errors import ConfigError
@@ -16,18 +17,6 @@ from .scheduler import SchedulerConfig
 from .schema import DISABLED, Section, Unsupported, setting
 from .tiering_section import ZeroTieringSection
 from .zero_optimization import ZeroOptimizationConfig
-
-ACTIVATION_SWITCHES = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
-                       "synchronize_checkpoint_boundary", "profile")
-
-
-def _activation_checkpointing_off(value: object) -> bool:
-    return value is None or (
-        isinstance(value, Mapping)
-        and not any(value.get(switch) for switch in ACTIVATION_SWITCHES)
-        and value.get("number_checkpoints") is None
-    )
-
 
 def _fp32_accumulation(value: object) -> bool:
     return value is None or (isinstance(value, Mapping) and value.get("grad_accum_dtype") in (None, "fp32"))
@@ -74,6 +63,9 @@ class Config(Section):
     checkpoint: CheckpointConfig = setting(factory=CheckpointConfig)
     """Checkpoint options."""
 
+    activation_checkpointing: ActivationCheckpointingConfig = setting(factory=ActivationCheckpointingConfig)
+    """Where the model's activation checkpoints rest between forward and backward."""
+
     zero_tiering: ZeroTieringSection = setting(factory=ZeroTieringSection)
     """zero-tiering's own settings: budgets, I/O engine, checksums, trace."""
 
@@ -98,10 +90,6 @@ class Config(Section):
 
     UNSUPPORTED = {
         "amp": Unsupported("NVIDIA Apex AMP; use fp16 or bf16", off=DISABLED),
-        "activation_checkpointing": Unsupported(
-            "DeepSpeed's activation partitioning and offload", off=_activation_checkpointing_off,
-            fix="set its switches to false or null; model-side checkpointing (torch.utils.checkpoint, "
-                "gradient_checkpointing_enable()) works without this section"),
         "data_types": Unsupported("gradient accumulation in low precision", off=_fp32_accumulation,
                                   fix='remove it or set "grad_accum_dtype": "fp32"'),
         "compression_training": Unsupported("DeepSpeed Compression"),
@@ -134,6 +122,17 @@ class Config(Section):
         super().__post_init__()
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError("bf16.enabled", "fp16 and bf16 cannot both be enabled", value=True)
+        if self.activation_checkpointing.cpu_checkpointing and self.zero_tiering.activation_offload not in (None, "cpu"):
+            raise ConfigError("zero_tiering.activation_offload",
+                              "activation_checkpointing.cpu_checkpointing asks for host memory; drop one of the two",
+                              value=self.zero_tiering.activation_offload)
+
+    @property
+    def activation_offload(self) -> str:
+        """Where saved activations rest (zero_tiering.activation_offload, else "cpu" with cpu_checkpointing)."""
+        if self.zero_tiering.activation_offload is not None:
+            return self.zero_tiering.activation_offload
+        return "cpu" if self.activation_checkpointing.cpu_checkpointing else "none"
 
     def to_aio_config(self) -> AioConfig:
         """tiering's AioConfig: the `aio` section's settings with zero_tiering.engine."""
