@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import weakref
 from collections.abc import Iterator
@@ -39,9 +40,12 @@ HOMES: dict[str, Tier] = {"device": "device", "cpu": "host", "nvme": "nvme"}
 
 class SavedActivation:
     """What autograd keeps for one offloaded tensor: its segment's name, and what tells whether the tensor was
-    written in place after it was saved (autograd's own check cannot see through the hooks)."""
+    written in place after it was saved (autograd's own check cannot see through the hooks). A write while the
+    copy off the device is in flight would tear the copy; one seen later through the tensor, still alive, is the
+    write autograd reports. (Once the copy has landed and the tensor is gone, the saved bytes are safe and a
+    write through another view of them goes unseen, as with torch.autograd.graph.save_on_cpu.)"""
 
-    __slots__ = ("name", "source", "version", "modified", "nbytes", "_dead", "__weakref__")
+    __slots__ = ("name", "source", "version", "modified", "nbytes", "_watch", "_dead", "__weakref__")
 
     def __init__(self, name: str, tensor: torch.Tensor, dead: collections.deque):
         self.name = name
@@ -49,13 +53,19 @@ class SavedActivation:
         self.version = tensor._version
         self.modified = False
         self.nbytes = tensor.numel() * tensor.element_size()
+        self._watch: torch.Tensor | None = tensor.detach()
+        """Shares the tensor's version counter until the copy off the device has landed."""
         self._dead = dead
 
+    def landed(self) -> None:
+        """The copy off the device has its bytes: a write since then no longer tears it."""
+        self.note_version()
+        self._watch = None
+
     def note_version(self) -> None:
-        """Remember a write in place seen now (the forward's end), in case the tensor is gone by the backward."""
-        tensor = self.source()
-        if tensor is not None and tensor._version != self.version:
-            self.modified = True
+        for tensor in (self._watch, self.source()):
+            if tensor is not None and tensor._version != self.version:
+                self.modified = True
 
     def check_unchanged(self) -> None:
         self.note_version()
@@ -125,10 +135,12 @@ class ActivationOffload:
         self._count += 1
         if name in self.swap.segments:  # a graph kept from an earlier forward (retain_graph) still holds it
             name = f"{name}~{next(self._serial)}"
+        saved = SavedActivation(name, tensor, self._dead)
         handle = self.swap.adopt(name, tensor.detach(), home=self.home)
+        if self.home != "device":  # on the device the segment keeps the tensor: watched to the end
+            handle.add_done_callback(functools.partial(_landed, weakref.ref(saved)))
         if self.synchronize:
             handle.wait()
-        saved = SavedActivation(name, tensor, self._dead)
         self._live[key] = weakref.ref(saved)
         self.saved_bytes += saved.nbytes
         self.saved += 1
@@ -160,3 +172,9 @@ class ActivationOffload:
 
     def close(self) -> None:
         self.collect()
+
+
+def _landed(ref: weakref.ref, _handle) -> None:
+    saved = ref()  # weak: a handle kept somewhere must not keep autograd's record alive
+    if saved is not None:
+        saved.landed()
