@@ -93,3 +93,20 @@ def test_nvme_path_takes_one_directory_or_several(tmp_path):
     two = load_ds_config(parse_args(["--nvme-path", *dirs]))["zero_optimization"]
     assert two["offload_param"]["nvme_path"] == two["offload_optimizer"]["nvme_path"] == dirs
     assert all(os.path.isdir(d) for d in [str(tmp_path / "a"), *dirs])
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_activation_offload_trains_the_same_steps_as_autograd_keeping_them(offload, tmp_path, capsys):
+    """--activation-offload checkpoints every block and offloads its input: the losses are those of
+    --activation-checkpointing alone, bit for bit, and each step reports the activations it handed over."""
+    common = ["--preset", "tiny", "--steps", "2", "--seq-len", "64", "--nvme-path", str(tmp_path / "nvme")]
+    kept = main(common + ["--activation-checkpointing"])
+    summary = tmp_path / "summary.json"
+    moved = main(common + ["--activation-offload", offload, "--summary-json", str(summary)])
+    out = capsys.readouterr().out
+    assert [r.loss for r in moved.reports] == [r.loss for r in kept.reports]
+    assert kept.reports[0].activations is None
+    tiny_input = 4 * 64 * 64 * 2  # micro-batch 4 x 64 tokens x width 64, bf16
+    assert all(r.activations["count"] >= 2 and r.activations["bytes"] >= 2 * tiny_input for r in moved.reports)
+    assert f"offloaded to {'host memory' if offload == 'cpu' else 'nvme'}" in out and "| activations " in out
+    assert json.loads(summary.read_text())["steps"][0]["activations"]["count"] == moved.reports[0].activations["count"]

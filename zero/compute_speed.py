@@ -37,9 +37,10 @@ class DtypeSpeed:
 def layer_seconds(dtype: torch.dtype, device: torch.device, width: int = 256, tokens: int = 512) -> float:
     """Seconds of a linear layer's three training matmuls (forward, input and weight gradient) in `dtype`:
     the fastest of three, after a warm-up (a fast dtype takes milliseconds, a slow one a fraction of a second)."""
-    x = torch.randn(tokens, width, dtype=dtype, device=device)
-    w = torch.randn(width, 4 * width, dtype=dtype, device=device)
-    g = torch.randn(tokens, 4 * width, dtype=dtype, device=device)
+    own = torch.Generator(device).manual_seed(0)  # not the global one: a seeded run draws the same weights after it
+    x = torch.randn(tokens, width, dtype=dtype, device=device, generator=own)
+    w = torch.randn(width, 4 * width, dtype=dtype, device=device, generator=own)
+    g = torch.randn(tokens, 4 * width, dtype=dtype, device=device, generator=own)
     times = []
     for _ in range(4):
         start = time.perf_counter()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +78,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
+        self.gradient_checkpointing = False
+        """Recompute each block in the backward (torch.utils.checkpoint): autograd keeps only the blocks' inputs."""
         self.apply(self._init_weights)  # on meta a no-op: zero-tiering's materializer calls it unit by unit
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -92,11 +95,16 @@ class GPT(nn.Module):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
 
+    def gradient_checkpointing_enable(self) -> None:
+        """Hugging Face's name for it: checkpoint every block."""
+        self.gradient_checkpointing = True
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(positions)
+        recompute = self.gradient_checkpointing and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits

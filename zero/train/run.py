@@ -70,6 +70,9 @@ class StepReport:
     stall_s: float
     io_s: float
     bytes_moved: dict
+    activations: dict | None = None
+    """The activations the step's forwards handed to the swap manager: count and bytes (activation_offload);
+    None without."""
     speculation: dict | None = None
     """The step's sub-groups stepped early, rolled back and re-stepped, and the bytes the roll backs restored
     (zero_tiering.speculative_step); None where the step is serial."""
@@ -122,6 +125,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="continue from the latest checkpoint in DIR (auto: in --save-dir, starting afresh "
                              "where there is none yet)")
     add_debug_flag(parser)
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute each block in the backward, keeping only its input (torch.utils.checkpoint)")
+    parser.add_argument("--activation-offload", choices=["none", "device", "cpu", "nvme"],
+                        help="where the activations autograd keeps rest until the backward (zero_tiering."
+                             "activation_offload; 'device' keeps them there, counted in the device budget); cpu, "
+                             "nvme and device turn --activation-checkpointing on")
     parser.add_argument("--dtype", choices=sorted(DTYPES),
                         help="compute dtype, overriding the config's bf16/fp16 sections (default: the config's, "
                              "unless it is slow on this device: then bf16 or fp32, with a line saying so)")
@@ -166,6 +175,8 @@ def load_ds_config(args: argparse.Namespace) -> dict:
         tiering["host_budget"] = args.host_budget
     if args.trace:
         tiering["trace_path"] = args.trace
+    if args.activation_offload:
+        tiering["activation_offload"] = args.activation_offload
     if args.dtype:
         set_dtype(config, DTYPES[args.dtype])
     return config
@@ -216,6 +227,8 @@ def main(argv: list[str] | None = None) -> TrainRun:
     tokens, held = split_held_out(text_files(args.data) if args.data else default_corpus(), gpt_config.seq_len)
     with torch.device("meta"):
         model = GPT(gpt_config)
+    if args.activation_checkpointing or args.activation_offload not in (None, "none"):
+        model.gradient_checkpointing_enable()
     compute_line = fast_compute(config, args, local_device())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SlowComputeWarning)  # the line above says it, once
@@ -242,6 +255,12 @@ def main(argv: list[str] | None = None) -> TrainRun:
         say(f"tiers: device budget {fmt_bytes(swap.device_tier.budget) if swap.device_tier.budget else 'unlimited'}"
             f" on {engine.device}, host budget {fmt_bytes(swap.pool.budget)}"
             + (f", nvme {swap.store.path} ({swap.store.engine_reason})" if swap.store else ""))
+        if model.gradient_checkpointing:
+            say(f"activations: each block recomputed in the backward, its input "
+                f"({fmt_bytes(micro * gpt_config.seq_len * gpt_config.n_embd * engine.compute_dtype.itemsize)}) "
+                + {"none": "kept by autograd", "device": "kept on the device, counted in its budget",
+                   "host": "offloaded to host memory", "nvme": "offloaded to nvme"}[
+                    "none" if engine.activations is None else engine.activations.home])
         held_before = held_out_loss(engine, held_batch)
         tokens_per_step = engine.config.train_batch_size * gpt_config.seq_len
         # A progress bar on a terminal; in a log (stdout not a terminal) its redraws would interleave with the
@@ -305,6 +324,7 @@ def train_step(engine, batches: Batches, step: int) -> StepReport:
     swap = engine.swap
     stall0, moved0 = swap.stats.stall_seconds, dict(swap.stats.bytes_moved)
     bets0 = None if engine.speculation is None else asdict(engine.speculation.stats)
+    saved0 = None if engine.activations is None else (engine.activations.saved, engine.activations.saved_bytes)
     start = time.perf_counter()
     losses = []
     for _ in range(engine.gradient_accumulation_steps()):
@@ -326,7 +346,10 @@ def train_step(engine, batches: Batches, step: int) -> StepReport:
                                        for key, n in asdict(engine.speculation.stats).items()}
     return StepReport(step=step, loss=sum(losses) / len(losses), step_s=end - start,
                       forward_backward_s=middle - start, optimizer_s=end - middle,
-                      stall_s=swap.stats.stall_seconds - stall0, io_s=io, bytes_moved=moved, speculation=bets)
+                      stall_s=swap.stats.stall_seconds - stall0, io_s=io, bytes_moved=moved, speculation=bets,
+                      activations=None if saved0 is None else {
+                          "count": engine.activations.saved - saved0[0],
+                          "bytes": engine.activations.saved_bytes - saved0[1]})
 
 
 def summary_line(r: StepReport) -> str:
@@ -334,6 +357,8 @@ def summary_line(r: StepReport) -> str:
     return (f"step {r.step}: loss {r.loss:.4f} | {r.step_s:.2f} s (fwd+bwd {r.forward_backward_s:.2f}, "
             f"optimizer {r.optimizer_s:.2f}) | compute {r.compute_s:.2f} s, I/O {r.io_s:.2f} s, "
             f"stall {r.stall_s:.2f} s, overlap {100 * r.overlap:.0f}% | {moved}" + (
+                "" if r.activations is None else
+                f" | activations {r.activations['count']} ({fmt_bytes(r.activations['bytes'])})") + (
                 "" if r.speculation is None else
                 f" | early {r.speculation['stepped_early']}, rolled back {r.speculation['rolled_back']}, re-stepped "
                 f"{r.speculation['re_stepped']} ({fmt_bytes(r.speculation['rollback_bytes'])} restored)"))
