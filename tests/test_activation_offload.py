@@ -223,3 +223,34 @@ def test_synchronized_boundary_gives_the_same_bits(tmp_path):
     losses, state, engine, _ = train("own-reentrant", config)
     assert engine.activations.synchronize
     assert_bitwise(losses, state, *reference("own-reentrant", 1))
+
+
+def test_deepspeeds_checkpointing_api_checkpoints_and_offloads(tmp_path):
+    """`deepspeed.checkpointing.checkpoint(function, *args)` (Megatron's call) is a checkpointed region whose input
+    the engine offloads like torch.utils.checkpoint's; `configure` takes a config file and refuses what only the
+    config may set."""
+    import zero as deepspeed
+    from zero.unsupported import UnsupportedFeatureError
+
+    class Megatron(type(build("own"))):
+        def run_block(self, block, x):
+            return deepspeed.checkpointing.checkpoint(block, x) if torch.is_grad_enabled() else block(x)
+
+    torch.manual_seed(0)
+    net = Megatron(SMALL)
+    deepspeed.checkpointing.configure(None, deepspeed_config="ds_config.json")
+    assert deepspeed.checkpointing.is_configured()
+    config = stage3_config("cpu", "cpu", zero_tiering={"activation_offload": "cpu"})
+    engine, *_ = zero.initialize(model=net, config=config)
+    try:
+        losses = engine_train(engine, batches(STEPS))
+        assert engine.activations.saved >= SMALL.n_layer * STEPS
+        assert_bitwise(losses, full_state(engine), *reference("own-nonreentrant", 1))
+    finally:
+        engine.close()
+    with pytest.raises(UnsupportedFeatureError, match="checkpoint_in_cpu=True.*activation_checkpointing"):
+        deepspeed.checkpointing.configure(None, checkpoint_in_cpu=True)
+    with pytest.raises(UnsupportedFeatureError, match="model parallel"):
+        deepspeed.checkpointing.configure(object())
+    with pytest.raises(UnsupportedFeatureError, match="model_parallel_cuda_manual_seed"):
+        deepspeed.checkpointing.model_parallel_cuda_manual_seed(0)

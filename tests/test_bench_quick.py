@@ -1,5 +1,6 @@
 """The benchmarks' --quick modes run end to end and write their records (no speed thresholds: the machine is
-shared and noisy): bench/infer.py, bench/load.py, bench/adam_stream.py, bench/stream.py and bench/gpu_check.py."""
+shared and noisy): bench/infer.py, bench/load.py, bench/adam_stream.py, bench/stream.py, bench/activations.py and
+bench/gpu_check.py."""
 from __future__ import annotations
 
 import json
@@ -84,3 +85,17 @@ def test_gpu_check_runs_on_cpu_and_says_what_it_skipped(tmp_path):
     assert {r["system"] for r in checks["bench/train.py"]["runs"]} == {"torch", "ours-cpu", "ours-nvme"}
     report = (tmp_path / "gpu_check.md").read_text()
     assert "skipped: cuda-marked tests — no CUDA" in report and "## 2. ZeRO-3 parity: passed" in report
+
+
+def test_activations_bench_trains_the_same_losses_in_every_mode(tmp_path):
+    result = quick("activations.py", tmp_path)
+    assert result["losses_identical"]
+    records = result["records"]
+    assert list(records) == ["none", "device", "cpu", "nvme"]
+    assert records["none"]["activations"] is None
+    for mode in ("device", "cpu", "nvme"):
+        assert records[mode]["activations"] > 0 and records[mode]["device_peak"] > 0
+    for mode in ("cpu", "nvme"):  # held to the device run's peak, and the activations left the device
+        assert records[mode]["device_peak"] <= records[mode]["device_budget"] == records["device"]["device_peak"]
+        assert records[mode]["bytes_moved"]["device->host"] >= records[mode]["activation_bytes"]
+    assert records["nvme"]["bytes_moved"].get("host->nvme", 0) > 0

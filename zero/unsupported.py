@@ -67,10 +67,6 @@ TOP_LEVEL_INSTEAD = {
     "moe": MOE_INSTEAD,
     "PipelineModule": PIPELINE_INSTEAD,
     "PipelineEngine": PIPELINE_INSTEAD,
-    "checkpointing": (
-        "model-side activation checkpointing, torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False) "
-        "or a Hugging Face model's gradient_checkpointing_enable(); DeepSpeed's partitioned or CPU-offloaded "
-        "activations are not here"),
     "DeepSpeedTransformerLayer": FUSED_LAYERS_INSTEAD,
     "DeepSpeedTransformerConfig": FUSED_LAYERS_INSTEAD,
     "DeepSpeedHybridEngine": "zero.initialize to train and zero.init_inference to generate",
