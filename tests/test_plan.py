@@ -105,3 +105,25 @@ def test_the_command_runs(tmp_path):
                            str(tmp_path)], env=child_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "fastest placement that fits" in done.stdout and "peak RSS" in done.stdout
+
+
+def test_activations_are_counted_where_they_rest(tmp_path):
+    """bf16 on an 80 GiB GPU, 6 layers, seq 2048, micro-batch 2, one placement: checkpointing keeps each block's input
+    (tokens x hidden x 2 bytes) and one block's recomputation on the device; offloaded to cpu, the inputs but two
+    leave the device for the host tier; to nvme with no host room set aside, they are written and read back."""
+    shape = from_preset("tiny")
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+                                  "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+                                                        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}},
+                                  "zero_tiering": {"activation_host_bytes": 0}}))
+    layers = 6
+    common = ["--config", str(config), "--layers", str(layers), "--seq-len", "2048", "--gpu-memory", "80GiB",
+              "--precision", "bf16"]
+    kept = plan(tmp_path, *common, "--activation-checkpointing")
+    cpu = plan(tmp_path, *common, "--activation-offload", "cpu")
+    nvme = plan(tmp_path, *common, "--activation-offload", "nvme")
+    inputs = 2 * 2048 * shape.hidden * 2  # one block's input
+    assert kept["predicted_device_peak_bytes"] - cpu["predicted_device_peak_bytes"] == (layers - 2) * inputs
+    assert nvme["predicted_device_peak_bytes"] == cpu["predicted_device_peak_bytes"]
+    assert nvme["predicted_bytes_per_step"] - cpu["predicted_bytes_per_step"] == 2 * layers * inputs

@@ -41,6 +41,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=128, help="tokens a sequence (the main job's default)")
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences a micro-batch")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), help="default: bf16 with CUDA, else fp32")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="each block recomputed in the backward (as zero.train's flag)")
+    parser.add_argument("--activation-offload", choices=["none", "cpu", "nvme"],
+                        help="where the checkpointed activations rest (zero_tiering.activation_offload); cpu and "
+                             "nvme turn --activation-checkpointing on; nvme plans only placements with a store")
     parser.add_argument("--config", help="predict this DeepSpeed-format config only")
     parser.add_argument("--host-budget", help="zero_tiering.host_budget for --config (as zero.train takes it)")
     parser.add_argument("--device-budget", help="zero_tiering.device_budget for --config")
@@ -94,17 +99,25 @@ def plan(args: argparse.Namespace, base_rss: int) -> dict:
     if disk is not None:
         stat = os.statvfs(nvme_directory(args.nvme_path))
         nvme_free = stat.f_bavail * stat.f_frsize
+    offload = args.activation_offload if args.activation_offload != "none" else None
+    if offload == "nvme" and disk is None and not args.config:
+        raise PlanInputError("--activation-offload nvme plans placements with a disk, and there are no disk figures: "
+                             "run python -m zero.report on the nvme path, or give --disk-read and --disk-write")
+    checkpointing = args.activation_checkpointing or offload is not None
     if args.config:
-        predictions = [predict(shape, machine, config, base_rss, nvme_free)]
+        predictions = [predict(shape, machine, config, base_rss, nvme_free, checkpointing)]
     else:
         predictions = []
         for placement in placements(precision, nvme=disk is not None):
-            config = ds_config(placement, micro_batch=args.micro_batch, nvme_path=args.nvme_path)
-            budget = host_budget_for(shape, machine, config, base_rss)
+            if offload == "nvme" and "nvme" not in (placement.offload_param, placement.offload_optimizer):
+                continue  # activations on nvme need the store a placement on nvme has
+            config = ds_config(placement, micro_batch=args.micro_batch, nvme_path=args.nvme_path,
+                               activation_offload=offload)
+            budget = host_budget_for(shape, machine, config, base_rss, checkpointing)
             if budget is not None:
                 config = ds_config(placement, micro_batch=args.micro_batch, nvme_path=args.nvme_path,
-                                   host_budget=budget)
-            predictions.append(predict(shape, machine, config, base_rss, nvme_free))
+                                   host_budget=budget, activation_offload=offload)
+            predictions.append(predict(shape, machine, config, base_rss, nvme_free, checkpointing))
     fitting = [p for p in predictions if p.fits]
     chosen = min(fitting, key=lambda p: (p.step_s, p.peak_rss_bytes)) if fitting else None
     if not args.json:
@@ -132,7 +145,8 @@ def given_config(args: argparse.Namespace) -> dict:
     except (OSError, json.JSONDecodeError) as exc:
         raise PlanInputError(f"--config {args.config!r}: {exc}") from exc
     tiering = config.setdefault("zero_tiering", {})
-    for flag, key in (("host_budget", "host_budget"), ("device_budget", "device_budget")):
+    for flag, key in (("host_budget", "host_budget"), ("device_budget", "device_budget"),
+                      ("activation_offload", "activation_offload")):
         if getattr(args, flag):
             tiering[key] = getattr(args, flag)
     config["train_micro_batch_size_per_gpu"] = config.get("train_micro_batch_size_per_gpu", args.micro_batch)

@@ -7,8 +7,9 @@ today's engine, with its terms measured on this machine or counted from the mode
 
 - peak RSS = this process's RSS before planning (python, torch, zero) + the host tier's peak (its homed
   bytes, plus nvme-homed bytes cached up to the host budget) + the device tier's peak where the device is
-  host memory (no CUDA) + what no budget holds: the root unit's and one block's gradients as autograd leaves
-  them, the gradient reduction's scratch, activations and logits;
+  host memory (no CUDA; it holds the activations and logits) + what no budget holds: the root unit's and one
+  block's gradients as autograd leaves them, the gradient reduction's scratch; activations offloaded to cpu
+  (or to nvme, up to activation_host_bytes) are in the host tier;
 - step time = forward/backward compute (FLOPs / the measured matmul rate, times COMPUTE_OVERHEAD for what is
   not a matmul, plus the bytes the gathers and the gradient path copy / the measured copy rate, plus fresh
   gradients and activations / the measured first-touch rate) + its parameter reads and gradient writes + the optimizer phase, the larger of CPU-Adam and
@@ -20,7 +21,10 @@ today's engine, with its terms measured on this machine or counted from the mode
   inside the backward: the step is then the larger of the compute plus CPU-Adam's share of the last unit and
   the forward plus all of the step's I/O, and the boundary's gradients are stepped while in host memory (not
   written and read back);
-- nvme bytes: forward and backward read each parameter shard, backward writes each gradient, the step reads
+- device peak = what is homed there, the gathered units (stage 3), the activations kept (see activation_bytes)
+  and the head's logits;
+- nvme bytes: activations spilled to nvme, written and read back (hidden behind compute, as prefetched
+  parameters are); forward and backward read each parameter shard, backward writes each gradient, the step reads
   gradients and optimizer state and writes state and parameters back; the share of nvme-homed bytes that
   the host budget keeps cached (beyond its working window) moves no I/O.
 """
@@ -54,6 +58,10 @@ predicted steps within 20%, so neither is an independent check. The disk drifts 
 ALLOCATOR_SLACK = 1.10
 """RSS over the bytes the model above counts (the allocator's free lists and fragmentation): an allowance, not
 a measurement."""
+ACTIVATION_FACTOR = 16
+"""Bytes a block saves for its backward per token, in units of hidden x the compute dtype's size (a GPT block
+with flash-style attention saves about 16 such tensors: norms' inputs, q/k/v, the attention output, the MLP's
+4x-wide input and activation)."""
 RAM_HEADROOM = 0.9
 """A plan fits when its peak RSS is within this share of RAM (the OS and page cache need the rest)."""
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -81,7 +89,7 @@ def placements(precision: str, nvme: bool) -> list[Placement]:
 
 
 def ds_config(placement: Placement, *, micro_batch: int, nvme_path: str | None, host_budget: int | None = None,
-              device_budget: int | None = None) -> dict:
+              device_budget: int | None = None, activation_offload: str | None = None) -> dict:
     """The DeepSpeed-format config of a placement (what `zero.train --config` and `zero.initialize` take)."""
     zero = {"stage": placement.stage, "offload_optimizer": {"device": placement.offload_optimizer},
             "sub_group_size": 4_000_000}
@@ -97,8 +105,8 @@ def ds_config(placement: Placement, *, micro_batch: int, nvme_path: str | None, 
               "zero_optimization": zero}
     if placement.precision != "fp32":
         config[placement.precision] = {"enabled": True}
-    tiering = {key: value for key, value in (("host_budget", host_budget), ("device_budget", device_budget))
-               if value is not None}
+    tiering = {key: value for key, value in (("host_budget", host_budget), ("device_budget", device_budget),
+                                             ("activation_offload", activation_offload)) if value is not None}
     if tiering:
         config["zero_tiering"] = tiering
     return config
@@ -145,8 +153,24 @@ class Prediction:
                 "config": self.config}
 
 
-def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nvme_free: int | None) -> Prediction:
-    """The costs of training `shape` with `config` (one rank) on `machine`."""
+def activation_bytes(shape: ModelShape, tokens: int, p: int, checkpointing: bool, offload: str) -> tuple[int, int]:
+    """(kept where autograd made them at the backward's start, offloaded) bytes of a micro-batch's activations
+    saved in the blocks: ACTIVATION_FACTOR x hidden x P a token and layer without checkpointing; with it each
+    block's input (hidden x P a token) and one block's recomputation; offloaded (cpu or nvme), the inputs leave the
+    device but for the two the backward reads next."""
+    per_layer = tokens * shape.hidden * p
+    if not checkpointing:
+        return ACTIVATION_FACTOR * per_layer * shape.layers, 0
+    inputs = per_layer * shape.layers
+    if offload in ("cpu", "nvme"):
+        return ACTIVATION_FACTOR * per_layer + 2 * per_layer, inputs
+    return ACTIVATION_FACTOR * per_layer + inputs, 0
+
+
+def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nvme_free: int | None,
+            checkpointing: bool = False) -> Prediction:
+    """The costs of training `shape` with `config` (one rank) on `machine`; `checkpointing`: each block
+    recomputed in the backward (the config's activation offload then moves their inputs)."""
     cfg = load_config(json.loads(json.dumps(config)), hidden_size=shape.hidden)
     zo = cfg.zero_optimization
     placement = placement_of(config)
@@ -178,7 +202,7 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     host_budget = budgets.host_budget
     host_peak = min(host_budget, tiers["host"] + tiers["nvme"] + window) if tiers["nvme"] else tiers["host"]
     cached = max(0, host_budget - tiers["host"] - window)
-    kept = min(1.0, cached / tiers["nvme"]) if tiers["nvme"] else 1.0
+    kept_share = min(1.0, cached / tiers["nvme"]) if tiers["nvme"] else 1.0
 
     # What no budget holds.
     micro, seq = cfg.train_micro_batch_size_per_gpu, shape.seq_len
@@ -186,8 +210,13 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     autograd = p * (root + largest) if zo.stage == 3 else p * n  # leaves' .grad until reduced
     fp32_scratch = 4 * largest if (p != 4 or grad_home == "device") else 0
     scratch = p * largest * (2 if zo.stage >= 2 else 1) + fp32_scratch
-    activations = tokens * shape.hidden * p * 16 * shape.layers + tokens * shape.vocab * (2 * p + 8)
-    unbudgeted = autograd + scratch + activations
+    kept, offloaded = activation_bytes(shape, tokens, p, checkpointing, cfg.activation_offload)
+    activations = kept + tokens * shape.vocab * (2 * p + 8)  # the head's logits, their fp32 copy and gradient
+    device_peak += activations  # where the device is host memory, counted in the RSS with the device tier
+    # Offloaded to nvme, what the host's room for activations cannot hold goes through the disk.
+    spilled = max(0, offloaded - cfg.zero_tiering.activation_host_bytes) if cfg.activation_offload == "nvme" else 0
+    host_peak += offloaded - spilled
+    unbudgeted = autograd + scratch
     on_host = host_peak + (device_peak if machine.gpu_bytes == 0 else 0)
     peak_rss = int(base_rss + ALLOCATOR_SLACK * (on_host + unbudgeted))
 
@@ -198,7 +227,7 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     # (stage 3); the gradient is read from autograd's leaves, written to the reduction's scratch, cast to fp32
     # where the dtype is lower, added to the sub-group's gradient and read for its norm.
     copied = (4 * p if zo.stage == 3 else 0) + 2 * p + (p + 4 if p != 4 else 0) + 12
-    fresh = p * n + activations - tokens * shape.vocab * (2 * p + 8)  # new gradients and saved activations
+    fresh = p * n + kept  # new gradients and saved activations
     memory = accumulation * (copied * n / machine.copy_bytes + fresh / machine.fresh_bytes)
     compute = accumulation * flops / machine.matmul_flops * COMPUTE_OVERHEAD + memory
     adam = n / machine.adam_elements
@@ -209,15 +238,17 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     read_opt = ((state + (0 if speculative else grads) if state_home == "nvme" else 0)
                 + (params if shared and param_home == "nvme" else 0))
     write_opt = (state if state_home == "nvme" else 0) + (params if param_home == "nvme" else 0)
-    moved = 1.0 - kept
-    reads, writes = int(moved * (read_fb + read_opt)), int(moved * (write_bwd + write_opt))
+    moved = 1.0 - kept_share
+    # Activations spilled to nvme: written in the forward, read back ahead of the backward.
+    reads = int(moved * (read_fb + read_opt)) + accumulation * spilled
+    writes = int(moved * (write_bwd + write_opt)) + accumulation * spilled
     io_rate = IO_EFFICIENCY * machine.disk.mixed_gbps * 1e9 if reads or writes else 1.0
-    fb_io = moved * (read_fb + write_bwd) / io_rate
+    fb_io = (moved * (read_fb + write_bwd) + 2 * accumulation * spilled) / io_rate
     opt_io = moved * (read_opt + write_opt) / io_rate
     # Behind compute: the parameter reads prefetch covers (a unit's shard within the prefetch budget), and the
     # backward's gradient writes (write-behind starts them as each unit's gradient is released).
     ahead = sum(2 * p * flat.shard_numel for flat in flats if p * flat.shard_numel <= budgets.prefetch_bytes)
-    behind = moved * ((ahead if param_home == "nvme" else 0) + write_bwd)
+    behind = moved * ((ahead if param_home == "nvme" else 0) + write_bwd) + 2 * accumulation * spilled
     hidden = min(compute, behind / io_rate)
     optimizer = max(adam, opt_io)
     step = compute + fb_io - hidden + optimizer
@@ -248,17 +279,20 @@ def working_window_config(config: dict) -> dict:
     """`config` with the host budget left to the engine's rule and no parameter cache (max_in_cpu 0): the
     budget it derives is what is homed on host plus the working window."""
     config = json.loads(json.dumps(config))
-    config.pop("zero_tiering", None)
+    offload = config.pop("zero_tiering", {}).get("activation_offload")
+    if offload is not None:  # the room it sets aside is part of the derived budget
+        config["zero_tiering"] = {"activation_offload": offload}
     offload_param = config.get("zero_optimization", {}).get("offload_param")
     if offload_param is not None:
         offload_param["max_in_cpu"] = 0
     return config
 
 
-def host_budget_for(shape: ModelShape, machine: Machine, config: dict, base_rss: int) -> int | None:
+def host_budget_for(shape: ModelShape, machine: Machine, config: dict, base_rss: int,
+                    checkpointing: bool = False) -> int | None:
     """For a placement with state on nvme: the host budget that keeps the predicted peak RSS within RAM (more
     host budget caches more and moves fewer bytes), or None where the derived budget already fits."""
-    probe = predict(shape, machine, config, base_rss, None)
+    probe = predict(shape, machine, config, base_rss, None, checkpointing)
     if not probe.tier_bytes["nvme"] or probe.peak_rss_bytes <= RAM_HEADROOM * machine.ram_bytes:
         return None
     over = probe.peak_rss_bytes - RAM_HEADROOM * machine.ram_bytes
