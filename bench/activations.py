@@ -15,6 +15,7 @@ with CUDA the record adds torch.cuda.max_memory_allocated.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -87,6 +88,8 @@ def run(args, mode: str, nvme: str, device_budget: int | None) -> dict:
         return record
     finally:
         engine.close()
+        del engine, model
+        gc.collect()  # a closed engine's host pool is freed when collected: the next mode needs that memory
 
 
 def main(argv: list[str] | None = None) -> dict:
