@@ -18,7 +18,6 @@ import argparse
 import gc
 import json
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import replace

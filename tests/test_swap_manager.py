@@ -16,6 +16,7 @@ from tiering import (
     IllegalTransitionError,
     IOFailedError,
     Residency,
+    SwapConfig,
     SwapManager,
     TieringConfigError,
     TieringError,
@@ -469,3 +470,23 @@ def test_chrome_trace_is_valid_json_with_move_and_compute_events(make_manager, t
     compute = next(e for e in events if e["cat"] == "compute")
     read = next(e for e in events if e["cat"] == "nvme->host")
     assert read["ts"] + read["dur"] <= compute["ts"] + 1  # the bytes arrived before they were used
+
+
+def test_an_adopted_tensor_is_counted_on_the_device_until_its_copy_lands():
+    """`adopt` takes a device tensor as a segment without copying it there: counted in the device budget, copied
+    to its home on the copy stream, then dropped from the device; reading it back gives its bytes. Over the
+    budget it is a BudgetExceededError; a strided tensor is refused."""
+    data = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
+    with SwapManager(SwapConfig(host_budget=1 << 20, device_budget=32 << 10)) as swap:
+        handle = swap.adopt("a", data.clone(), home="host")
+        handle.wait()
+        assert swap.segments["a"].state.tier == "host" and swap.device_tier.in_use == 0
+        assert swap.stats.peak_bytes["device"] >= data.numel() * 4
+        with swap.held("a") as view:
+            assert torch.equal(view, data)
+        with pytest.raises(BudgetExceededError):
+            swap.adopt("big", torch.zeros(64, 1024), home="host")
+        with pytest.raises(ValueError, match="contiguous"):
+            swap.adopt("t", data.t(), home="host")
+        swap.adopt("d", data.clone(), home="device").wait()
+        assert swap.segments["d"].state.tier == "device"

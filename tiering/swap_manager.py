@@ -21,6 +21,7 @@ from .errors import (
 from .eviction import DONE, Eviction, Kind, Outcome
 from .handle import Handle, completed, gather
 from .host_pool import HostBuffer, HostBufferPool, HostPoolConfig
+from .adoption import Adoption
 from .intents import Intents
 from .kept import Keeping
 from .nvme_store import NvmeStore
@@ -33,10 +34,10 @@ from .trace import Trace
 STALL_THRESHOLD_S = 1e-4  # an acquire shorter than this only did bookkeeping (the bytes were there)
 
 
-class SwapManager(Eviction, Intents, Keeping):
+class SwapManager(Adoption, Eviction, Intents, Keeping):
     """Segments moved among tiers under hard budgets.
 
-    The calls: `register` a segment with a home tier; `fetch` it to a tier (pins it there) or `acquire` it
+    The calls: `register` a segment with a home tier (or `adopt` a device tensor as one); `fetch` it to a tier (pins it there) or `acquire` it
     (fetch, wait, and return a tensor view); `release` it (with `dirty=True` when the view was written, which
     makes those bytes the segment's); `evict` it to its home; `prefetch` a list. Each returns a Handle. A
     segment whose bytes are spent (a gradient once stepped) is released with `discard=True` and fetched next
@@ -109,35 +110,6 @@ class SwapManager(Eviction, Intents, Keeping):
                 raise
             self.segments[name] = seg
             return handle
-
-    def adopt(self, name: str, tensor: torch.Tensor, *, home: Tier) -> Handle:
-        """Add a segment whose bytes are `tensor`, a contiguous tensor on the device made by the caller, who
-        writes it no more: no copy is made here. It counts against the device budget from now on and is moved
-        toward `home` at once ("host" or "nvme": device->host on the copy stream, behind the compute queued so far,
-        then like any host copy; "device": it stays). The handle is done when its bytes have left the device."""
-        if home not in TIER_ORDER:
-            raise TieringConfigError("home", home, "one of 'device', 'host', 'nvme'")
-        if home == "nvme" and self.store is None:
-            raise TieringError(f"segment {name!r} has home 'nvme' but the swap manager has no nvme store")
-        if not tensor.is_contiguous() or tensor.device != self.device_tier.device:
-            raise ValueError(f"adopt {name!r}: a contiguous tensor on {self.device_tier.device} is needed, "
-                             f"got {'a strided' if not tensor.is_contiguous() else 'a'} tensor on {tensor.device}")
-        seg = Segment(name, tensor.dtype, tensor.shape, home, Residency.DEVICE)
-        with self._lock:
-            if name in self.segments:
-                raise ValueError(f"segment {name!r} is already registered")
-            self._fit("device", seg, blocking=True, wait=True)
-            seg.device = self.device_tier.adopt(tensor.reshape(-1).view(torch.uint8), name)
-            self.segments[name] = seg
-            self._note_peaks()
-        if home == "device":
-            return completed(name)
-        while True:  # the first step home: device->host, once the host has room
-            with self._lock:
-                step = self._evict_step(seg, blocking=True)
-                if step.kind is not Kind.WAIT:
-                    return step.handle if step.kind is Kind.STARTED else completed(name)
-            step.handle.wait()
 
     def unregister(self, name: str) -> None:
         """Forget a segment and free its copies in every tier. It must not be pinned; a move under way (its
