@@ -87,8 +87,6 @@ def run(args, mode: str, nvme: str, device_budget: int | None) -> dict:
         return record
     finally:
         engine.close()
-        del engine, model
-        gc.collect()  # a closed engine's host pool is freed when collected: the next mode needs that memory
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -122,6 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{mode:>6}: {exc}", flush=True)
                 records[mode] = {"mode": mode, "device_budget": budget, "error": str(exc)}
                 continue
+            finally:
+                gc.collect()  # a closed engine's host pool is freed when collected: the next mode needs that memory
             r = records[mode]
             print(f"{mode:>6}: step {r['step_s']:.2f} s, device peak {fmt_bytes(r['device_peak'])}"
                   + (f" (budget {fmt_bytes(budget)})" if budget else "")
