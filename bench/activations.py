@@ -3,11 +3,12 @@ device (counted in its budget) against offloaded to host memory or nvme, side by
 
 Every run checkpoints each block (torch.utils.checkpoint, non-reentrant) and trains the same batches from the
 same weights: ZeRO-3, parameters and optimizer state in host memory (so the step's own I/O is not what is
-measured). Modes: "none" (autograd keeps the inputs, uncounted: the step-time yardstick), "device" (kept on the
-device and counted: the device-peak yardstick), "cpu" and "nvme" (offloaded; nvme with no host room set aside for them,
-so they go through the disk). The offloaded modes run under a
-device budget of --budget-share of the "device" run's peak, so the peak they report is also one they were held
-to (one that does not hold is recorded with its error). Without CUDA the device tier is host memory and its copies run on the copy worker (see tiering/copy_stream);
+measured), but for mode "nvme", whose activations need the nvme store: there the optimizer state is on nvme too,
+so its step is not the activations' price alone. Modes: "none" (autograd keeps the inputs, uncounted: the
+step-time yardstick), "device" (kept on the device and counted: the device-peak yardstick), "cpu" and "nvme"
+(offloaded; nvme with no host room set aside for them). The offloaded modes run under a device budget of
+--budget-share of the "device" run's peak, so the peak they report is also one they were held to (one that does
+not hold is recorded with its error). Without CUDA the device tier is host memory and its copies run on the copy worker (see tiering/copy_stream);
 with CUDA the record adds torch.cuda.max_memory_allocated.
 
     python bench/activations.py [--quick] [--preset 1b --layers 4 --seq-len 4096 --micro 1] [--json PATH]

@@ -263,8 +263,10 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     if machine.gpu_bytes and device_peak > machine.gpu_bytes:
         prediction.why_not.append(f"device peak {device_peak / 2**30:.1f} GiB > "
                                   f"{machine.gpu_bytes / 2**30:.1f} GiB GPU memory")
-    if budgets.device_budget is not None and device_peak > budgets.device_budget:
-        prediction.why_not.append(f"device peak {device_peak / 2**30:.2f} GiB > device budget "
+    # The device budget counts activations only where activation_offload hands them to the swap manager.
+    counted = device_peak - (activations if cfg.activation_offload == "none" else 0)
+    if budgets.device_budget is not None and counted > budgets.device_budget:
+        prediction.why_not.append(f"device peak {counted / 2**30:.2f} GiB > device budget "
                                   f"{budgets.device_budget / 2**30:.2f} GiB")
     if tiers["host"] > host_budget:
         prediction.why_not.append(f"{tiers['host'] / 2**30:.1f} GiB homed on host > host budget "
