@@ -1,15 +1,17 @@
 """Activation offload: the device tier's peak and the step time with the checkpointed activations kept on the
 device (counted in its budget) against offloaded to host memory or nvme, side by side in one run.
 
-Every run checkpoints each block (torch.utils.checkpoint, non-reentrant) and trains the same batches from the
-same weights: ZeRO-3, parameters and optimizer state in host memory (so the step's own I/O is not what is
-measured), but for mode "nvme", whose activations need the nvme store: there the optimizer state is on nvme too,
-so its step is not the activations' price alone. Modes: "none" (autograd keeps the inputs, uncounted: the
-step-time yardstick), "device" (kept on the device and counted: the device-peak yardstick), "cpu" and "nvme"
-(offloaded; nvme with no host room set aside for them). The offloaded modes run under a device budget of
---budget-share of the "device" run's peak, so the peak they report is also one they were held to (one that does
-not hold is recorded with its error). Without CUDA the device tier is host memory and its copies run on the copy worker (see tiering/copy_stream);
-with CUDA the record adds torch.cuda.max_memory_allocated.
+Every run but "all" checkpoints each block (torch.utils.checkpoint, non-reentrant), and every run trains the same
+batches from the same weights, the head's loss computed in chunks of rows (zero.train.chunked_loss): ZeRO-3,
+parameters and optimizer state in host memory (so the step's own I/O is not what is measured), but for mode
+"nvme", whose activations need the nvme store: there the optimizer state is on nvme too, so its step is not the
+activations' price alone. Modes: "none" (autograd keeps the inputs, uncounted: the step-time yardstick),
+"device" (kept on the device and counted: the device-peak yardstick), "cpu" and "nvme" (offloaded; nvme with no
+host room set aside for them), "all" (no checkpointing: everything autograd saves kept on the device and
+counted; a lower bound, since the views it saves are not counted). The offloaded modes run under a device budget
+of --budget-share of the "device" run's peak, so the peak they report is also one they were held to (one that
+does not hold is recorded with its error). Without CUDA the device tier is host memory and its copies run on the
+copy worker (see tiering/copy_stream); with CUDA the record adds torch.cuda.max_memory_allocated.
 
     python bench/activations.py [--quick] [--preset 1b --layers 4 --seq-len 4096 --micro 1] [--json PATH]
 """
@@ -30,10 +32,12 @@ from tiering.errors import BudgetExceededError, fmt_bytes
 from zero.train.gpt import GPT, PRESETS
 
 MODES = ("none", "device", "cpu", "nvme")
+KEEPS = {"all": "device"}
+"""Modes whose activations rest as another mode's do (without checkpointing)."""
 
 
 def config(args, mode: str, nvme: str, device_budget: int | None) -> dict:
-    tiering = {"activation_offload": mode}
+    tiering = {"activation_offload": KEEPS.get(mode, mode)}
     if mode == "nvme":
         tiering["activation_host_bytes"] = 0  # no room set aside on the host: they go through the disk
     if device_budget is not None:
@@ -55,7 +59,8 @@ def run(args, mode: str, nvme: str, device_budget: int | None) -> dict:
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(gpt)
-    model.gradient_checkpointing_enable()
+    if mode not in KEEPS:
+        model.gradient_checkpointing_enable()
     engine, *_ = zero.initialize(model=model, config=config(args, mode, nvme, device_budget))
     cuda = engine.device.type == "cuda"
     generator = torch.Generator().manual_seed(1)
@@ -101,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--budget-share", type=float, default=0.5,
                         help="the offloaded modes' device budget, as a share of the 'device' mode's peak")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES + tuple(KEEPS))}")
     parser.add_argument("--dir", help="where the nvme store goes (default: a temporary directory)")
     parser.add_argument("--json", help="write the record here")
     args = parser.parse_args(argv)
@@ -131,10 +136,11 @@ def main(argv: list[str] | None = None) -> dict:
     ran = {mode: r for mode, r in records.items() if "error" not in r}
     result = {"args": vars(args), "records": records,
               "losses_identical": len({tuple(r["losses"]) for r in ran.values()}) == 1}
-    if "device" in ran:
-        for mode in ("cpu", "nvme"):
-            if mode in ran:
-                result[f"{mode}_peak_ratio"] = ran[mode]["device_peak"] / ran["device"]["device_peak"]
+    for base, suffix in (("device", ""), ("all", "_vs_all")):
+        if base in ran:
+            for mode in ("cpu", "nvme"):
+                if mode in ran:
+                    result[f"{mode}_peak_ratio{suffix}"] = ran[mode]["device_peak"] / ran[base]["device_peak"]
     if "none" in ran:
         for mode in ("device", "cpu", "nvme"):
             if mode in ran:

@@ -1,6 +1,7 @@
 """Hard budget, measured from outside: a process whose nvme-homed segments total 8x its host budget runs a
 step that fetches, writes and releases every segment, and its peak RSS (from `/usr/bin/time -v`) stays within
-the budgets plus a stated fixed overhead over a process that only imports torch and tiering."""
+the budgets plus a stated fixed overhead over a process that only imports torch and tiering. And a closed
+engine gives its tiers' memory back at close, not when it is collected."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import child_env
 
@@ -89,3 +91,30 @@ def test_peak_rss_of_a_step_over_8x_the_host_budget_stays_within_the_budgets(tmp
     )
     # And the bound is not vacuous: the segments alone would not have fit in it.
     assert allowance - baseline < TOTAL
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_close_gives_the_tiers_memory_back_while_the_engine_lives(tier, tmp_path):
+    """An engine closed but still referenced (as a reference cycle, or a caller's variable, keeps it) holds no
+    tier memory: its pools are empty and the process's RSS falls by what they held."""
+    import zero
+    from zero.train.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=256, vocab_size=4096, seq_len=16))
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                    "offload_optimizer": {"device": tier, "nvme_path": str(tmp_path)}}}
+    engine, *_ = zero.initialize(model=model, config=config)
+    ids = torch.randint(0, 4096, (2, 17), generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(ids[:, :-1], ids[:, 1:]))
+    engine.step()
+    held = engine.swap.pool.held + engine.swap.device_tier.pool.held
+    before = rss()
+    engine.close()
+    assert engine.swap.pool.held == 0 and engine.swap.device_tier.pool.held == 0
+    assert before - rss() >= held // 2, (before, rss(), held)

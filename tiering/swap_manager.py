@@ -368,13 +368,24 @@ class SwapManager(Adoption, Eviction, Intents, Keeping):
         self.timeline.write_chrome_trace(path)
 
     def close(self) -> None:
-        """Wait for every move, free every buffer, remove the store's file."""
+        """Wait for every move, free every buffer, remove the store's file. The memory goes back here, not
+        when the manager is collected: whoever holds it (an engine in a reference cycle) holds no buffer."""
         with self._lock:
             self._closing = True
         for move in [seg.move for seg in self.segments.values() if seg.move is not None]:
             with contextlib.suppress(TieringError):  # closing: whoever waited on the move was told
                 move.wait()
         self.device_tier.close()
+        with self._lock:
+            for seg in self.segments.values():
+                self._drop_device(seg)
+                self._drop_host(seg)
+                if seg.kept is not None and seg.kept.buffer is not None:
+                    self._free_kept(seg, seg.kept)
+            self.segments.clear()
+        self.pool.trim()
+        if self.device_tier.pool is not None:
+            self.device_tier.pool.trim()
         if self.store is not None:
             self.store.close()
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from ..train.chunked_loss import chunk_rows
 from ..train.gpt import GPT, PRESETS
 
 
@@ -30,6 +31,8 @@ class ModelShape:
     hidden: int
     vocab: int
     seq_len: int
+    loss_rows: int | None = None
+    """Tokens whose logits the loss makes at once (the main job's chunked head); None: all of a micro-batch's."""
 
 
 def from_preset(name: str, *, layers: int | None = None, hidden: int | None = None, heads: int | None = None,
@@ -44,7 +47,8 @@ def from_preset(name: str, *, layers: int | None = None, hidden: int | None = No
     config = replace(PRESETS[name], **overrides)
     with torch.device("meta"):
         model = GPT(config)
-    return _shape(model, config.n_layer, config.n_embd, config.vocab_size, seq_len)
+    shape = _shape(model, config.n_layer, config.n_embd, config.vocab_size, seq_len)
+    return replace(shape, loss_rows=chunk_rows(config.vocab_size, config.loss_chunk_bytes))
 
 
 def from_hf_config(path: str, seq_len: int) -> ModelShape:

@@ -22,7 +22,7 @@ today's engine, with its terms measured on this machine or counted from the mode
   the forward plus all of the step's I/O, and the boundary's gradients are stepped while in host memory (not
   written and read back);
 - device peak = what is homed there, the gathered units (stage 3), the activations kept (see activation_bytes)
-  and the head's logits;
+  and the head's logits (one chunk's where the model computes its loss in chunks: ModelShape.loss_rows);
 - nvme bytes: activations spilled to nvme, written and read back (hidden behind compute, as prefetched
   parameters are); forward and backward read each parameter shard, backward writes each gradient, the step reads
   gradients and optimizer state and writes state and parameters back; the share of nvme-homed bytes that
@@ -211,7 +211,8 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     fp32_scratch = 4 * largest if (p != 4 or grad_home == "device") else 0
     scratch = p * largest * (2 if zo.stage >= 2 else 1) + fp32_scratch
     kept, offloaded = activation_bytes(shape, tokens, p, checkpointing, cfg.activation_offload)
-    activations = kept + tokens * shape.vocab * (2 * p + 8)  # the head's logits, their fp32 copy and gradient
+    rows = tokens if shape.loss_rows is None or tokens <= shape.loss_rows else shape.loss_rows
+    activations = kept + rows * shape.vocab * (2 * p + 8)  # the head's logits, their fp32 copy and gradient
     device_peak += activations  # where the device is host memory, counted in the RSS with the device tier
     # Offloaded to nvme, what the host's room for activations cannot hold goes through the disk.
     spilled = max(0, offloaded - cfg.zero_tiering.activation_host_bytes) if cfg.activation_offload == "nvme" else 0

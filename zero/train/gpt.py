@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from zero.train.chunked_loss import LMHead
+
 
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
@@ -20,9 +22,11 @@ class GPTConfig:
     n_embd: int = 256
     seq_len: int = 128
     """Longest sequence (positions learned up to here)."""
+    loss_chunk_bytes: int = 128 << 20
+    """The most fp32 logits the loss makes at once: longer batches compute it in chunks of rows (LMHead)."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "n_layer", "n_head", "n_embd", "seq_len"):
+        for name in ("vocab_size", "n_layer", "n_head", "n_embd", "seq_len", "loss_chunk_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} = {getattr(self, name)}: must be >= 1")
         if self.n_embd % self.n_head:
@@ -76,7 +80,7 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(config.seq_len, config.n_embd)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.n_embd, config.vocab_size, config.loss_chunk_bytes)
         self.lm_head.weight = self.wte.weight
         self.gradient_checkpointing = False
         """Recompute each block in the backward (torch.utils.checkpoint): autograd keeps only the blocks' inputs."""
@@ -105,7 +109,4 @@ class GPT(nn.Module):
         recompute = self.gradient_checkpointing and torch.is_grad_enabled()
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
-        logits = self.lm_head(self.ln_f(x))
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        return self.lm_head(self.ln_f(x), targets)
