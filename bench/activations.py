@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
                 records[mode] = {"mode": mode, "device_budget": budget, "error": str(exc)}
                 continue
             finally:
-                gc.collect()  # a closed engine's host pool is freed when collected: the next mode needs that memory
+                gc.collect()  # the closed engine and its model (a reference cycle): the next mode needs the memory
             r = records[mode]
             print(f"{mode:>6}: step {r['step_s']:.2f} s, device peak {fmt_bytes(r['device_peak'])}"
                   + (f" (budget {fmt_bytes(budget)})" if budget else "")

@@ -42,8 +42,9 @@ def train(args: argparse.Namespace, config: dict, summary: str, *, offloaded: bo
     if args.layers:
         command += ["--layers", str(args.layers)]
     if offloaded:
-        command += ["--nvme-path", args.dir, "--host-budget", args.host_budget,
-                    "--device-budget", args.device_budget]
+        command += ["--nvme-path", args.dir, "--host-budget", args.host_budget]
+        if args.device_budget:
+            command += ["--device-budget", args.device_budget]
     try:
         with tempfile.TemporaryFile("w+") as err:
             child = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, text=True)
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians (the first included)")
     parser.add_argument("--host-budget", default="1GiB")
-    parser.add_argument("--device-budget", default="512MiB")
+    parser.add_argument("--device-budget", help="default: the config's (1536MiB in the scale config)")
     parser.add_argument("--fio-size", default=str(2 * GiB), help="bytes fio reads and writes, per measurement")
     parser.add_argument("--dir", default=None, help="nvme_path (default: a temporary directory)")
     parser.add_argument("--json", default=None)
@@ -109,6 +110,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("bench/stream.py needs fio (apt-get install fio): it is the yardstick")
     with open(args.config) as f:
         config = json.load(f)
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         args.dir = directory
         summary = os.path.join(directory, "summary.json")

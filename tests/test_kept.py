@@ -95,28 +95,6 @@ def test_keeping_a_segment_on_nvme_moves_no_byte(make_manager):
     assert mgr.segments["s"].state == Residency.NVME
 
 
-def test_keeping_a_dirty_host_copy_of_an_nvme_segment_writes_nothing(make_manager):
-    """Bytes newer in host memory than on nvme are kept as a host copy: written home to be kept, they would be
-    written twice (now, and once rewritten). Where the host budget has no room for the copy, nothing is kept."""
-    mgr = make_manager(engine="threads", host_budget=2 * PAGE)
-    mgr.register("s", dtype=torch.float32, shape=(N,), home="nvme", data=torch.full((N,), 1.0)).wait()
-    write(mgr, "s", 2.0)
-    written = mgr.stats.bytes_moved["host->nvme"]
-    assert mgr.keep("s")
-    assert mgr.stats.bytes_moved["host->nvme"] == written
-    write(mgr, "s", 3.0)
-    mgr.evict("s").wait(MOVE_TIMEOUT)  # the new bytes home, over the old extent (the kept ones are in memory)
-    mgr.restore("s")
-    assert torch.equal(read(mgr, "s"), torch.full((N,), 2.0))
-    mgr.evict("s").wait(MOVE_TIMEOUT)
-    assert torch.equal(read(mgr, "s"), torch.full((N,), 2.0)), "the restored bytes were not written home"
-    mgr.register("t", dtype=torch.float32, shape=(N,), home="nvme").wait()
-    write(mgr, "s", 4.0)
-    with mgr.held("t", "host"):  # s and t fill the host budget: no room for a copy of s
-        assert not mgr.keep("s")
-    assert mgr.segments["s"].kept is None
-
-
 def test_a_damaged_kept_extent_is_a_checksum_error_at_the_read(make_manager, tmp_path):
     mgr = make_manager(engine="threads")
     mgr.register("s", dtype=torch.float32, shape=(N,), home="nvme", data=torch.full((N,), 1.0)).wait()

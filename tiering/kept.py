@@ -5,9 +5,9 @@ out as one concept).
 `restore(name)` makes them the segment's bytes again (the writes are undone). Where the nvme copy is current it
 is the kept copy and no byte moves: the segment's next write-back goes to a fresh extent instead of over it
 (copy on write), and a restore reinstates the old extent with its checksum, so a damaged file is a
-ChecksumMismatchError at the read, never wrong bytes. Elsewhere (a dirty host copy of an nvme-homed segment
-too: written home first, it would be written twice, now and once rewritten) the bytes are copied into a buffer
-of the tier holding them (host or device), within that budget's free room.
+ChecksumMismatchError at the read, never wrong bytes; a dirty copy of an nvme-homed segment is written home
+first. Elsewhere the bytes are copied into a buffer of the tier holding them (host or device), within that
+budget's free room.
 """
 from __future__ import annotations
 
@@ -75,6 +75,9 @@ class Keeping:
             seg.kept = Kept(seg.extent, seg.checksum, None, None)
             self._cow_pending += seg.nbytes
             return True
+        if seg.home == "nvme":
+            # Written home, then kept there: a kept buffer could not be evicted, and would take room others need.
+            return self._clean(seg) if not self._closing else False
         if self.pool.in_use + align_up(max(seg.nbytes, 1)) <= self._budget("host"):
             buffer = self.pool.acquire(seg.nbytes, f"{seg.name} (kept)")
             buffer.storage[: seg.nbytes].copy_(seg.storage("host"))
