@@ -127,3 +127,14 @@ def test_activations_are_counted_where_they_rest(tmp_path):
     assert kept["predicted_device_peak_bytes"] - cpu["predicted_device_peak_bytes"] == (layers - 2) * inputs
     assert nvme["predicted_device_peak_bytes"] == cpu["predicted_device_peak_bytes"]
     assert nvme["predicted_bytes_per_step"] - cpu["predicted_bytes_per_step"] == 2 * layers * inputs
+
+
+def test_a_config_on_nvme_without_disk_figures_is_named(tmp_path, capsys):
+    config = tmp_path / "nvme.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "cpu"},
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}))
+    with pytest.raises(SystemExit) as info:
+        main(["--model", "tiny", "--config", str(config), "--nvme-path", str(tmp_path),
+              "--disk", str(tmp_path / "no-figures.json")])
+    assert info.value.code == 2 and "puts state on nvme, and there are no disk figures" in capsys.readouterr().err

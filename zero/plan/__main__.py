@@ -104,6 +104,11 @@ def plan(args: argparse.Namespace, base_rss: int) -> dict:
         raise PlanInputError("--activation-offload nvme plans placements with a disk, and there are no disk figures: "
                              "run python -m zero.report on the nvme path, or give --disk-read and --disk-write")
     checkpointing = args.activation_checkpointing or offload is not None
+    given = placement_of(config) if args.config else None
+    if given is not None and disk is None and "nvme" in (given.offload_param, given.offload_optimizer):
+        raise PlanInputError(f"{args.config} puts state on nvme, and there are no disk figures to price its I/O: "
+                             "run python -m zero.report --bandwidth on the nvme path, or give --disk-read and "
+                             "--disk-write")
     if args.config:
         predictions = [predict(shape, machine, config, base_rss, nvme_free, checkpointing)]
     else:
