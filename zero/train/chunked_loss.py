@@ -1,5 +1,5 @@
-"""The language-model head and its cross-entropy, a chunk of rows at a time: a long sequence's logits (4096 tokens
-x 50304 words in fp32 is 786 MiB, more than a 1B model's gathered units and gradients together) never exist
+"""The language-model head and its cross-entropy, a chunk of rows at a time: a long sequence's logits (4096
+tokens x 50304 words are 786 MiB in fp32, on the device beside the gathered units and gradients) never exist
 whole. The forward keeps only the head's input; the backward recomputes each chunk's logits (as Liger's fused
 linear cross-entropy and torchtune's chunked loss do), so what the device holds at once is one chunk's."""
 from __future__ import annotations
@@ -18,8 +18,8 @@ def chunk_rows(vocab: int, chunk_bytes: int) -> int:
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """mean cross-entropy of (hidden @ weight.T) in fp32 (or wider) against targets, `rows` rows at a time; saves hidden,
-    weight and targets, not the logits."""
+    """The mean cross-entropy of (hidden @ weight.T) in fp32 (or wider) against targets, `rows` rows at a time;
+    saves hidden, weight and targets, not the logits."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
