@@ -19,11 +19,12 @@ from .errors import (
     TieringError,
 )
 from .eviction import DONE, Eviction, Kind, Outcome
-from .handle import Handle, completed, gather
+from .handle import Handle, completed
 from .host_pool import HostBuffer, HostBufferPool, HostPoolConfig
 from .adoption import Adoption
 from .intents import Intents
 from .kept import Keeping
+from .read_ahead import ReadAhead
 from .nvme_store import NvmeStore
 from .residency import TIER_ORDER, Residency, Tier
 from .segment import Segment
@@ -34,7 +35,7 @@ from .trace import Trace
 STALL_THRESHOLD_S = 1e-4  # an acquire shorter than this only did bookkeeping (the bytes were there)
 
 
-class SwapManager(Adoption, Eviction, Intents, Keeping):
+class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
     """Segments moved among tiers under hard budgets.
 
     The calls: `register` a segment with a home tier (or `adopt` a device tensor as one); `fetch` it to a tier (pins it there) or `acquire` it
@@ -121,13 +122,7 @@ class SwapManager(Adoption, Eviction, Intents, Keeping):
                     raise IllegalTransitionError(name, "unregister", "unpinned", f"pinned {seg.pins} times in {seg.pinned_tier}")
                 pending = seg.move
                 if pending is None:
-                    self._drop_device(seg)
-                    self._drop_host(seg)
-                    if seg.kept is not None:
-                        self._free_kept(seg, seg.kept)
-                        seg.kept = None
-                    if seg.extent is not None:
-                        self.store.free(seg.extent)
+                    self._forget(seg)
                     self._unprefetch(seg)
                     self._read_ahead = [(s, t) for s, t in self._read_ahead if s is not seg]
                     del self.segments[name]
@@ -291,34 +286,6 @@ class SwapManager(Adoption, Eviction, Intents, Keeping):
             if pending is not None:
                 pending.wait()
 
-    def prefetch(self, names: Iterable[str], tier: Tier = "device") -> Handle:
-        """Start bringing segments to `tier` without pinning them, in order, as far as room allows without
-        waiting (never evicting a segment needed sooner than the one prefetched); the rest are started as room
-        frees, until the next `prefetch` call says anew what lies ahead. The handle covers the moves begun."""
-        with self._lock:
-            segments = [self._get(name) for name in names]
-            for seg in segments:  # all checked before any move starts, whether or not room runs out first
-                self._check_target(seg, tier)
-            self._read_ahead = [(seg, tier) for seg in segments]
-            return gather(self._start_read_ahead(), "prefetch")
-
-    def _start_read_ahead(self) -> list[Handle]:
-        """With the lock held: start the moves of `_read_ahead` in order until one finds no room; drop those
-        started or no longer needing a move."""
-        handles = []
-        while self._read_ahead and not self._closing:
-            seg, tier = self._read_ahead[0]
-            if not (seg.state.moving or seg.state.tier == tier or seg.pins or seg.spent):
-                handle = self._bring(seg, tier, pin=False, blocking=False)
-                if handle is None:
-                    break
-                seg.prefetched = True
-                self._prefetched_bytes += seg.nbytes
-                self.stats.prefetches += 1
-                handles.append(handle)
-            self._read_ahead.pop(0)
-        return handles
-
     def reserve_device(self, nbytes: int, what: str, part: str) -> None:
         """Count `nbytes` of device memory the caller allocates itself (`part`: a gathered unit's full buffer,
         the backward's gradients of a unit, the reduction's scratch) against the device budget, evicting segments
@@ -378,10 +345,7 @@ class SwapManager(Adoption, Eviction, Intents, Keeping):
         self.device_tier.close()
         with self._lock:
             for seg in self.segments.values():
-                self._drop_device(seg)
-                self._drop_host(seg)
-                if seg.kept is not None and seg.kept.buffer is not None:
-                    self._free_kept(seg, seg.kept)
+                self._forget(seg)
             self.segments.clear()
         self.pool.trim()
         if self.device_tier.pool is not None:
@@ -546,31 +510,6 @@ class SwapManager(Adoption, Eviction, Intents, Keeping):
                 landed()
         final.part_done(error)
 
-    # -- prefetch along the trace ----------------------------------------------------------------------------
-
-    def _prefetch_ahead(self) -> None:
-        """Start the read-ahead a `prefetch` call left waiting for room, then moves for the uses the trace says
-        come next, within the prefetch and live-byte budgets."""
-        with self._lock:
-            self._start_read_ahead()
-            live_cap = self.config.max_live_bytes
-            for name, tier in [] if self._closing else self.trace.upcoming():
-                seg = self.segments.get(name)
-                if (seg is None or seg.pins or seg.spent or seg.state.moving or seg.state.tier == tier or seg.prefetched
-                        or seg.overwrite_expected):
-                    continue
-                if self._prefetched_bytes + seg.nbytes > self.config.prefetch_bytes:
-                    break
-                live = self.device_tier.in_use + self.device_tier.charge(seg.nbytes)
-                if tier == "device" and live_cap is not None and live > live_cap:
-                    break
-                handle = self._bring(seg, tier, pin=False, blocking=False)
-                if handle is None:
-                    break
-                seg.prefetched = True
-                self._prefetched_bytes += seg.nbytes
-                self.stats.prefetches += 1
-
     # -- bookkeeping ----------------------------------------------------------------------------------------
 
     def _get(self, name: str) -> Segment:
@@ -578,10 +517,15 @@ class SwapManager(Adoption, Eviction, Intents, Keeping):
             raise KeyError(f"no segment named {name!r}")
         return self.segments[name]
 
-    def _unprefetch(self, seg: Segment) -> None:
-        if seg.prefetched:
-            seg.prefetched = False
-            self._prefetched_bytes -= seg.nbytes
+    def _forget(self, seg: Segment) -> None:
+        """Free the segment's copies in every tier and its kept copy (it is going)."""
+        self._drop_device(seg)
+        self._drop_host(seg)
+        if seg.kept is not None:
+            self._free_kept(seg, seg.kept)
+            seg.kept = None
+        if seg.extent is not None:
+            self.store.free(seg.extent)
 
     def _drop_device(self, seg: Segment) -> None:
         if seg.device is not None:
