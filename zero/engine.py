@@ -269,22 +269,37 @@ class ZeroEngine(nn.Module):
         rank must make the same change. With `modifier_rank` (DeepSpeed's), the values that rank holds on exit
         are first sent to every rank, then become the model's. Moments are kept. A block that raises (or one
         without `modify` or `modifier_rank`) leaves the masters as they were; what it wrote into a full buffer
-        that stays (stages 0-2, a persistent unit) is there until the next step rewrites it from them."""
+        that stays (stages 0-2, a persistent unit) is there until the next step rewrites it from them.
+
+        A unit this block alone gathers lends its parameters a private copy of its full buffer, not views of it:
+        the release gives the full buffer's bytes back (to nothing, or to the device tier's pool), and a tensor the
+        caller kept (`p.data`, `p.data.cpu()` on a CPU, a view) must stay valid after the block, as DeepSpeed's
+        does. What the parameters hold on exit (written in place or assigned to `p.data`) is what is adopted."""
         self._finish_step()
         wanted = None if params is None else {id(p) for p in params}
         chosen = [unit for unit in self.units
                   if wanted is None or any(id(slot.param) in wanted for slot in unit.flat.slots)]
-        for unit in chosen:
-            self.placement.gather(unit)
+        held: list[Unit] = []
+        lent: list[Unit] = []
         try:
+            for unit in chosen:
+                self.placement.gather(unit)
+                held.append(unit)
+                if self.placement.frees_on_release(unit):
+                    unit.flat.bind(unit.full.clone())
+                    lent.append(unit)
             yield
             if modify or modifier_rank is not None:
                 for unit in chosen:
+                    if unit in lent:
+                        unit.flat.flatten(unit.full)
                     if modifier_rank is not None:
                         self.dp.broadcast(unit.full, modifier_rank)
                     self._adopt_full_values(unit, wanted)
         finally:
-            for unit in chosen:
+            for unit in lent:
+                unit.flat.bind(unit.full)  # the caller's tensors keep the private copy; the release unbinds
+            for unit in held:
                 self.placement.release(unit)
 
     def _adopt_full_values(self, unit: Unit, wanted: set[int] | None) -> None:

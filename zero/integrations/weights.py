@@ -40,10 +40,8 @@ def save_safetensors(engine: ZeroEngine, out_dir: str | os.PathLike, *, write: b
         f.write(header_bytes(plan, {"format": "pt", ALIASES_KEY: json.dumps(aliases(engine), sort_keys=True)}))
         for unit in engine.units:  # in plan order: unit by unit, slot by slot
             with engine.gathered_parameters([slot.param for slot in unit.flat.slots]):
-                for slot in unit.flat.slots:
-                    # A copy: writing exposes the bytes to numpy, which would pin the size of the full
-                    # buffer's storage, and the release resizes it to nothing.
-                    f.write_tensor(slot.param.detach().clone())
+                for slot in unit.flat.slots:  # the block lends the parameters a copy the release leaves alone
+                    f.write_tensor(slot.param.detach())
         for _, tensor, _ in rest:
             f.write_tensor(tensor.detach())
         f.commit()

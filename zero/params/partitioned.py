@@ -153,6 +153,9 @@ class PartitionedPlacement(Placement):
         self._free_bytes(unit)
         unit.to("release")
 
+    def frees_on_release(self, unit: Unit) -> bool:
+        return unit.refs == 1 and not unit.persistent
+
     def _prefetch(self, unit: Unit) -> None:
         """Give a released unit's full buffer its bytes and start its fill."""
         self._take_bytes(unit)

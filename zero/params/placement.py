@@ -39,6 +39,11 @@ class Placement(ABC):
     def release(self, unit: Unit) -> None:
         """Drop one `gather`."""
 
+    def frees_on_release(self, unit: Unit) -> bool:
+        """Whether the `release` matching the latest `gather` gives the unit's full buffer's bytes back (views of
+        it then read nothing, or another unit's bytes): a caller that may keep them gets a copy instead."""
+        return False
+
     @abstractmethod
     def finish_backward(self) -> None:
         """After loss.backward(): every unit's gradient reduced into its sub-groups."""

@@ -1,0 +1,95 @@
+"""GatheredParameters never frees storage a caller may still hold: tensors taken inside the block (`p.data`,
+`p.data.cpu()`, a view, a clone) read the block's values after it, once the engine has reused its buffers for
+other units, and save to a file that loads. Run in a fresh process each, so a crash fails the test instead of
+taking pytest down."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from torch import nn
+    import zero as deepspeed
+
+    class Blocks(nn.Module):
+        def __init__(self, dim=64, layers=3):
+            super().__init__()
+            self.embed = nn.Embedding(32, dim)
+            self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+
+        def forward(self, ids, labels):
+            x = self.embed(ids)
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return nn.functional.cross_entropy((x @ self.embed.weight.t()).flatten(0, 1), labels.flatten())
+
+    device, where, path = sys.argv[1], sys.argv[2], sys.argv[3]
+    offload = {"device": device, **({"nvme_path": path} if device == "nvme" else {})}
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "offload_param": dict(offload), "offload_optimizer": dict(offload),
+                                    "stage3_param_persistence_threshold": 0}}
+    torch.manual_seed(0)
+    if where == "init":
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = Blocks()
+    else:
+        model = Blocks()
+    engine = None
+    if where == "engine":
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    kept = {}
+    weight = model.layers[1].weight
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        expected = weight.detach().clone()
+        kept = {"data": weight.data, "cpu": weight.data.cpu(), "view": weight.data[3:7, 5:],
+                "clone": weight.data.clone(), "detached": weight.detach()}
+        expected_view = expected[3:7, 5:]
+    if engine is not None:  # the units' buffers go to other units, and the step rewrites the shards
+        ids = torch.randint(0, 32, (2, 8))
+        for _ in range(2):
+            engine.backward(engine(ids, ids))
+            engine.step()
+    for name, tensor in kept.items():
+        want = expected_view if name == "view" else expected
+        assert torch.equal(tensor, want), name
+    torch.save(kept, path + "/kept.pt")
+    again = torch.load(path + "/kept.pt")
+    assert all(torch.equal(again[name], kept[name]) for name in kept)
+    if engine is not None:
+        engine.close()
+    print("OK")
+""")
+
+
+@pytest.mark.parametrize("device,where", [("cpu", "engine"), ("nvme", "engine"), ("nvme", "init")])
+def test_tensors_taken_inside_the_block_stay_valid_after_it(tmp_path, device, where):
+    run = subprocess.run([sys.executable, "-c", SCRIPT, device, where, str(tmp_path)], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("OK"), (run.returncode, run.stdout, run.stderr[-3000:])
+
+
+def test_what_the_parameters_hold_on_exit_is_adopted_assigned_or_written_in_place(tmp_path):
+    import torch
+    from torch import nn
+
+    import zero as deepspeed
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                    "stage3_param_persistence_threshold": 0}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    first, second = model[0].weight, model[1].weight
+    with deepspeed.zero.GatheredParameters([first, second], modifier_rank=0):
+        first.data = torch.full((8, 8), 2.0)  # assigned
+        second.data.fill_(3.0)  # written in place
+    assert torch.equal(deepspeed.utils.safe_get_full_fp32_param(first), torch.full((8, 8), 2.0))
+    assert torch.equal(deepspeed.utils.safe_get_full_fp32_param(second), torch.full((8, 8), 3.0))
+    with deepspeed.zero.GatheredParameters([first]):
+        assert torch.equal(first, torch.full((8, 8), 2.0))
+    engine.close()
