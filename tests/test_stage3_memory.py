@@ -43,6 +43,7 @@ import torch
 import zero
 from tiering.aligned import align_up
 from tiering.errors import fmt_bytes
+from zero.config import ConfigError
 from zero.optim.gradients import REDUCTION_SCRATCH
 from zero.params.partitioned import GATHERED, GRADIENTS
 from zero.train.gpt import Block, GPTConfig
@@ -165,19 +166,25 @@ def test_prefetch_stays_within_the_device_budget(offload_param, tmp_path):
 
 
 def test_a_device_budget_too_small_for_the_backward_names_its_parts(tmp_path):
-    """A page under what a block's backward needs (as above): the error is the typed budget error, with the
-    budget, what was asked and the bytes of every part that held the budget then."""
+    """A page under what a block's backward needs (as above) is refused at initialize, naming the budget, the
+    minimum and each part; at the minimum, activations kept on the device on top of it overflow it in the
+    forward: the typed budget error, with the budget, what was asked and the bytes of every part that held it."""
     from tiering import BudgetExceededError
 
-    budget = 401_408 + 466_944 - 4096
+    need = 401_408 + 466_944
+    with pytest.raises(ConfigError, match=rf"below the {fmt_bytes(need)}.*\(gathered units {fmt_bytes(233_472)}, "
+                                          rf"unit gradients {fmt_bytes(233_472)}, reduction scratch "
+                                          rf"{fmt_bytes(401_408)};.*at least {need} bytes"):
+        zero.initialize(model=own_gpt(0, None, PEAK_CONFIG), config=stage3_config(
+            "cpu", "cpu", zero_tiering={"device_budget": need - 4096}))
     engine, *_ = zero.initialize(model=own_gpt(0, None, PEAK_CONFIG), config=stage3_config(
-        "cpu", "cpu", zero_tiering={"device_budget": budget}))
+        "cpu", "cpu", zero_tiering={"device_budget": need, "activation_offload": "device"}))
     try:
         with pytest.raises(BudgetExceededError) as info:
             engine_train(engine, batches(1))
         err = info.value
-        assert err.tier == "device" and err.budget == budget and err.in_use + err.requested > budget
-        assert sum(err.parts.values()) == err.in_use and err.parts[GATHERED] and err.parts[REDUCTION_SCRATCH]
+        assert err.tier == "device" and err.budget == need and err.in_use + err.requested > need
+        assert sum(err.parts.values()) == err.in_use and err.parts[GATHERED]
         assert f"({', '.join(f'{k} {fmt_bytes(v)}' for k, v in err.parts.items() if v)})" in str(err), str(err)
     finally:
         engine.close()

@@ -36,6 +36,12 @@ class DeviceBuffer:
         self.storage = None  # the caching allocator takes it back once no stream uses it
 
 
+def device_charge(nbytes: int, device: torch.device) -> int:
+    """Bytes a buffer of `nbytes` on `device` takes from the device budget: the CPU stand-in's pool hands out whole
+    4 KiB pages, and the budget counts what is really held (else its pool refuses what the budget allowed)."""
+    return align_up(max(nbytes, 1)) if device.type == "cpu" else max(nbytes, 1)
+
+
 class DeviceTier:
     def __init__(self, budget: int | None, device: torch.device | None = None):
         self.device = _indexed(device or torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -60,9 +66,7 @@ class DeviceTier:
         return None if self.budget is None else self.budget - self.in_use
 
     def charge(self, nbytes: int) -> int:
-        """Bytes a copy of `nbytes` takes from the budget: the CPU stand-in's pool hands out whole 4 KiB pages,
-        and the budget counts what is really held (else its pool refuses what the budget allowed)."""
-        return align_up(max(nbytes, 1)) if self.pool is not None else max(nbytes, 1)
+        return device_charge(nbytes, self.device)
 
     def allocate(self, nbytes: int, what: str) -> DeviceBuffer | HostBuffer:
         """Device storage for `nbytes`; raises BudgetExceededError past the budget (callers evict first)."""

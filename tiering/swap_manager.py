@@ -289,7 +289,9 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
     def reserve_device(self, nbytes: int, what: str, part: str) -> None:
         """Count `nbytes` of device memory the caller allocates itself (`part`: a gathered unit's full buffer,
         the backward's gradients of a unit, the reduction's scratch) against the device budget, evicting segments
-        to make room first; undo with `unreserve_device`."""
+        to make room first; undo with `unreserve_device`. Counted as the tier charges a buffer of that size (whole
+        pages without CUDA), as the room made for it was."""
+        nbytes = self.device_tier.charge(nbytes)
         stand_in = Segment(what, torch.uint8, (nbytes,), "device", Residency.DEVICE)  # sized like the buffer
         with self._lock:
             self._fit("device", stand_in, blocking=True, wait=True)
@@ -298,7 +300,7 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
 
     def unreserve_device(self, nbytes: int, part: str) -> None:
         with self._lock:
-            self.device_tier.unreserve(nbytes, part)
+            self.device_tier.unreserve(self.device_tier.charge(nbytes), part)
 
     def acquire_host(self, nbytes: int, what: str) -> HostBuffer:
         """A host buffer of `nbytes` from the pool for the caller's own use (a staging buffer), evicting segments

@@ -21,7 +21,10 @@ compute dtype.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch import nn
 
 from tiering import NvmeStoreConfig, SwapConfig, Tier
 
@@ -32,6 +35,11 @@ from .params.flat_unit import FlatUnit
 
 HOMES: dict[str, Tier] = {"none": "device", "cpu": "host", "nvme": "nvme"}
 """The tier an offload device setting ("none", "cpu", "nvme") rests a segment in."""
+
+
+def compute_dtype(cfg: Config) -> torch.dtype:
+    """The dtype the config computes in: its bf16 or fp16 section, else fp32."""
+    return torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else torch.float32
 
 
 def masters_are_params(cfg: Config, dtype: torch.dtype) -> bool:
@@ -148,3 +156,54 @@ def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, optim
         checksums=zt.checksums,
         pin=pin_memory(cfg),
     )
+
+
+def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: nn.Module, dtype: torch.dtype,
+                   *, charge: Callable[[int], int]) -> dict[str, int]:
+    """The least device budget the engine runs this plan in, by the device tier's parts (what `DeviceTier.parts`
+    names at the backward's peak): `charge(nbytes)` is what one buffer takes from the budget (the CPU stand-in's
+    pool hands out whole pages).
+
+    Stage 3 gathers: the units that follow the whole model (the root: its module's forward spans the step, and a
+    tied embedding is used at both ends), and persistent ones, stay gathered; beside them the largest other unit
+    (prefetching the next one needs its full buffer's room on top: without it the engine runs, unprefetched).
+    The gradients of the root and of that unit
+    are on the device at once, until each is reduced. The reduction's scratch: the largest unit's flattened
+    gradients (one buffer per gradient copy in flight to the host), its reduced shard when reduce-scattered, the
+    fp32 cast where the device steps (one rank sending them to the host flattens a sub-group's part at a time).
+    Segments homed on the device (parameter shards, optimizer state) stay
+    there. Activations kept on the device are not counted here: they depend on the batch."""
+    zo = cfg.zero_optimization
+    world = plan[0][0].world_size if plan else 1
+    stage3 = zo.stage == 3
+    largest = max((flat.padded_numel for flat, _ in plan), default=0)
+    reduce_bytes = reduce_dtype(cfg, dtype).itemsize
+    work_on_host = zo.offload_optimizer.device != "none"
+    slots = SLOTS if work_on_host else 1
+    flattened = largest_sub_group(cfg, [flat for flat, _ in plan]) if world == 1 and work_on_host else largest
+    scratch = slots * charge(max(flattened, 1) * reduce_bytes)
+    if zo.stage >= 2 and world > 1:
+        scratch += slots * charge(largest // world * reduce_bytes)
+    if not work_on_host and reduce_bytes != 4:
+        scratch += charge(largest * 4)
+    parts = {"segments": 0, "gathered units": 0, "unit gradients": 0, "reduction scratch": scratch if plan else 0}
+    if stage3:
+        full = [charge(flat.padded_numel * dtype.itemsize) for flat, _ in plan]
+        staying = [i for i, (flat, module) in enumerate(plan)
+                   if module is model or flat.numel <= zo.param_persistence_threshold]
+        moving = [full[i] for i in range(len(plan)) if i not in staying]
+        parts["gathered units"] = sum(full[i] for i in staying) + max(moving, default=0)
+        roots = [full[i] for i, (_, module) in enumerate(plan) if module is model]
+        others = [full[i] for i, (_, module) in enumerate(plan) if module is not model]
+        parts["unit gradients"] = sum(roots) + max(others, default=0)
+        if zo.offload_param.device == "none":
+            parts["segments"] += sum(charge(flat.shard_numel * dtype.itemsize) for flat, _ in plan)
+    if not work_on_host:  # the optimizer's state and gradient live on the device
+        state = 3 if masters_are_params(cfg, dtype) else 4
+        for flat, _ in plan:
+            numel = flat.rank_range(zo.stage >= 1)[1]
+            chunk = zo.sub_group_size or numel
+            for offset in range(0, numel, chunk):
+                n = min(chunk, numel - offset)
+                parts["segments"] += (state - 1) * charge(4 * n) + charge(grad_dtype(cfg, dtype).itemsize * n)
+    return parts

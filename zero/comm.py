@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -30,23 +31,31 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      verbose: bool = True, timeout: timedelta | None = None, init_method: str | None = None,
                      dist_init_required: bool | None = None, config=None, rank: int = -1, world_size: int = -1) -> None:
     """DeepSpeed's `init_distributed`: join the process group the launcher (torchrun, `python -m zero.launch`)
-    described in the environment, gloo on CPU and NCCL on GPUs unless `dist_backend` says; nothing with one rank
-    and no group asked for, or a group already joined. `rank` and `world_size` (>= 0) stand in for RANK and
-    WORLD_SIZE; MPI discovery is not done (a launcher's environment is what is read)."""
+    described in the environment, gloo on CPU and NCCL on GPUs unless `dist_backend` says; nothing where a group is
+    joined already or `dist_init_required` is False. One rank started without a launcher joins a group of one, as
+    DeepSpeed does (a script's own `torch.distributed.get_rank()` and `barrier()` then work), on a free port of
+    127.0.0.1 unless MASTER_PORT says. `rank` and `world_size` (>= 0) stand in for RANK and WORLD_SIZE; MPI
+    discovery is not done (a launcher's environment is what is read)."""
     if dist.is_initialized() or dist_init_required is False:
         return
     if rank >= 0:
         os.environ["RANK"] = str(rank)
     if world_size >= 0:
         os.environ["WORLD_SIZE"] = str(world_size)
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not dist_init_required:
-        return
+    alone = "MASTER_PORT" not in os.environ and int(os.environ.get("WORLD_SIZE", "1")) == 1
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    os.environ.setdefault("MASTER_PORT", str(free_port() if alone else distributed_port))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     backend = dist_backend or ("nccl" if local_device().type == "cuda" else "gloo")
     dist.init_process_group(backend, init_method=init_method, timeout=timeout or timedelta(minutes=30))
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free now (for a group of one: nobody else needs to know it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class RankLostError(RuntimeError):

@@ -70,7 +70,8 @@ class ZeroEngine(nn.Module):
                  gradients: Gradients, counters: StepCounters, optimizer: ZeroOptimizer, lr_scheduler,
                  dp: DataParallel, swap: SwapManager, loss_scaler: LossScaler | None, compute_dtype: torch.dtype,
                  device: torch.device, overlap: OverlappedStep | None = None,
-                 speculation: SpeculativeStep | None = None, activations: ActivationOffload | None = None):
+                 speculation: SpeculativeStep | None = None, activations: ActivationOffload | None = None,
+                 device_minimum: dict[str, int] | None = None):
         super().__init__()
         self.module = module
         self.config = config
@@ -92,6 +93,8 @@ class ZeroEngine(nn.Module):
         """Steps sub-groups during the boundary's backward and validates them at the step (speculative_step), or None."""
         self.activations = activations
         """Where the forward's saved activations rest until the backward (activation_offload), or None."""
+        self.device_minimum = device_minimum or {}
+        """The least device budget this engine runs in, by part (budgets.device_minimum); activations come on top."""
         self._bet = True
         """Whether the next boundary speculates: the last step neither clipped nor overflowed."""
         self.stage = config.zero_optimization.stage

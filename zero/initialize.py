@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 from tiering import SwapManager, Tier, check_room
+from tiering.device_tier import device_charge
 from tiering.errors import fmt_bytes
 
 from .activations import HOMES as ACTIVATION_HOMES, ActivationOffload
-from .budgets import (HOMES, grad_dtype, largest_sub_group, masters_are_params, nvme_segments, reduce_dtype,
+from .budgets import (HOMES, compute_dtype, device_minimum, grad_dtype, largest_sub_group, masters_are_params, nvme_segments, reduce_dtype,
                       swap_config)
 from .comm import DataParallel, local_device
 from .compute_speed import SlowComputeWarning, dtype_speed, fast_alternative, slow_dtype_line
@@ -73,7 +74,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
     if cfg.optimizer is not None and optimizer is not None:
         raise ConfigError("optimizer", "both the config and the call give an optimizer: keep one")
     zo = cfg.zero_optimization
-    dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else torch.float32
+    dtype = compute_dtype(cfg)
     speed = dtype_speed(dtype, device)
     if speed.slow:
         warnings.warn(slow_dtype_line(speed, device, fast_alternative(device), "the config"), SlowComputeWarning,
@@ -83,6 +84,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
     swap = SwapManager(swap_config(cfg, [flat for flat, _ in plan], dtype))
     driver = overlap = speculation = None
     try:
+        device_need = check_device_budget(cfg, plan, model, dtype, swap)  # before any byte is written
         if swap.store is not None:  # a disk too small is one error now, before any byte is written
             check_room(swap.store, nvme_segments(cfg, [flat for flat, _ in plan], dtype))
         state_home = HOMES[zo.offload_optimizer.device]
@@ -123,7 +125,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
         engine = ZeroEngine(module=model, config=cfg, placement=placement, driver=driver, gradients=gradients,
                             counters=counters, optimizer=zero_opt, lr_scheduler=lr_scheduler, dp=dp, swap=swap,
                             loss_scaler=loss_scaler(cfg), compute_dtype=dtype, device=device, overlap=overlap,
-                            speculation=speculation, activations=activations)
+                            speculation=speculation, activations=activations, device_minimum=device_need)
     except BaseException:
         if speculation is not None:
             speculation.close()
@@ -157,6 +159,31 @@ def plan_units(model: nn.Module, groups: list[dict], dp: DataParallel) -> list[t
             unit_name = name + (f"#g{g}" if len(by_group) > 1 else "")
             plan.append((FlatUnit(unit_name, members, dp.world_size, dp.rank, g), module))
     return plan
+
+
+def device_need(model: nn.Module, config: str | os.PathLike | Mapping) -> dict[str, int]:
+    """The least device budget `initialize(model=model, config=config)` would run in on this machine, by part
+    (budgets.device_minimum), on one rank, from the plan alone: nothing is built, read or written (a model on
+    meta will do). What zero.plan prints and the shipped configs are checked against."""
+    cfg = load_config(config, world_size=1)
+    plan = plan_units(model, param_groups_from(model, model.parameters(), None, cfg), DataParallel())
+    device = local_device()
+    return device_minimum(cfg, plan, model, compute_dtype(cfg), charge=lambda nbytes: device_charge(nbytes, device))
+
+
+def check_device_budget(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: nn.Module, dtype: torch.dtype,
+                        swap: SwapManager) -> dict[str, int]:
+    """The least device budget the plan runs in, by part (budgets.device_minimum); a budget below it is refused
+    here, naming the minimum and its parts, rather than met in the middle of the first backward."""
+    budget = cfg.zero_tiering.device_budget
+    parts = device_minimum(cfg, plan, model, dtype, charge=swap.device_tier.charge)
+    need = sum(parts.values())
+    if budget is not None and budget < need:
+        held = ", ".join(f"{part} {fmt_bytes(n)}" for part, n in parts.items() if n)
+        raise ConfigError("zero_tiering.device_budget", f"{fmt_bytes(budget)} is below the {fmt_bytes(need)} this "
+                          f"model and config need on the device ({held}; activations kept there come on top): "
+                          f"raise it to at least {need} bytes", value=fmt_bytes(budget))
+    return parts
 
 
 def build_placement(model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], cfg: Config, *,

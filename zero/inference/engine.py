@@ -19,7 +19,7 @@ from torch import nn
 
 from tiering import SwapManager, check_room
 
-from ..budgets import HOMES, nvme_segments, swap_config
+from ..budgets import HOMES, compute_dtype, nvme_segments, swap_config
 from ..comm import DataParallel, local_device
 from ..config import ConfigError, load_config
 from ..initialize import plan_units
@@ -45,7 +45,7 @@ def init_inference(model: nn.Module, config: str | os.PathLike | Mapping | None 
     if zo.stage != 3:
         raise ConfigError("zero_optimization.stage", "inference streams partitioned weights: use stage 3",
                           value=zo.stage)
-    dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else torch.float32
+    dtype = compute_dtype(cfg)
     device = local_device()
     model.requires_grad_(True)  # every weight is planned into a unit (units hold trainable parameters)
     plan = plan_units(model, [{"params": list(model.parameters())}], DataParallel())

@@ -39,7 +39,9 @@ class GradientCopies:
         budget by the backward's first copy (evicting cached state, as bringing a segment to the host would) and
         given back when the backward's last part has landed, so the optimizer step has that room."""
         self.swap = swap
-        self._nbytes = max(numel, 1) * dtype.itemsize
+        self.numel = max(numel, 1)
+        """The largest part a copy carries (what a device scratch for one part holds)."""
+        self._nbytes = self.numel * dtype.itemsize
         self._buffers: list[HostBuffer] = []
         self._landings: deque[Landing] = deque()  # in the order the copies were queued
         self._next_scratch = self._next_staging = 0

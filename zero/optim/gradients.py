@@ -4,6 +4,7 @@ global gradient norm that clipping and fp16 overflow checks read.
 A unit's gradients are flattened into one buffer (the unit's layout), divided as DeepSpeed's gradient
 averaging asks, reduced (all-reduce, or reduce-scatter when gradients are partitioned: stage 2 on), and this
 rank's range is cast to fp32 once and added to the sub-groups' accumulated gradient (AdamDriver.accumulate).
+One rank sending them to the host has nothing to reduce: a sub-group's part at a time is flattened and sent.
 Where the optimizer works on the host, the range goes there first, asynchronously (gradient_copies.py), and is
 added one unit later; `drain` adds the last ones at the end of the backward.
 Norms are taken per parameter piece, keyed by the parameter's place in the model, so they sum in torch's
@@ -24,7 +25,8 @@ from .speculative_step import SpeculativeStep
 
 REDUCTION_SCRATCH = "reduction scratch"
 """The device budget's part the reduction's buffers take: a unit's flattened gradients and its reduced shard, one
-of each per device scratch (gradient_copies.SLOTS of them where the gradients go to the host)."""
+of each per device scratch (gradient_copies.SLOTS of them where the gradients go to the host; one rank sending
+them there flattens a sub-group's part at a time)."""
 COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -61,10 +63,23 @@ class Gradients:
         to the accumulated gradient of its sub-groups. True when that completes its gradient for the step
         (the accumulation boundary: the optimizer step comes next)."""
         flat, full = unit.flat, unit.full
-        slot = self.copies.scratch() if self.copies is not None else 0  # a scratch no copy still reads
-        grads = flat.flatten_grads(self._scratch(f"grads{slot}", flat.padded_numel, self.comm_dtype or full.dtype,
-                                                 full.device))
+        dtype = self.comm_dtype or full.dtype
         world = self.dp.world_size
+        last = self.counters.at_boundary()  # this step's gradient is complete after these adds
+        early = last and self.speculation is not None and self.speculation.running
+        if world == 1 and self.copies is not None:
+            # Nothing to reduce and the parts go to the host: each sub-group's part is flattened into a scratch
+            # of a sub-group's size as its copy comes, not the whole unit into one of the largest unit's size
+            # (a tied embedding's: the device working set would hold two).
+            for i, sg in enumerate(unit.sub_groups):
+                slot = self.copies.scratch()
+                scratch = self._scratch(f"grads{slot}", sg.numel, dtype, full.device, largest=self.copies.numel)
+                self.copies.send(slot, flat.flatten_grads(scratch, sg.offset), self._adder(unit, i, last, early))
+            flat.drop_grads()
+            return last
+        slot = self.copies.scratch() if self.copies is not None else 0  # a scratch no copy still reads
+        grads = flat.flatten_grads(self._scratch(f"grads{slot}", flat.padded_numel, dtype, full.device))
+        flat.drop_grads()
         if world > 1 and self.predivide != 1.0:
             grads.div_(self.predivide)
         if self.reduce_scatter and world > 1:  # (one rank: its shard is the whole, reduced already)
@@ -76,22 +91,28 @@ class Gradients:
             shard = grads.narrow(0, *flat.rank_range(self.sharded))
         if world > 1 and self.predivide != world:
             shard.div_(world / self.predivide)  # the mean over ranks
-        last = self.counters.at_boundary()  # this step's gradient is complete after this add
-        early = last and self.speculation is not None and self.speculation.running
         for i, sg in enumerate(unit.sub_groups):
-            def add(part: torch.Tensor, sg=sg, first=i == 0, final=i == len(unit.sub_groups) - 1) -> None:
-                if first and self.speculation is not None:  # when the adds happen, in their order: a unit
-                    self.speculation.touch(unit.sub_groups)  # reduced twice meets its first round here
-                self._add(unit, sg, part, last, early)
-                if early and final:  # the unit's gradient is complete: it may step now
-                    self.speculation.submit(unit.sub_groups)
-
             part = shard.narrow(0, sg.offset, sg.numel)
+            add = self._adder(unit, i, last, early)
             if self.copies is None:
                 add(part)
             else:
                 self.copies.send(slot, part, add)
         return last
+
+    def _adder(self, unit: Unit, i: int, last: bool, early: bool) -> Callable[[torch.Tensor], None]:
+        """What adds the unit's `i`th sub-group's reduced part, where it lands: speculation learns of the unit's
+        first add (in the adds' order: a unit reduced twice meets its first round there) and gets the unit once
+        its gradient is complete, where it may step early."""
+        sub_groups = unit.sub_groups
+
+        def add(part: torch.Tensor) -> None:
+            if i == 0 and self.speculation is not None:
+                self.speculation.touch(sub_groups)
+            self._add(unit, sub_groups[i], part, last, early)
+            if early and i == len(sub_groups) - 1:
+                self.speculation.submit(sub_groups)
+        return add
 
     def drain(self) -> None:
         """At the end of the backward: every unit's gradient added (those still on their way to the host)."""

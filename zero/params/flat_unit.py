@@ -65,15 +65,24 @@ class FlatUnit:
         for slot in self.slots:
             slot.param.data = torch.empty(0, dtype=slot.param.dtype, device=slot.param.device)
 
-    def flatten_grads(self, out: torch.Tensor) -> torch.Tensor:
-        """Copy the parameters' gradients into `out` (zeros where a parameter got none); frees the grads."""
+    def flatten_grads(self, out: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Copy the parameters' gradients in the flat range [start, start + out.numel()) into `out` (zeros where a
+        parameter got none, and in the padding). The gradients stay: `drop_grads` frees them."""
+        end = start + out.numel()
         for slot in self.slots:
-            view = out[slot.offset : slot.offset + slot.numel]
+            lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
+            if lo >= hi:
+                continue
+            view = out[lo - start : hi - start]
             grad = slot.param.grad
             if grad is None:
                 view.zero_()
             else:
-                view.copy_(grad.reshape(-1))
-                slot.param.grad = None
-        out[self.numel :].zero_()
+                view.copy_(grad.reshape(-1)[lo - slot.offset : hi - slot.offset])
+        if end > self.numel:
+            out[max(self.numel, start) - start :].zero_()
         return out
+
+    def drop_grads(self) -> None:
+        for slot in self.slots:
+            slot.param.grad = None

@@ -185,7 +185,7 @@ class PartitionedPlacement(Placement):
         storage in place (the storage object stays the one autograd's saved views hold): a step reuses pages
         instead of faulting in fresh ones at every gather."""
         tier = self.swap.device_tier
-        self.swap.reserve_device(tier.charge(unit.nbytes), unit.name, GATHERED)
+        self.swap.reserve_device(unit.nbytes, unit.name, GATHERED)
         storage = unit.full.untyped_storage()
         try:
             lent = tier.lend(unit.nbytes, unit.name) if SWAPS_STORAGE_BYTES else None
@@ -199,7 +199,7 @@ class PartitionedPlacement(Placement):
                     lent.release()
                     raise
         except BaseException:
-            self.swap.unreserve_device(tier.charge(unit.nbytes), GATHERED)
+            self.swap.unreserve_device(unit.nbytes, GATHERED)
             raise
         unit.lent = lent
         unit.flat.bind(unit.full)
@@ -219,7 +219,7 @@ class PartitionedPlacement(Placement):
             storage._swap_data_ptr_(unit.lent.storage.untyped_storage())  # the pages back to the pool's buffer
             unit.lent.release()
             unit.lent = None
-        self.swap.unreserve_device(self.swap.device_tier.charge(unit.nbytes), GATHERED)
+        self.swap.unreserve_device(unit.nbytes, GATHERED)
 
     def _start_fill(self, unit: Unit) -> Fill:
         """Fetch the unit's shard and copy it into the full buffer (with several ranks: into this rank's part of
@@ -381,7 +381,7 @@ class PartitionedPlacement(Placement):
     def _reserve_gradients(self, unit: Unit) -> None:
         """Count autograd's gradients of the unit's parameters (as large as its full buffer) until its reduce."""
         if not unit.grads_reserved:
-            self.swap.reserve_device(self.swap.device_tier.charge(unit.nbytes), f"{unit.name} gradients", GRADIENTS)
+            self.swap.reserve_device(unit.nbytes, f"{unit.name} gradients", GRADIENTS)
             unit.grads_reserved = True
 
     def _grad_ready(self, unit: Unit) -> None:
@@ -396,7 +396,7 @@ class PartitionedPlacement(Placement):
     def _finish_backward(self, unit: Unit) -> None:
         unit.to("grads_ready")
         last = self.gradients.reduce(unit)  # frees the parameters' gradients
-        self.swap.unreserve_device(self.swap.device_tier.charge(unit.nbytes), GRADIENTS)
+        self.swap.unreserve_device(unit.nbytes, GRADIENTS)
         unit.grads_reserved = False
         if last and unit.sub_groups and unit.sub_groups[0].master_in is None:
             # The step that follows rewrites the shard from the fp32 masters: its room is the first to give

@@ -7,9 +7,9 @@ today's engine, with its terms measured on this machine or counted from the mode
 
 - peak RSS = this process's RSS before planning (python, torch, zero) + the host tier's peak (its homed
   bytes, plus nvme-homed bytes cached up to the host budget) + the device tier's peak where the device is
-  host memory (no CUDA; it holds the activations and logits) + what no budget holds: the root unit's and one
-  block's gradients as autograd leaves them, the gradient reduction's scratch; activations offloaded to cpu
-  (or to nvme, up to activation_host_bytes) are in the host tier;
+  host memory (no CUDA; it holds the activations and logits) + what no budget holds: below stage 3, the
+  resident parameters' gradients as autograd leaves them; activations offloaded to cpu (or to nvme, up to
+  activation_host_bytes) are in the host tier;
 - step time = forward/backward compute (FLOPs / the measured matmul rate, times COMPUTE_OVERHEAD for what is
   not a matmul, plus the bytes the gathers and the gradient path copy / the measured copy rate, plus fresh
   gradients and activations / the measured first-touch rate) + its parameter reads and gradient writes + the optimizer phase, the larger of CPU-Adam and
@@ -21,7 +21,8 @@ today's engine, with its terms measured on this machine or counted from the mode
   inside the backward: the step is then the larger of the compute plus CPU-Adam's share of the last unit and
   the forward plus all of the step's I/O, and the boundary's gradients are stepped while in host memory (not
   written and read back);
-- device peak = what is homed there, the gathered units (stage 3), the activations kept (see activation_bytes)
+- device peak = what is homed there, the engine's least device budget (budgets.device_minimum: stage 3's gathered
+  units and their gradients until reduced, the reduction's scratch), the activations kept (see activation_bytes)
   and the head's logits (one chunk's where the model computes its loss in chunks: ModelShape.loss_rows);
 - nvme bytes: activations spilled to nvme, written and read back (hidden behind compute, as prefetched
   parameters are); forward and backward read each parameter shard, backward writes each gradient, the step reads
@@ -35,11 +36,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..budgets import HOMES, grad_dtype, masters_are_params, swap_config
-from ..initialize import speculates
+from tiering.device_tier import device_charge
+
+from ..budgets import HOMES, device_minimum, grad_dtype, masters_are_params, swap_config
 from ..comm import DataParallel
 from ..config import load_config
-from ..initialize import plan_units
+from ..initialize import plan_units, speculates
 from ..optim.param_groups import param_groups_from
 from .machine import Machine
 from .model_source import ModelShape
@@ -177,12 +179,12 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     dtype = PRECISIONS[placement.precision]
     p = dtype.itemsize
     groups = param_groups_from(shape.model, None, None, cfg)
-    flats = [flat for flat, _ in plan_units(shape.model, groups, DataParallel())]
+    plan = plan_units(shape.model, groups, DataParallel())
+    flats = [flat for flat, _ in plan]
     budgets = swap_config(cfg, flats, dtype)
     derived = swap_config(load_config(working_window_config(config), hidden_size=shape.hidden), flats, dtype)
     n = sum(flat.padded_numel for flat in flats)
     largest = max(flat.padded_numel for flat in flats)
-    root = flats[0].padded_numel
 
     shared = masters_are_params(cfg, dtype)
     state = (8 if shared else 12) * n  # fp32 moments, and the master unless the parameter shard is it
@@ -194,9 +196,11 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     for home, nbytes in ((state_home, state), (grad_home, grads), (param_home, params)):
         tiers[home] += nbytes
 
-    # The device tier: what is homed there, and (stage 3) the root unit and a block gathered.
-    gathered = p * (root + largest) if zo.stage == 3 else 0
-    device_peak = tiers["device"] + gathered
+    # The device tier: what is homed there, and what the engine's least device budget adds to it (stage 3: the
+    # root unit and a block gathered, their gradients until reduced; the reduction's scratch).
+    device = torch.device("cuda" if machine.gpu_bytes else "cpu")
+    working = device_minimum(cfg, plan, shape.model, dtype, charge=lambda nbytes: device_charge(nbytes, device))
+    device_peak = tiers["device"] + sum(nbytes for part, nbytes in working.items() if part != "segments")
     # The host tier: its homed bytes, and nvme-homed bytes cached up to its budget.
     window = max(0, derived.host_budget - tiers["host"])
     host_budget = budgets.host_budget
@@ -207,9 +211,7 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     # What no budget holds.
     micro, seq = cfg.train_micro_batch_size_per_gpu, shape.seq_len
     tokens = micro * seq
-    autograd = p * (root + largest) if zo.stage == 3 else p * n  # leaves' .grad until reduced
-    fp32_scratch = 4 * largest if (p != 4 or grad_home == "device") else 0
-    scratch = p * largest * (2 if zo.stage >= 2 else 1) + fp32_scratch
+    autograd = 0 if zo.stage == 3 else p * n  # resident leaves' .grad until reduced (stage 3: counted above)
     kept, offloaded = activation_bytes(shape, tokens, p, checkpointing, cfg.activation_offload)
     rows = tokens if shape.loss_rows is None or tokens <= shape.loss_rows else shape.loss_rows
     activations = kept + rows * shape.vocab * (2 * p + 8)  # the head's logits, their fp32 copy and gradient
@@ -217,7 +219,7 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     # Offloaded to nvme, what the host's room for activations cannot hold goes through the disk.
     spilled = max(0, offloaded - cfg.zero_tiering.activation_host_bytes) if cfg.activation_offload == "nvme" else 0
     host_peak += offloaded - spilled
-    unbudgeted = autograd + scratch
+    unbudgeted = autograd
     on_host = host_peak + (device_peak if machine.gpu_bytes == 0 else 0)
     peak_rss = int(base_rss + ALLOCATOR_SLACK * (on_host + unbudgeted))
 

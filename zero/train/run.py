@@ -52,7 +52,7 @@ DEFAULT_CONFIG = {
         "offload_param": {"device": "nvme", "nvme_path": "/tmp/zero_tiering_nvme"},
         "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/zero_tiering_nvme"},
         "stage3_param_persistence_threshold": 0,
-        "sub_group_size": 4_000_000,
+        "sub_group_size": 1_000_000,
     },
     "zero_tiering": {"device_budget": "48MiB", "host_budget": "256MiB"},
 }

@@ -1,0 +1,68 @@
+"""The least device budget a plan runs in (budgets.device_minimum): a budget below it is refused at `initialize`,
+naming the minimum and its parts, before any byte is written; a budget of exactly the minimum trains."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zero
+from zero.config import ConfigError
+from zero.train.gpt import GPT, GPTConfig
+
+CONFIG = GPTConfig(n_layer=3, n_head=2, n_embd=64, vocab_size=256, seq_len=16)
+
+
+def model(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(CONFIG)
+
+
+def config(tmp_path, *, stage: int = 3, offload: str = "nvme", budget: int | None = None, accum: int = 1,
+           persistence: int = 0, prefetch: bool = True, bf16: bool = False) -> dict:
+    place = {"device": offload, **({"nvme_path": str(tmp_path)} if offload == "nvme" else {})}
+    zo = {"stage": stage, "offload_optimizer": dict(place), "sub_group_size": 20_000}
+    if stage == 3:
+        zo.update(offload_param=dict(place), stage3_param_persistence_threshold=persistence)
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accum, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zo, "bf16": {"enabled": bf16},
+            "zero_tiering": {"prefetch": prefetch, **({"device_budget": budget} if budget is not None else {})}}
+
+
+def minimum(tmp_path, **options) -> int:
+    engine, *_ = zero.initialize(model=model(), config=config(tmp_path, **options))
+    try:
+        return sum(engine.device_minimum.values())
+    finally:
+        engine.close()
+
+
+CASES = {
+    "stage3-nvme": dict(),
+    "stage3-cpu-accumulation": dict(offload="cpu", accum=3),
+    "stage3-persistent-blocks": dict(offload="cpu", persistence=60_000),
+    "stage3-bf16": dict(bf16=True),
+    "stage3-no-prefetch": dict(prefetch=False),
+    "stage3-state-on-device": dict(offload="none"),
+    "stage2-cpu": dict(stage=2, offload="cpu"),
+    "stage2-state-on-device": dict(stage=2, offload="none"),
+    "stage1-state-on-device-bf16": dict(stage=1, offload="none", bf16=True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_budget_of_exactly_the_minimum_trains_and_one_byte_less_is_refused(tmp_path, case):
+    options = CASES[case]
+    need = minimum(tmp_path, **options)
+    assert need > 0
+    with pytest.raises(ConfigError, match=rf"zero_tiering.device_budget.*raise it to at least {need} bytes"):
+        zero.initialize(model=model(), config=config(tmp_path, budget=need - 1, **options))
+    engine, *_ = zero.initialize(model=model(), config=config(tmp_path, budget=need, **options))
+    try:
+        torch.manual_seed(1)
+        for _ in range(2 * options.get("accum", 1)):
+            ids = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.seq_len))
+            engine.backward(engine(ids, ids))
+            engine.step()
+        assert engine.swap.device_tier.peak == need  # the minimum is what the engine's peak holds
+    finally:
+        engine.close()
