@@ -295,17 +295,25 @@ def test_auto_on_a_disk_picks_libaio_and_says_why(make_store):
     assert "libaio" in store.engine_reason and "O_DIRECT" in store.engine_reason
 
 
-def test_store_grows_and_reuses_freed_space(make_store):
+def test_store_grows_by_its_size_up_to_grow_step_and_reuses_freed_space(make_store):
+    """The file starts at the first request's size and grows by its own size (doubling), at most grow_step at a
+    time, or by what a request needs where that is more: a small state gets a small file."""
     store = make_store(grow_step=256 * KiB)
     a = store.allocate(100 * KiB)
-    assert store.capacity == 256 * KiB == os.path.getsize(store.path)
-    b = store.allocate(300 * KiB)  # does not fit the rest: grows
-    assert store.capacity == os.path.getsize(store.path) >= a.length + b.length
+    assert store.capacity == 100 * KiB == os.path.getsize(store.path)
+    store.allocate(4 * KiB)  # grows by its size: doubles
+    assert store.capacity == 200 * KiB == os.path.getsize(store.path)
+    store.allocate(100 * KiB)  # 96 KiB free at the end: grows by its size, 200 KiB
+    assert store.capacity == 400 * KiB == os.path.getsize(store.path)
+    store.allocate(200 * KiB)  # 196 KiB free at the end: by its size, capped at grow_step
+    assert store.capacity == 400 * KiB + 256 * KiB == os.path.getsize(store.path)
+    b = store.allocate(600 * KiB)  # 252 KiB free at the end: 348 KiB needed, more than grow_step
+    assert store.capacity == os.path.getsize(store.path) == 1004 * KiB
     grown = store.capacity
     store.free(a)
     c = store.allocate(90 * KiB)
     assert c.offset == a.offset and store.capacity == grown
-    assert store.used_bytes == c.length + b.length
+    assert store.used_bytes == c.length + b.length + (4 + 100 + 200) * KiB
     store.sync()
 
 

@@ -59,6 +59,29 @@ def test_close_does_not_remove_a_file_that_replaced_its_own(tmp_path):
         assert f.read() == b"theirs"
 
 
+def test_a_script_that_never_closes_leaves_no_swap_file(tmp_path):
+    """An engine whose script ends without close() (as DeepSpeed scripts do): its swap file goes at the normal
+    end of the process, and it was sized to the state (a small model's file is not a 256 MiB step)."""
+    script = """
+import sys, torch, zero
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+offload = {"device": "nvme", "nvme_path": sys.argv[1]}
+engine, *_ = zero.initialize(model=model, model_parameters=model.parameters(), config={
+    "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    "zero_optimization": {"stage": 3, "offload_param": offload, "offload_optimizer": offload}})
+engine.backward(engine(torch.randn(2, 64)).square().mean())
+engine.step()
+print(engine.swap.store.capacity)
+"""
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                          env=child_env(), timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    capacity = int(done.stdout.split()[-1])
+    state = 2 * (64 * 64 + 64) * (4 + 4 + 4 + 4)  # the fp32 parameters, two moments, the gradient (+ padding)
+    assert capacity < 4 * state + (1 << 20), capacity
+    assert os.listdir(tmp_path) == []
+
+
 def test_each_store_holds_an_flock_on_its_file(make_store):
     store = make_store()
     fd = os.open(store.path, os.O_RDONLY)

@@ -29,8 +29,9 @@ class NvmeStoreConfig:
     """Hard cap on the size of the store's files together, in bytes; None: as much as the filesystems give."""
 
     grow_step: int = 256 << 20
-    """A file grows (fallocate) by this many bytes, or by what a request needs where that is more, when no free
-    extent fits it; on a disk with less than this left, by just what the request needs."""
+    """The most a file grows (fallocate) by at once when no free extent fits a request: by its own size (so from
+    the first request's need it doubles) up to this, or by what the request needs where that is more; on a disk
+    with less left, by just what the request needs. A small state gets a small file."""
 
     aio: AioConfig = field(default_factory=AioConfig)
     """I/O engine settings, for each file's engine."""

@@ -7,6 +7,7 @@ import fcntl
 import os
 import secrets
 import threading
+import weakref
 
 import torch
 
@@ -27,6 +28,16 @@ NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 def swap_file_name() -> str:
     """`zt-<host>-<pid>-<random>.swap`: unique per store file, and says which process made it."""
     return f"{SWAP_PREFIX}{this_host()}-{os.getpid()}-{secrets.token_hex(4)}{SWAP_SUFFIX}"
+
+
+def _unlink_if_ours(path: str, inode: int) -> None:
+    """Unlink `path` if it still names the file (`inode`) a store created. Its descriptor is left open: an
+    engine's I/O may still be using it, and its number must not name another file meanwhile."""
+    try:
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 class StoreFile:
@@ -55,6 +66,9 @@ class StoreFile:
             self._remove_file()
             raise
         self.engine_name = self._engine.name
+        self._at_exit = weakref.finalize(self, _unlink_if_ours, self.path, os.fstat(self._fd).st_ino)
+        """Removes the file when the process ends normally (or the store is collected) without `close()`; a
+        crash leaves it to the next store's sweep of stale files."""
         self._extents = ExtentAllocator()
         self._lock = threading.Lock()
         self.stale = sweep_stale(directory, self.path)
@@ -103,7 +117,9 @@ class StoreFile:
                 need = align_up(max(nbytes, 1)) - self._extents.tail_free()
                 if room is not None and need > room:
                     return None
-                grow = max(need, self._grow_step)
+                # By its own size (from the first request's need, doubling) up to grow_step at a time: a small
+                # state gets a small file, a large one few fallocates.
+                grow = max(need, min(self._grow_step, self._extents.capacity))
                 self._grow(grow if room is None else min(grow, room), need)
                 extent = self._extents.allocate(nbytes)
             return extent
@@ -160,11 +176,10 @@ class StoreFile:
 
     def _remove_file(self) -> None:
         """Unlink our file, if the name still points at the file we created."""
-        try:
-            if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
-                os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        at_exit = getattr(self, "_at_exit", None)
+        if at_exit is not None:
+            at_exit.detach()
+        _unlink_if_ours(self.path, os.fstat(self._fd).st_ino)
         os.close(self._fd)
 
     def close(self) -> None:

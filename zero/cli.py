@@ -21,8 +21,12 @@ USER_ERRORS = (TieringError, ConfigError, CheckpointError, json.JSONDecodeError,
 on the command line (a config, a data file)."""
 
 
-def add_debug_flag(parser: argparse.ArgumentParser) -> None:
+def add_common_flags(parser: argparse.ArgumentParser) -> None:
+    """`--debug`, and the `--local_rank` a launcher passes (DeepSpeed's, and `python -m zero.launch`, pass it to
+    every command they start; the rank is read from LOCAL_RANK, which they set too)."""
     parser.add_argument("--debug", action="store_true", help="on an error, print its traceback too")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                        help="this process's rank on its node, as a launcher passes it (LOCAL_RANK says the same)")
 
 
 def run_command(prog: str, main: Callable[[list[str]], T], argv: list[str] | None = None,

@@ -27,7 +27,7 @@ from . import checkpoint
 from .activations import ActivationOffload
 from .comm import DataParallel
 from .config import Config
-from .counters import StepCounters
+from .counters import StepCounters, ThroughputTimer
 from .optim.driver import STATE_PARTS, AdamDriver, SubGroup
 from .optim.gradients import Gradients
 from .optim.loss_scaler import LossScaler
@@ -93,6 +93,8 @@ class ZeroEngine(nn.Module):
         """Steps sub-groups during the boundary's backward and validates them at the step (speculative_step), or None."""
         self.activations = activations
         """Where the forward's saved activations rest until the backward (activation_offload), or None."""
+        self.tput_timer = ThroughputTimer(config.train_batch_size)
+        """Samples a second of the optimizer steps (DeepSpeed's), timed from each forward to its step()."""
         self.device_minimum = device_minimum or {}
         """The least device budget this engine runs in, by part (budgets.device_minimum); activations come on top."""
         self._bet = True
@@ -111,7 +113,7 @@ class ZeroEngine(nn.Module):
                 if unit.segment is not None:
                     if not hasattr(slot.param, "ds_id"):
                         slot.param.ds_id, next_id = next_id, next_id + 1
-                    mark(slot.param, slot.param.ds_id, slot.shape, self, DS_STATUS[unit.state])
+                    mark(slot.param, slot.param.ds_id, slot.shape, self, DS_STATUS[unit.state], unit.flat.world_size)
                 else:
                     set_owner(slot.param, self)
 
@@ -128,6 +130,28 @@ class ZeroEngine(nn.Module):
 
     def zero_optimization_stage(self) -> int:
         return self.stage
+
+    def bfloat16_enabled(self) -> bool:
+        return self.compute_dtype == torch.bfloat16
+
+    def fp16_enabled(self) -> bool:
+        return self.compute_dtype == torch.float16
+
+    @property
+    def local_rank(self) -> int:
+        """This process's place among the ranks of its node (LOCAL_RANK, as the launcher sets it; 0 without one)."""
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    def __getattr__(self, name: str) -> Any:
+        """What the engine lacks is asked of the wrapped model, as DeepSpeed's engine does:
+        `engine.gradient_checkpointing_enable()`, `engine.generate(...)`, `engine.model` are the model's."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self._modules.get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
 
     @property
     def global_samples(self) -> int:
@@ -153,6 +177,8 @@ class ZeroEngine(nn.Module):
         if self.preemption is not None and self.preemption.saved is not None:
             self.close()  # saved at the last boundary on a signal; the loop has had its say about that step
             raise SystemExit(0)
+        if torch.is_grad_enabled():
+            self.tput_timer.start()
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
         if self.activations is None or not torch.is_grad_enabled():
@@ -185,11 +211,13 @@ class ZeroEngine(nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         self.counters.micro_steps += 1
         if not boundary:
+            self.tput_timer.stop()
             return
         try:
             self._optimizer_step()
         finally:
             self.swap.end_step()  # the trace of this step drives prefetch and eviction in the next
+        self.tput_timer.stop(global_step=True)
         if self.preemption is not None and self.preemption.saved is None and self.preemption.requested(self.dp):
             self._save_for_exit()
 

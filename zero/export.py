@@ -29,7 +29,7 @@ import sys
 import torch
 
 from .checkpoint.st_format import ALIASES_KEY, SAFETENSORS, header_bytes
-from .cli import add_debug_flag, run_command
+from .cli import add_common_flags, run_command
 from .checkpoint.format import (
     AtomicFile,
     RecordReader,
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--tag", help="the checkpoint's tag (default: the one `latest` names)")
     parser.add_argument("--skip-verify", action="store_true",
                         help="do not check the files' checksums against the manifest first")
-    add_debug_flag(parser)
+    add_common_flags(parser)
     args = parser.parse_args(argv)
     path = export_fp32(args.ckpt_dir, args.out_dir, tag=args.tag, verify=not args.skip_verify)
     extra = " and config.json" if os.path.exists(os.path.join(args.out_dir, "config.json")) else ""

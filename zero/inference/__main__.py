@@ -21,7 +21,7 @@ import torch
 
 from tiering.errors import fmt_bytes
 
-from ..cli import add_debug_flag, run_command
+from ..cli import add_common_flags, run_command
 from ..config import ConfigError
 from ..config.sizes import parse_size
 from ..params.pretrained import PretrainedWeightsError
@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--nvme-path", default="/tmp/zero_tiering_nvme")
     parser.add_argument("--host-budget", help="zero_tiering.host_budget (e.g. 1GiB)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="the compute dtype")
-    add_debug_flag(parser)
+    add_common_flags(parser)
     return parser.parse_args(argv)
 
 

@@ -25,13 +25,20 @@ class ZeroParamStatus(Enum):
 
 
 def mark(param: torch.nn.Parameter, ds_id: int, shape: torch.Size, owner: object,
-         status: ZeroParamStatus = ZeroParamStatus.NOT_AVAILABLE) -> None:
-    """Give a partitioned `param` DeepSpeed's attributes; a `ds_id` it already has (from zero.Init) stays."""
+         status: ZeroParamStatus = ZeroParamStatus.NOT_AVAILABLE, world_size: int = 1) -> None:
+    """Give a partitioned `param` DeepSpeed's attributes; a `ds_id` it already has (from zero.Init) stays.
+
+    `ds_tensor` is this rank's partition as DeepSpeed shows one swapped out to nvme: a 0-element tensor whose
+    `ds_numel` says its size (1/world_size of the parameter), which is what scripts read of it (counting the
+    parameters they train); the values are asked of the owner (GatheredParameters, zero.utils)."""
     if not hasattr(param, "ds_id"):
         param.ds_id = ds_id
     param.ds_shape = torch.Size(shape)
     param.ds_numel = torch.Size(shape).numel()
     param.ds_status = status
+    partition = torch.empty(0, dtype=param.dtype, device=param.device)
+    partition.ds_numel = -(-param.ds_numel // world_size)
+    param.ds_tensor = partition
     setattr(param, OWNER, owner)
 
 

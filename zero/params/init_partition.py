@@ -85,7 +85,7 @@ class InitStore:
         shape = param.shape
         self.freed += param.numel() * param.element_size()
         _to_meta(param)
-        mark(param, ds_id, shape, self)
+        mark(param, ds_id, shape, self, world_size=self.dp.world_size)
         if self.freed >= TRIM_BYTES:
             self.trim()
             self.freed = 0

@@ -22,7 +22,7 @@ from tiering.errors import fmt_bytes
 
 from ..config import ConfigError
 from ..report.bandwidth import DEFAULT_FIGURES, DiskFigures, load_figures
-from ..cli import add_debug_flag, run_command
+from ..cli import add_common_flags, run_command
 from ..comm import local_device
 from ..compute_speed import dtype_speed, fast_alternative, slow_dtype_line
 from .machine import (Machine, adam_rate, gpu_memory, host_ram, matmul_rate, memory_rates, nvme_directory,
@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--nvme-path", default="/tmp/zero_tiering_nvme", help="where nvme placements keep state")
     parser.add_argument("--out", help="write the chosen placement's ds_config.json here")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    add_debug_flag(parser)
+    add_common_flags(parser)
     return parser.parse_args(argv)
 
 

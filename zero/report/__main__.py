@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tiering import TieringError
 from tiering.errors import fmt_bytes
-from ..cli import add_debug_flag, run_command
+from ..cli import add_common_flags, run_command
 from ..config.sizes import parse_size
 from .bandwidth import DEFAULT_FIGURES, DiskFigures, check_size, load_figures, measure, save_figures
 from .checks import Check, run_checks
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="where --bandwidth saves the figures and the report reads them (default "
                              "~/.cache/zero_tiering/machine.json)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
-    add_debug_flag(parser)
+    add_common_flags(parser)
     args = parser.parse_args(argv)
     if args.nvme_path:
         nvme_paths = [os.path.abspath(path) for path in args.nvme_path]

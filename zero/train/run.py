@@ -28,7 +28,7 @@ from tqdm import tqdm
 from tiering.errors import fmt_bytes
 
 from ..checkpoint.format import CheckpointNotFoundError
-from ..cli import add_debug_flag
+from ..cli import add_common_flags
 from ..comm import local_device
 from ..compute_speed import NAMES, SlowComputeWarning, dtype_speed, fast_alternative, slow_dtype_line
 from ..config import ConfigError
@@ -124,7 +124,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--resume", metavar="auto|DIR",
                         help="continue from the latest checkpoint in DIR (auto: in --save-dir, starting afresh "
                              "where there is none yet)")
-    add_debug_flag(parser)
+    add_common_flags(parser)
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each block in the backward, keeping only its input (torch.utils.checkpoint)")
     parser.add_argument("--activation-offload", choices=["none", "device", "cpu", "nvme"],
