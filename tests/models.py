@@ -203,8 +203,8 @@ def mixed_reference_train(model: nn.Module, dtype: torch.dtype, data: list[torch
                           loss_scales: list[float] | None = None, skip: Iterable[int] = (),
                           lrs: list[float] | None = None) -> list[float]:
     """Plain-PyTorch mixed precision, as DeepSpeed's bf16/fp16 training is defined: fp32 master copies of
-    the (fp32-initialized) parameters stepped by AdamW(fused=True), the model cast to `dtype` for forward
-    and backward, each micro-batch's low-precision gradients cast to fp32 and summed into the masters'
+    the (fp32-initialized) parameters stepped by AdamW(fused=True), the parameters cast to `dtype` for forward
+    and backward (floating buffers keep their dtype, as DeepSpeed 0.19.3+ keeps them), each micro-batch's low-precision gradients cast to fp32 and summed into the masters'
     grads, (loss.float() * loss scale / accum) differentiated, the masters' grads unscaled by the loss
     scale and clipped, the updated masters copied (rounded) into the model. `loss_scales` gives the scale of
     each optimizer step (default 1); the optimizer steps listed in `skip` are dropped (their gradients
@@ -212,7 +212,8 @@ def mixed_reference_train(model: nn.Module, dtype: torch.dtype, data: list[torch
     every micro-batch's loss."""
     params = [p for p in model.parameters() if p.requires_grad]
     masters = [p.detach().float().clone().requires_grad_() for p in params]
-    model.to(dtype)
+    for p in model.parameters():  # parameters in `dtype`; buffers (Llama's rotary inv_freq) keep theirs
+        p.data = p.data.to(dtype)
     optimizer = torch.optim.AdamW(masters, lr=lr, weight_decay=weight_decay, fused=True)
     skip = set(skip)
     lrs = iter(lrs) if lrs is not None else None

@@ -6,8 +6,8 @@ the same steps in plain PyTorch end: losses and final weights within 1e-6 (fp32)
 
 The plain run is the script's own model and data: the model built from the same seed, the embedding resized and
 the adapters made the same way, AdamW with the config's hyperparameters, clip_grad_norm_ 1.0, accumulation 2;
-each optimizer step sees the micro-batches every rank saw (the initialize loader's DistributedSampler order with
-two ranks, the dataset's order with one), each rank's loss the mean over its micro-batch.
+each optimizer step sees the micro-batches every rank saw (the initialize loader's DistributedSampler order, as
+DeepSpeed's, on one rank too), each rank's loss the mean over its micro-batch.
 """
 from __future__ import annotations
 
@@ -47,13 +47,10 @@ def plain_run(world: int) -> tuple[list[float], dict[str, torch.Tensor], set[str
     losses = []
     for epoch in range(EPOCHS):
         orders = []
-        for rank in range(world):
-            if world == 1:
-                orders.append(list(range(len(data))))
-            else:
-                sampler = torch.utils.data.distributed.DistributedSampler(data, world, rank)
-                sampler.set_epoch(epoch)
-                orders.append(list(sampler))
+        for rank in range(world):  # DeepSpeed's loader: a DistributedSampler (seed 0), on one rank too
+            sampler = torch.utils.data.distributed.DistributedSampler(data, world, rank)
+            sampler.set_epoch(epoch)
+            orders.append(list(sampler))
         for i, start in enumerate(range(0, len(orders[0]), MICRO)):
             per_rank = [model(data[order[start:start + MICRO]]) for order in orders]
             losses.append(per_rank[0].item())

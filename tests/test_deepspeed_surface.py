@@ -94,3 +94,102 @@ def test_init_distributed_alone_joins_a_group_of_one():
 def test_the_main_job_takes_the_launchers_local_rank():
     assert run.parse_args(["--local_rank", "0", "--steps", "2"]).steps == 2
     assert run.parse_args(["--local-rank=1"]).local_rank == 1
+
+
+UNCHANGED = textwrap.dedent("""
+    import argparse, torch
+    import deepspeed
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from deepspeed.compression.helper import recursive_getattr
+    from deepspeed.pipe import PipelineModule  # imported, never built
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int, default=-1)
+    parser = deepspeed.add_config_arguments(parser)
+    args = parser.parse_args()
+    deepspeed.init_distributed()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters())})
+    engine, *_ = deepspeed.initialize(args=args, model=model, model_parameters=groups, config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3}})
+    loss = engine(torch.ones(2, 4)).sum()
+    engine.backward(loss)
+    engine.step()
+    assert recursive_getattr(engine.module, "0") is model[0]
+    assert deepspeed.initialize.__module__ == "zero.initialize" and get_accelerator().device_name() in ("cpu", "cuda")
+    print("RAN", args.local_rank, dist.get_rank(), dist.get_world_size(), FusedAdam.__module__)
+""")
+
+
+def test_the_launcher_runs_a_deepspeed_script_with_no_line_changed(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(UNCHANGED)
+    from stage3_models import free_port
+
+    done = subprocess.run([sys.executable, "-m", "zero.launch", "--num_gpus", "1", "--master_port", str(free_port()),
+                           str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "RAN 0 0 1 zero.ops.adam" in done.stdout
+
+
+def test_the_alias_refuses_a_process_that_imported_the_real_deepspeed(monkeypatch):
+    from zero.integrations import deepspeed_alias
+
+    monkeypatch.setitem(sys.modules, "deepspeed", object())
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, deepspeed_alias.DeepSpeedAlias)])
+    with pytest.raises(ImportError, match="already imported"):
+        deepspeed_alias.install()
+
+
+def test_deepspeeds_defaults_clip_at_one_and_shuffle_on_one_rank():
+    """A config without gradient_clipping clips at 1.0 (DeepSpeed 0.19.3+); the training_data loader shuffles with a
+    DistributedSampler (seed 0) on one rank, as DeepSpeed's does."""
+    from zero.config import load_config
+
+    assert load_config({"train_micro_batch_size_per_gpu": 1}).gradient_clipping == 1.0
+    assert load_config({"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0}).gradient_clipping == 0.0
+    data = torch.utils.data.TensorDataset(torch.arange(10.0))
+    model = nn.Linear(1, 1)
+    _, _, loader, _ = zero.initialize(model=model, model_parameters=model.parameters(), training_data=data, config={
+        "train_micro_batch_size_per_gpu": 10, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    order = next(iter(loader))[0].tolist()
+    expected = list(torch.utils.data.distributed.DistributedSampler(data, 1, 0))
+    assert order == [float(i) for i in expected] and order != sorted(order)
+
+
+class WithTable(nn.Module):
+    """A rotary-style fp32 table beside its layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return (x.float() * self.inv_freq.repeat(2)).sum()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.filterwarnings("ignore::zero.compute_speed.SlowComputeWarning")
+def test_floating_buffers_keep_their_dtype_under_bf16(stage):
+    torch.manual_seed(0)
+    model = WithTable()
+    table = model.inv_freq.clone()
+    engine, *_ = zero.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage}})
+    try:
+        assert model.inv_freq.dtype == torch.float32 and torch.equal(model.inv_freq, table)
+        engine.backward(engine(torch.ones(1, 8, dtype=torch.bfloat16)))
+        engine.step()
+        with zero.zero.GatheredParameters(list(model.parameters())):
+            assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    finally:
+        engine.close()

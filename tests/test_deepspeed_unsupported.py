@@ -1,7 +1,8 @@
 """What a DeepSpeed script imports beyond `initialize`: `zero.ops.adam.DeepSpeedCPUAdam` steps bit for bit as
-CPUAdam and torch's fused Adam(W) under DeepSpeed's signature and defaults; DeepSpeed's other optimizers,
-`zero.pipe`, `zero.moe` and the top-level names zero-tiering lacks raise UnsupportedFeatureError naming
-DeepSpeed's feature and saying what to use instead."""
+CPUAdam and torch's fused Adam(W) under DeepSpeed's signature and defaults, and FusedAdam trains through the
+engine; DeepSpeed's other optimizers, `zero.pipe`, `zero.moe.layer` and the top-level names zero-tiering lacks
+import, and raise UnsupportedFeatureError naming DeepSpeed's feature and saying what to use instead when a script
+builds them; `moe.utils`' helpers serve a dense model."""
 from __future__ import annotations
 
 import importlib
@@ -15,10 +16,9 @@ import zero
 from zero.ops.adam import DeepSpeedCPUAdam
 from zero.optim.adam_math import AdamInputError
 from zero.optim.cpu_adam import CPUAdam, UnsupportedOptionError
-from zero.unsupported import TOP_LEVEL_INSTEAD, UnsupportedFeatureError, raising_getattr
+from zero.unsupported import TOP_LEVEL_INSTEAD, UnsupportedFeatureError
 
 OPTIMIZERS = [
-    ("zero.ops.adam", "FusedAdam"),
     ("zero.ops.adam", "ZenFlowCPUAdam"),
     ("zero.ops.lamb", "FusedLamb"),
     ("zero.ops.adagrad", "DeepSpeedCPUAdagrad"),
@@ -32,15 +32,16 @@ def deepspeed_name(module: str) -> str:
 
 
 @pytest.mark.parametrize("module, name", OPTIMIZERS)
-def test_other_optimizers_raise_on_import_naming_them(module, name):
+def test_other_optimizers_import_and_raise_when_built_naming_them(module, name):
+    namespace: dict = {}
+    exec(f"from {module} import {name}", namespace)  # a script may import it for a branch it never takes
     with pytest.raises(UnsupportedFeatureError) as error:
-        exec(f"from {module} import {name}", {})
+        namespace[name]([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
     assert error.value.feature == f"{deepspeed_name(module)}.{name}"
     assert str(error.value).startswith(f"{deepspeed_name(module)}.{name} is not implemented in zero-tiering; "
                                        "instead: pass torch.optim.AdamW")
     assert '"optimizer": {"type": "AdamW"' in str(error.value)
-    with pytest.raises(UnsupportedFeatureError):  # and as an attribute, as deepspeed.ops.adam.FusedAdam(...)
-        getattr(importlib.import_module(module), name)
+    assert getattr(importlib.import_module(module), name) is namespace[name]  # as deepspeed.ops.lamb.FusedLamb
 
 
 def test_unknown_names_stay_import_errors():
@@ -51,36 +52,54 @@ def test_unknown_names_stay_import_errors():
         zero.ops.nothing  # noqa: B018
 
 
-def test_fused_transformer_layer_raises():
+def test_fused_transformer_layer_raises_when_built():
+    from zero.ops import DeepSpeedTransformerLayer
+
     with pytest.raises(UnsupportedFeatureError, match="^deepspeed.ops.DeepSpeedTransformerLayer is not implemented"):
-        exec("from zero.ops import DeepSpeedTransformerLayer", {})
+        DeepSpeedTransformerLayer(config=None)
 
 
-@pytest.mark.parametrize("statement, feature, instead", [
-    ("from zero.pipe import PipelineModule", "deepspeed.pipe (PipelineModule, LayerSpec, TiedLayerSpec: pipeline "
-     "parallelism)", "ZeRO-3 data parallelism with offload, which fits a model that pipeline parallelism would "
-     "split"),
-    ("import zero.pipe", "deepspeed.pipe (", "torch.nn.Sequential"),
-    ("from zero.moe.layer import MoE", "deepspeed.moe (MoE layers with expert parallelism)",
-     "the experts as ordinary modules"),
+@pytest.mark.parametrize("statement, name, feature, instead", [
+    ("from zero.pipe import PipelineModule", "PipelineModule", "deepspeed.pipe.PipelineModule",
+     "ZeRO-3 data parallelism with offload, which fits a model that pipeline parallelism would split"),
+    ("from zero.pipe import LayerSpec", "LayerSpec", "deepspeed.pipe.LayerSpec", "torch.nn.Sequential"),
+    ("from zero.moe.layer import MoE", "MoE", "deepspeed.moe.layer.MoE", "the experts as ordinary modules"),
 ])
-def test_pipeline_and_moe_raise_on_import(statement, feature, instead):
-    for _ in range(2):  # a failed import leaves nothing behind: the next one raises again
+def test_pipeline_and_moe_import_and_raise_when_built(statement, name, feature, instead):
+    namespace: dict = {}
+    exec(statement, namespace)
+
+    class Sub(namespace[name]):  # a script's own subclass is defined; building it raises
+        pass
+
+    for cls in (namespace[name], Sub):
         with pytest.raises(UnsupportedFeatureError) as error:
-            exec(statement, {})
-        assert error.value.feature.startswith(feature)
-        assert instead in error.value.instead
-        assert "zero.pipe" not in sys.modules and "zero.moe" not in sys.modules
+            cls(hidden_size=4)
+        assert error.value.feature == feature and instead in error.value.instead
+
+
+def test_moe_utils_serve_a_dense_model_and_refuse_expert_parameters():
+    from zero.moe.utils import configure_moe_param_groups, is_moe_param, split_params_into_different_moe_groups_for_optimizer
+
+    model = torch.nn.Linear(4, 4)
+    group = {"params": list(model.parameters()), "weight_decay": 0.1}
+    assert split_params_into_different_moe_groups_for_optimizer(group) == [group]
+    assert split_params_into_different_moe_groups_for_optimizer((group,)) == [group]
+    params = list(model.parameters())
+    assert configure_moe_param_groups(params) == params and not is_moe_param(params[0])
+    model.weight.allreduce = False  # DeepSpeed's mark of an expert parameter
+    with pytest.raises(UnsupportedFeatureError, match="expert parameters"):
+        split_params_into_different_moe_groups_for_optimizer([group])
 
 
 @pytest.mark.parametrize("name", sorted(TOP_LEVEL_INSTEAD))
-def test_top_level_names_raise_through_a_module_getattr(name):
-    getattr_ = raising_getattr("zero", "deepspeed", TOP_LEVEL_INSTEAD)
+def test_top_level_names_import_and_raise_when_built(name):
+    stand_in = getattr(zero, name)
     with pytest.raises(UnsupportedFeatureError, match=rf"^deepspeed\.{name} is not implemented in zero-tiering; "
                                                        "instead: "):
-        getattr_(name)
+        stand_in()
     with pytest.raises(AttributeError, match="module 'zero' has no attribute 'initialise'"):
-        getattr_("initialise")
+        zero.initialise  # noqa: B018
 
 
 def test_the_error_is_a_not_implemented_error():
@@ -169,3 +188,33 @@ def test_initialize_takes_its_groups_and_hyperparameters(adamw_mode):
         assert group["decoupled"] is adamw_mode
     finally:
         engine.close()
+
+
+# -- FusedAdam ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "adam"])
+def test_fused_adam_is_torchs_adam_under_deepspeeds_signature_and_trains_through_the_engine(adam_w_mode):
+    from zero.ops.adam import FusedAdam
+
+    hyper = dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-7, weight_decay=0.1)
+    ours, reference = small_model(), small_model()
+    train(ours, FusedAdam(ours.parameters(), hyper["lr"], True, hyper["betas"], hyper["eps"], adam_w_mode,
+                          hyper["weight_decay"]))
+    torch_cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    train(reference, torch_cls(reference.parameters(), **hyper))
+    for ours_p, reference_p in zip(ours.parameters(), reference.parameters()):
+        assert torch.equal(ours_p, reference_p)
+
+    runs = []
+    for make in (lambda ps: FusedAdam(ps, adam_w_mode=adam_w_mode, **hyper), lambda ps: torch_cls(ps, **hyper)):
+        model = small_model()
+        engine, *_ = zero.initialize(model=model, optimizer=make(model.parameters()),
+                                     config=make_config(stage=2, optimizer=None))
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            engine.step()
+        runs.append([p.detach().clone() for p in model.parameters()])
+        engine.close()
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

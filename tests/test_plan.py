@@ -11,7 +11,8 @@ import pytest
 import zero
 from zero.config import load_config
 from zero.plan.__main__ import main
-from zero.plan.model_source import from_preset
+from zero.cli import run_command
+from zero.plan.model_source import PlanInputError, from_preset
 
 from conftest import child_env
 from models import one_thread  # noqa: F401  (autouse fixture)
@@ -76,16 +77,31 @@ def test_bad_input_is_named(args, message, tmp_path, capsys):
     if "--nvme-path" not in args:
         args = [*args, "--nvme-path", str(tmp_path)]
     with pytest.raises(SystemExit) as info:
-        main(args)
-    assert info.value.code == 2 and message in capsys.readouterr().err
+        cli(args)
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and err.startswith("zero.plan: ") and message in err and err.count("\n") == 1, err
+
+
+def cli(args: list[str]) -> dict:
+    """The command as the shell runs it: bad input is one line, `zero.plan: ErrorType: message`, exit status 1."""
+    return run_command("zero.plan", main, args, errors=(PlanInputError,))
 
 
 def test_a_hugging_face_config_missing_fields_is_named(tmp_path, capsys):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64}))
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": None}))
     with pytest.raises(SystemExit):
-        main(["--model", str(path), *DISK, "--nvme-path", str(tmp_path)])
-    assert "has no 'hidden_size'" in capsys.readouterr().err
+        cli(["--model", str(path), *DISK, "--nvme-path", str(tmp_path)])
+    assert "zero.plan: PlanInputError: " in capsys.readouterr().err
+
+
+def test_gpt2s_own_spellings_are_read_from_its_directory(tmp_path):
+    """GPT-2's config.json says n_embd / n_layer / n_head; `--model DIR` takes the directory holding it."""
+    from transformers import GPT2Config
+
+    GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=256, n_positions=64).save_pretrained(tmp_path / "gpt2")
+    result = main(["--model", str(tmp_path / "gpt2"), *DISK, "--nvme-path", str(tmp_path), "--json"])
+    assert result["model"]["layers"] == 2 and result["model"]["hidden"] == 64
 
 
 def test_a_hugging_face_config_and_a_factory_plan(tmp_path):
@@ -135,6 +151,6 @@ def test_a_config_on_nvme_without_disk_figures_is_named(tmp_path, capsys):
         "stage": 3, "offload_param": {"device": "cpu"},
         "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}))
     with pytest.raises(SystemExit) as info:
-        main(["--model", "tiny", "--config", str(config), "--nvme-path", str(tmp_path),
-              "--disk", str(tmp_path / "no-figures.json")])
-    assert info.value.code == 2 and "puts state on nvme, and there are no disk figures" in capsys.readouterr().err
+        cli(["--model", "tiny", "--config", str(config), "--nvme-path", str(tmp_path),
+             "--disk", str(tmp_path / "no-figures.json")])
+    assert info.value.code == 1 and "puts state on nvme, and there are no disk figures" in capsys.readouterr().err

@@ -7,20 +7,23 @@ schedules), `checkpoint/` (save, load, format), `inference/` (weights streamed f
 `plan/` and `report/` (will it fit, is this machine ready) and `train/` (the main job: `python -m zero.train`).
 
 A script written for DeepSpeed runs with `import zero as deepspeed`: `initialize`, `add_config_arguments`,
-`init_distributed`, `zero.Init` and `zero.GatheredParameters` (module `zero.zero`), `utils`' safe_get_* and
-safe_set_*, `checkpointing.checkpoint`, `ops.adam.DeepSpeedCPUAdam`, and `python -m zero.launch` for the `deepspeed` launcher. What it does
-not implement (`deepspeed.pipe`, `deepspeed.moe`, `PipelineModule`, fused kernels) raises UnsupportedFeatureError
-naming it and what to use instead.
+`init_distributed`, `zero.Init` and `zero.GatheredParameters` (module `zero.zero`, and `runtime.zero.
+partition_parameters`), `utils`' safe_get_* and safe_set_*, `checkpointing.checkpoint`, `ops.adam.DeepSpeedCPUAdam`
+and `FusedAdam`, `accelerator.get_accelerator`, `comm`'s functions, `compression.helper`, `moe.utils`' helpers for
+dense models, and `python -m zero.launch` for the `deepspeed` launcher. What it does not implement (pipeline
+parallelism, MoE layers, fused kernels) imports as a stand-in that raises UnsupportedFeatureError, naming it and
+what to use instead, when the script builds or calls it.
 """
-from . import checkpointing, ops, utils, zero
+from . import accelerator, checkpointing, comm, compression, moe, ops, pipe, runtime, utils, zero
+from .accelerator import get_accelerator
 from .arguments import add_config_arguments
 from .comm import init_distributed
 from .inference import init_inference
 from .initialize import initialize
 from .optim.cpu_adam import CPUAdam
-from .unsupported import TOP_LEVEL_INSTEAD, raising_getattr
+from .unsupported import TOP_LEVEL_INSTEAD, stand_ins_getattr
 
-__all__ = ["CPUAdam", "add_config_arguments", "checkpointing", "init_distributed", "init_inference", "initialize", "ops",
-           "utils", "zero"]
+__all__ = ["CPUAdam", "accelerator", "add_config_arguments", "checkpointing", "comm", "compression", "get_accelerator",
+           "init_distributed", "init_inference", "initialize", "moe", "ops", "pipe", "runtime", "utils", "zero"]
 
-__getattr__ = raising_getattr("zero", "deepspeed", TOP_LEVEL_INSTEAD)
+__getattr__ = stand_ins_getattr("zero", "deepspeed", TOP_LEVEL_INSTEAD)

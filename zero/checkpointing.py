@@ -8,7 +8,7 @@ from typing import Any
 
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
-from .unsupported import UnsupportedFeatureError, raising_getattr
+from .unsupported import UnsupportedFeatureError, stand_ins_getattr
 
 CONFIG_INSTEAD = ('the config\'s "activation_checkpointing" section (cpu_checkpointing, '
                   "synchronize_checkpoint_boundary) or zero_tiering.activation_offload, which the engine reads")
@@ -44,7 +44,7 @@ def is_configured() -> bool:
     return True
 
 
-__getattr__ = raising_getattr("zero.checkpointing", "deepspeed.checkpointing", {
+__getattr__ = stand_ins_getattr("zero.checkpointing", "deepspeed.checkpointing", {
     "model_parallel_cuda_manual_seed": MODEL_PARALLEL_INSTEAD,
     "get_cuda_rng_tracker": MODEL_PARALLEL_INSTEAD,
     "CheckpointFunction": "zero.checkpointing.checkpoint(function, *args)",

@@ -3,6 +3,10 @@
 `DataParallel.from_env()` joins the group torchrun describes (gloo on CPU, NCCL on GPU) or, with no
 WORLD_SIZE or WORLD_SIZE=1, stands alone: every collective is then the identity. A collective that fails
 because a peer rank died or stopped answering raises RankLostError, so a rank never outlives its job silently.
+
+It is also DeepSpeed's `deepspeed.comm` for scripts (`from deepspeed import comm as dist`): `init_distributed`,
+`get_rank`, `get_world_size`, `get_local_rank`, `barrier` and the collectives, torch.distributed's on the group
+joined, this one process being the world before one is.
 """
 from __future__ import annotations
 
@@ -203,3 +207,64 @@ class DataParallel:
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)
+
+
+# -- DeepSpeed's `deepspeed.comm` face: what scripts call as `dist.get_rank()` after `from deepspeed import comm as
+# dist`. torch.distributed's, on the group joined; before (or without) one, this one process is the world.
+
+ReduceOp = dist.ReduceOp
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(group=None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def get_world_size(group=None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def get_local_rank() -> int:
+    """This process's place among its node's ranks (LOCAL_RANK, as the launcher sets it)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def get_global_rank(group=None, group_rank: int = 0) -> int:
+    return dist.get_global_rank(group, group_rank) if is_initialized() and group is not None else group_rank
+
+
+def barrier(group=None, async_op: bool = False, device_ids=None):
+    return dist.barrier(group=group, async_op=async_op, device_ids=device_ids) if is_initialized() else None
+
+
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op) if is_initialized() else None
+
+
+def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False):
+    return dist.reduce(tensor, dst, op=op, group=group, async_op=async_op) if is_initialized() else None
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
+    return dist.broadcast(tensor, src, group=group, async_op=async_op) if is_initialized() else None
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None, async_op: bool = False):
+    if is_initialized():
+        return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+    tensor_list[0].copy_(tensor)
+    return None
+
+
+def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False):
+    if is_initialized():
+        return dist.all_gather_into_tensor(output, tensor, group=group, async_op=async_op)
+    output.copy_(tensor.reshape(output.shape))
+    return None
+
+
+def new_group(ranks=None, **kwargs: Any):
+    return dist.new_group(ranks, **kwargs) if is_initialized() else None

@@ -1,6 +1,8 @@
 """What each process of `zero.launch` runs (torchrun starts it with `-m zero.launch_rank`): the user's script, or
 module, with `--local_rank=<LOCAL_RANK>` first among its arguments, as DeepSpeed's launcher passes it (torchrun
-only sets the environment variable). Run under torchrun directly for jobs over several nodes:
+only sets the environment variable), and its `deepspeed` imports resolving to `zero`
+(zero/integrations/deepspeed_alias.py), so a script written for DeepSpeed runs with no line changed. Run under
+torchrun directly for jobs over several nodes:
 `torchrun --nnodes ... -m zero.launch_rank [--module] [--no_local_rank] script.py [args ...]`.
 """
 from __future__ import annotations
@@ -9,6 +11,8 @@ import argparse
 import os
 import runpy
 import sys
+
+from .integrations import deepspeed_alias
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,6 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_local_rank:
         script_args.insert(0, f"--local_rank={os.environ['LOCAL_RANK']}")
     sys.argv = [target, *script_args]
+    deepspeed_alias.install()
     if args.module:
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:

@@ -1,6 +1,7 @@
-"""DeepSpeed's `deepspeed.pipe` (PipelineModule, LayerSpec, TiedLayerSpec): pipeline parallelism is not
-implemented, so importing this module raises UnsupportedFeatureError saying what to use instead."""
-from .unsupported import PIPELINE_INSTEAD, UnsupportedFeatureError
+"""DeepSpeed's `deepspeed.pipe`: pipeline parallelism is not implemented. Its names import (a script may import them
+and take another branch) as stand-ins that raise UnsupportedFeatureError, saying what to use instead, when built."""
+from .unsupported import PIPELINE_INSTEAD, stand_ins_getattr
 
-raise UnsupportedFeatureError("deepspeed.pipe (PipelineModule, LayerSpec, TiedLayerSpec: pipeline parallelism)",
-                              PIPELINE_INSTEAD)
+__getattr__ = stand_ins_getattr(__name__, "deepspeed.pipe", dict.fromkeys(
+    ("PipelineModule", "LayerSpec", "TiedLayerSpec", "PipelineEngine", "ProcessTopology", "PipeDataParallelTopology",
+     "PipeModelDataParallelTopology"), PIPELINE_INSTEAD))

@@ -1,15 +1,16 @@
 """UnsupportedFeatureError: a DeepSpeed feature a script reaches for (a class, an argument, a module) that
 zero-tiering does not implement. Code written for DeepSpeed runs with `import zero as deepspeed`, so a missing
-piece must fail where the script asks for it, by DeepSpeed's name, with what to use instead: never an ImportError
-that reads like a broken install, never a silent stand-in that trains something else.
+piece must fail where the script uses it, by DeepSpeed's name, with what to use instead: never at import (a script
+imports what it may never use: a MoE helper, an optimizer for another branch), never an ImportError that reads
+like a broken install, never a silent stand-in that trains something else.
 
 The texts below say what zero-tiering offers in each feature's place; the modules named after DeepSpeed's
-(`zero.ops.*`, `zero.pipe`, `zero.moe`) raise with them.
+(`zero.ops.*`, `zero.pipe`, `zero.moe`) hand out stand-ins that raise with them when called or built.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import NoReturn
+from typing import Any, NoReturn
 
 
 class UnsupportedFeatureError(NotImplementedError):
@@ -20,16 +21,29 @@ class UnsupportedFeatureError(NotImplementedError):
         super().__init__(f"{feature} is not implemented in zero-tiering; instead: {instead}")
 
 
-def raising_getattr(module: str, deepspeed_module: str,
-                    instead: Mapping[str, str]) -> Callable[[str], NoReturn]:
-    """A module-level `__getattr__` for `module` (DeepSpeed's `deepspeed_module`): each name in `instead` raises
-    UnsupportedFeatureError, so `from module import Name` fails with that message rather than ImportError
-    (Python turns only an AttributeError into one); any other name is the usual AttributeError."""
+def stand_in(feature: str, instead: str, module: str) -> type:
+    """What `feature` (DeepSpeed's dotted name) imports as from `module` (ours): a class that raises
+    UnsupportedFeatureError when it is called or built (subclassing it is allowed; building the subclass raises)."""
+    def __new__(cls, *args: Any, **kwargs: Any) -> NoReturn:
+        raise UnsupportedFeatureError(feature, instead)
 
-    def __getattr__(name: str) -> NoReturn:
-        if name in instead:
-            raise UnsupportedFeatureError(f"{deepspeed_module}.{name}", instead[name])
-        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    return type(feature.rsplit(".", 1)[-1], (), {
+        "__new__": __new__, "__module__": module,
+        "__doc__": f"DeepSpeed's {feature}, not implemented: building or calling it raises UnsupportedFeatureError."})
+
+
+def stand_ins_getattr(module: str, deepspeed_module: str, instead: Mapping[str, str]) -> Callable[[str], type]:
+    """A module-level `__getattr__` for `module` (DeepSpeed's `deepspeed_module`): each name in `instead` is a
+    `stand_in`, made once, so `from module import Name` works and `Name(...)` raises UnsupportedFeatureError; any
+    other name is the usual AttributeError (a typo stays Python's ImportError)."""
+    made: dict[str, type] = {}
+
+    def __getattr__(name: str) -> type:
+        if name not in instead:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        if name not in made:
+            made[name] = stand_in(f"{deepspeed_module}.{name}", instead[name], module)
+        return made[name]
 
     return __getattr__
 
@@ -63,8 +77,6 @@ FUSED_LAYERS_INSTEAD = "the model's own layers (e.g. Hugging Face's); DeepSpeed'
 """For DeepSpeed's fused transformer layer and its config."""
 
 TOP_LEVEL_INSTEAD = {
-    "pipe": PIPELINE_INSTEAD,
-    "moe": MOE_INSTEAD,
     "PipelineModule": PIPELINE_INSTEAD,
     "PipelineEngine": PIPELINE_INSTEAD,
     "DeepSpeedTransformerLayer": FUSED_LAYERS_INSTEAD,
@@ -72,4 +84,4 @@ TOP_LEVEL_INSTEAD = {
     "DeepSpeedHybridEngine": "zero.initialize to train and zero.init_inference to generate",
 }
 """DeepSpeed's top-level names (`deepspeed.X`) for features zero-tiering lacks, for `zero`'s module
-`__getattr__`: `raising_getattr("zero", "deepspeed", TOP_LEVEL_INSTEAD)`."""
+`__getattr__`: `stand_ins_getattr("zero", "deepspeed", TOP_LEVEL_INSTEAD)`."""

@@ -39,8 +39,9 @@ class Config(Section):
     gradient_accumulation_steps: int = setting(ge=1)
     """Micro-batches per optimizer step; `engine.step()` runs the optimizer on every this-many calls."""
 
-    gradient_clipping: float = setting(0.0, ge=0)
-    """Clip gradients to this global L2 norm before the step; 0: no clipping."""
+    gradient_clipping: float = setting(1.0, ge=0)
+    """Clip gradients to this global L2 norm before the step; 0: no clipping. 1.0 where a config omits it, as
+    DeepSpeed 0.19.3 and later (earlier versions did not clip)."""
 
     fp16: FP16Config = setting(factory=FP16Config)
     """fp16 mixed precision."""

@@ -1,6 +1,6 @@
-"""DeepSpeed's `deepspeed.moe` (`deepspeed.moe.layer.MoE` and its helpers): mixture of experts with expert
-parallelism is not implemented, so importing this package, or anything under it, raises UnsupportedFeatureError
-saying what to use instead."""
-from ..unsupported import MOE_INSTEAD, UnsupportedFeatureError
+"""DeepSpeed's `deepspeed.moe`: mixture of experts with expert parallelism is not implemented. `layer.MoE` imports
+as a stand-in that raises UnsupportedFeatureError when built; `utils`' helpers work for models without MoE layers
+(scripts call them unconditionally) and raise where they meet an expert parameter."""
+from . import layer, utils
 
-raise UnsupportedFeatureError("deepspeed.moe (MoE layers with expert parallelism)", MOE_INSTEAD)
+__all__ = ["layer", "utils"]

@@ -1,5 +1,6 @@
 """DeepSpeed's `deepspeed.ops.adam`: `DeepSpeedCPUAdam` is zero-tiering's CPUAdam under DeepSpeed's constructor,
-so a script that builds one and hands it to `initialize` keeps working; `FusedAdam` and DeepSpeed's ZenFlow
+and `FusedAdam` torch's Adam/AdamW under DeepSpeed's, so a script that builds either and hands it to `initialize`
+keeps working (the engine takes its param groups and hyperparameters and steps them itself); DeepSpeed's ZenFlow
 optimizers raise UnsupportedFeatureError, on import by name too."""
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from typing import Any
 import torch
 
 from ..optim.cpu_adam import CPUAdam, check_group
-from ..unsupported import ADAM_INSTEAD, UnsupportedFeatureError, raising_getattr
+from ..unsupported import ADAM_INSTEAD, UnsupportedFeatureError, stand_ins_getattr
 
-__all__ = ["DeepSpeedCPUAdam"]
+__all__ = ["DeepSpeedCPUAdam", "FusedAdam"]
 
 CANNOT_HONOUR = {
     "amsgrad": (False, "Adam without AMSGrad (DeepSpeed's CPU-Adam does not implement it either): drop amsgrad"),
@@ -49,7 +50,28 @@ class DeepSpeedCPUAdam(CPUAdam):
         torch.optim.Optimizer.add_param_group(self, param_group)
 
 
-__getattr__ = raising_getattr(__name__, "deepspeed.ops.adam", {
-    name: ADAM_INSTEAD
-    for name in ("FusedAdam", "ZenFlowCPUAdam", "ZenFlowSelectiveAdamW", "ZenFlowSelectiveAdamW_stage3")
+class FusedAdam(torch.optim.Adam):
+    """DeepSpeed's FusedAdam: AdamW (`adam_w_mode`, its default) or Adam with L2 decay, under DeepSpeed's
+    signature. Given to `initialize`, the engine steps its groups (on the device, or on CPU-Adam with
+    offload_optimizer); stepped on its own it is torch's Adam, fused where torch has a kernel for the device."""
+
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
+                 bias_correction: bool = True, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False,
+                 set_grad_none: bool = True):
+        if amsgrad:
+            raise UnsupportedFeatureError("FusedAdam(amsgrad=True)", "Adam without AMSGrad (DeepSpeed's FusedAdam "
+                                          "refuses it too): drop amsgrad")
+        if not bias_correction:
+            raise UnsupportedFeatureError("FusedAdam(bias_correction=False)", CANNOT_HONOUR["bias_correction"][1])
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         decoupled_weight_decay=adam_w_mode)
+        self.set_grad_none = set_grad_none
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+
+
+__getattr__ = stand_ins_getattr(__name__, "deepspeed.ops.adam", {
+    name: ADAM_INSTEAD for name in ("ZenFlowCPUAdam", "ZenFlowSelectiveAdamW", "ZenFlowSelectiveAdamW_stage3")
 })

@@ -102,12 +102,12 @@ class PartitionedPlacement(Placement):
                                 persistent=flat.numel <= persistence_threshold, state=UnitState.RELEASED))
         placement.model_hooks.append(model._register_state_dict_hook(placement._state_dict_hook(model)))
         materialize.rest()
-        for module in model.modules():  # buffers: to the device, floating ones in the compute dtype
-            for name, buffer in module.named_buffers(recurse=False):
+        for module in model.modules():  # buffers: to the device, in the dtype they were built in (a rotary
+            for name, buffer in module.named_buffers(recurse=False):  # table's fp32, as DeepSpeed keeps it)
                 if buffer.is_meta:
                     raise ValueError(f"buffer {name!r} of {type(module).__name__} is on the meta device: "
                                      "build it with real values (it is not a parameter, so it is not initialized)")
-                setattr(module, name, buffer.to(device, dtype if buffer.is_floating_point() else buffer.dtype))
+                setattr(module, name, buffer.to(device))
         return placement
 
     def _add(self, unit: Unit) -> None:

@@ -29,14 +29,17 @@ class ResidentPlacement(Placement):
               driver: AdamDriver, gradients: Gradients, dp: DataParallel, device: torch.device, dtype: torch.dtype,
               sharded: bool, sub_group_size: int) -> ResidentPlacement:
         """Materialize the model where it was built on meta, move it to the device, and make each unit's
-        fp32 master (this rank's range) from the parameters' values before the cast to the compute dtype."""
+        fp32 master (this rank's range) from the parameters' values before the cast to the compute dtype
+        (parameters only: floating buffers keep the dtype they were built in)."""
         for flat, _ in plan:
             materialize(flat)
         materialize.rest()
         model.to(device)
         masters = [flat.flatten(torch.empty(flat.padded_numel, dtype=torch.float32, device=device))
                    for flat, _ in plan]
-        model.to(dtype)
+        for param in model.parameters():  # buffers keep their dtype (a rotary table's fp32), as DeepSpeed keeps them
+            if param.is_floating_point():
+                param.data = param.data.to(dtype)
         units = []
         for index, ((flat, module), master) in enumerate(zip(plan, masters)):
             full = master.to(dtype)

@@ -14,13 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 
 from tiering.errors import fmt_bytes
 
-from ..config import ConfigError
 from ..report.bandwidth import DEFAULT_FIGURES, DiskFigures, load_figures
 from ..cli import add_common_flags, run_command
 from ..comm import local_device
@@ -64,12 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    base_rss = current_rss()
-    try:
-        result = plan(args, base_rss)
-    except (PlanInputError, ConfigError) as exc:
-        print(f"zero.plan: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    result = plan(args, current_rss())
     if args.json:
         print(json.dumps(result, indent=1))
     return result
@@ -138,6 +131,7 @@ def plan(args: argparse.Namespace, base_rss: int) -> dict:
     rates = {key: getattr(machine, key) for key in ("ram_bytes", "gpu_bytes", "matmul_flops", "adam_elements",
                                                      "copy_bytes", "fresh_bytes")}
     return {**best.to_json(), "fits": chosen is not None, "explanation": explain(predictions, chosen),
+            "model": {"params": shape.params, "layers": shape.layers, "hidden": shape.hidden, "vocab": shape.vocab},
             "slow_compute": slow_line,
             "machine": {**rates, "disk": machine.disk and vars(machine.disk)},
             "placements": [p.to_json() for p in predictions]}
@@ -217,4 +211,4 @@ def current_rss() -> int:
 
 
 if __name__ == "__main__":
-    run_command("zero.plan", main)
+    run_command("zero.plan", main, errors=(PlanInputError,))

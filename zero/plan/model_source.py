@@ -52,26 +52,41 @@ def from_preset(name: str, *, layers: int | None = None, hidden: int | None = No
 
 
 def from_hf_config(path: str, seq_len: int) -> ModelShape:
-    """A transformers causal LM from its config.json, built from the config (no weights read)."""
+    """A transformers causal LM from its config.json (or the directory holding one), built from the config (no
+    weights read). Sizes are read through transformers' config class, so each model's own spellings count
+    (GPT-2's n_embd, n_layer, n_head)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
     try:
         with open(path) as f:
             raw = json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
         raise PlanInputError(f"model config {path!r}: {exc}") from exc
-    for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"):
-        if key not in raw:
-            raise PlanInputError(f"model config {path!r} has no {key!r}: a Hugging Face config.json names "
-                                 "model_type, hidden_size, num_hidden_layers and vocab_size")
+    if "model_type" not in raw:
+        raise PlanInputError(f"model config {path!r} has no 'model_type': a Hugging Face config.json names its "
+                             "model type (gpt2, llama, ...)")
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as exc:
         raise PlanInputError(f"model config {path!r}: planning a Hugging Face model needs transformers "
                              f"(pip install transformers): {exc}") from exc
-    config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)) if os.path.basename(path) ==
-                                        "config.json" else path)
+    try:
+        config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)) if os.path.basename(path) ==
+                                            "config.json" else path)
+    except Exception as exc:  # noqa: BLE001  transformers' own validation errors vary by model and version
+        raise PlanInputError(f"model config {path!r}: transformers cannot read it: {type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0]}") from exc
+    sizes = {}
+    for key, spellings in (("hidden_size", "n_embd, d_model"), ("num_hidden_layers", "n_layer, num_layers"),
+                           ("vocab_size", "")):
+        sizes[key] = getattr(config, key, None)
+        if not isinstance(sizes[key], int):
+            also = f" (or {spellings})" if spellings else ""
+            raise PlanInputError(f"model config {path!r} has no {key!r}{also}: the planner needs the width, the "
+                                 "layer count and the vocabulary size")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return _shape(model, raw["num_hidden_layers"], raw["hidden_size"], raw["vocab_size"], seq_len)
+    return _shape(model, sizes["num_hidden_layers"], sizes["hidden_size"], sizes["vocab_size"], seq_len)
 
 
 def from_factory(spec: str, seq_len: int) -> ModelShape:
@@ -95,9 +110,9 @@ def from_factory(spec: str, seq_len: int) -> ModelShape:
 
 
 def load_model(spec: str, **preset_overrides) -> ModelShape:
-    """A preset name, a path to a config.json, or `package.module:function`."""
+    """A preset name, a config.json (or a directory holding one), or `package.module:function`."""
     seq_len = preset_overrides.get("seq_len", 128)
-    if os.path.isfile(spec):
+    if os.path.isfile(spec) or os.path.isfile(os.path.join(spec, "config.json")):
         return from_hf_config(spec, seq_len)
     if ":" in spec:
         return from_factory(spec, seq_len)

@@ -1,0 +1,56 @@
+"""HfZeroConfig in place of transformers' HfDeepSpeedConfig: with it alive, transformers' own `from_pretrained` builds
+the model under zero.Init (no deepspeed package involved: its `import deepspeed` is ours), each weight partitioned
+as it loads, and the model trains as the same weights loaded plainly. In a fresh process: the config is global."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import zero
+    from zero.integrations.hf_config import HfZeroConfig
+
+    path = sys.argv[1]
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    LlamaForCausalLM(config).save_pretrained(path)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def train(model, steps=3):
+        ds = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                    "offload_optimizer": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}}
+        engine, *_ = zero.initialize(model=model, config=ds)
+        losses = []
+        for _ in range(steps):
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        engine.close()
+        return losses
+
+    plain = train(LlamaForCausalLM.from_pretrained(path))
+    assert "deepspeed" not in sys.modules
+    dschf = HfZeroConfig({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "cpu"}}})
+    model = LlamaForCausalLM.from_pretrained(path)
+    assert sys.modules["deepspeed"].zero.Init is zero.zero.Init  # transformers' `import deepspeed` is ours
+    partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    assert partitioned and all(p.ds_status == zero.zero.ZeroParamStatus.NOT_AVAILABLE for p in partitioned)
+    print(json.dumps({"plain": plain, "zero_init": train(model)}))
+""")
+
+
+def test_from_pretrained_builds_under_zero_init_and_trains_as_the_plain_load(tmp_path):
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "model")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["zero_init"] == result["plain"], result

@@ -1,0 +1,68 @@
+"""HfZeroConfig: transformers' `HfDeepSpeedConfig` without the deepspeed package. Made (and kept alive) before
+`from_pretrained` or `from_config`, a ZeRO-3 config makes transformers build the model under our `zero.Init`:
+each module partitioned as it is built, pretrained weights loaded a module at a time through GatheredParameters,
+never the whole model in memory.
+
+    dschf = HfZeroConfig("ds_config.json")      # keep a reference: transformers holds only a weak one
+    model = AutoModelForCausalLM.from_pretrained(path)
+    engine, *_ = zero.initialize(model=model, config="ds_config.json")
+
+It registers itself where transformers looks (`transformers.integrations.deepspeed`'s weak reference), lets the
+`import deepspeed` transformers does there resolve to `zero` (deepspeed_alias.py), and joins a process group of one
+where no launcher made one (transformers' ZeRO-3 loading asks torch.distributed for the rank).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ..comm import init_distributed
+from ..config import load_config
+from . import deepspeed_alias
+
+
+class HfZeroConfig:
+    def __init__(self, config_file_or_dict: str | os.PathLike | Mapping):
+        if isinstance(config_file_or_dict, Mapping):
+            config = copy.deepcopy(dict(config_file_or_dict))
+        else:
+            with open(config_file_or_dict) as f:
+                config = json.load(f)
+        self.config = config
+        """The DeepSpeed-format dict, as transformers' `deepspeed_config()` returns it to `zero.Init`."""
+        self._stage = load_config(copy.deepcopy(config), world_size=1).zero_optimization.stage  # validated now
+        from transformers.integrations import deepspeed as hf_deepspeed
+
+        deepspeed_alias.install()
+        if self.is_zero3():
+            init_distributed()
+        hf_deepspeed.set_hf_deepspeed_config(self)
+
+    def is_zero3(self) -> bool:
+        return self._stage == 3
+
+    def is_zero2(self) -> bool:
+        return self._stage == 2
+
+    def is_offload(self) -> bool:
+        zo = self.config.get("zero_optimization", {})
+        return any(zo.get(section, {}).get("device", "none") in ("cpu", "nvme")
+                   for section in ("offload_param", "offload_optimizer"))
+
+    def get_value(self, ds_key_long: str, default: Any = None) -> Any:
+        """A value by its dotted key ("zero_optimization.stage"), or `default` where the config lacks it."""
+        node: Any = self.config
+        for key in ds_key_long.split("."):
+            if not isinstance(node, Mapping) or key not in node:
+                return default
+            node = node[key]
+        return node
+
+    def is_true(self, ds_key_long: str) -> bool:
+        return self.get_value(ds_key_long) is True
+
+    def is_false(self, ds_key_long: str) -> bool:
+        return self.get_value(ds_key_long) is False
