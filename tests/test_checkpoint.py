@@ -99,7 +99,7 @@ def child_resume(out: str, root: str, ckpts_json: str) -> None:
         os.mkdir(nvme)
         torch.manual_seed(12345)  # whatever the process did before, loading restores the RNG states
         engine = build(name, nvme)
-        path, client_state = engine.load_checkpoint(ckpt)
+        path, client_state = engine.load_checkpoint(ckpt, load_rng_states=True)
         assert path == os.path.join(ckpt, f"global_step{N_STEPS}"), path
         counters = (engine.global_steps, engine.micro_steps, engine.skipped_steps, engine.optimizer.step_count)
         losses = train(engine, M_STEPS)
@@ -225,8 +225,12 @@ def test_incomplete_mismatched_and_missing_checkpoints(saved, tmp_path):
         (ckpt / "incomplete" / "rank00000-of-00001.data").write_bytes(b"x")
         with pytest.raises(CheckpointIncompleteError, match="incomplete.*no manifest.json"):
             engine.load_checkpoint(ckpt, tag="incomplete")
-        path, client = engine.load_checkpoint(ckpt, tag="two")
+        torch.manual_seed(777)
+        drawn = torch.rand(4)
+        torch.manual_seed(777)
+        path, client = engine.load_checkpoint(ckpt, tag="two")  # the random streams stay the script's (DeepSpeed's)
         assert client is None and path == str(ckpt / "two")
+        assert torch.equal(torch.rand(4), drawn)
         assert_same(state, snapshot(engine))
     finally:
         engine.close()
@@ -294,7 +298,7 @@ def test_saved_with_two_ranks_loads_into_one_and_back(tmp_path):
     fresh = build("stage3-bf16-nvme", str(tmp_path))
     try:
         with pytest.warns(UserWarning, match="saved with 2 ranks, loaded into 1"):
-            fresh.load_checkpoint(tmp_path / "two", tag="t")
+            fresh.load_checkpoint(tmp_path / "two", tag="t", load_rng_states=True)
         for part in ("param", "master", "exp_avg", "exp_avg_sq"):
             theirs = full_units([p for d in dumps for p in d["trained"][part]], fresh.units)
             loaded = full_units(unit_pieces(fresh, part), fresh.units)

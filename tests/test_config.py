@@ -342,8 +342,11 @@ BAD = [
      UnsupportedKeyError, "optimizer.params.amsgrad", "does not support"),
     ("schedule type", with_keys(MINIMAL, scheduler={"type": "OneCycle", "params": {}}), UnsupportedKeyError,
      "scheduler.type", "WarmupCosineLR"),
-    ("deprecated cpu_offload", with_keys(MINIMAL, zero_optimization={"stage": 2, "cpu_offload": True}),
-     UnsupportedKeyError, "zero_optimization.cpu_offload", "offload_optimizer"),
+    ("deprecated cpu_offload beside offload_optimizer", with_keys(MINIMAL, zero_optimization={
+        "stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}),
+     ConfigError, "zero_optimization.cpu_offload", "keep one of the two"),
+    ("deprecated cpu_offload_param", with_keys(MINIMAL, zero_optimization={"stage": 3, "cpu_offload_param": True}),
+     UnsupportedKeyError, "zero_optimization.cpu_offload_param", "offload_param"),
     # "auto" that cannot be resolved
     ("auto bucket without hidden size", with_keys(MINIMAL, zero_optimization={"stage": 3,
                                                                                "reduce_bucket_size": "auto"}),
@@ -468,3 +471,11 @@ def test_size_examples(text, nbytes):
 def test_size_rejects(bad):
     with pytest.raises(ValueError):
         parse_size(bad)
+
+
+def test_deepspeeds_deprecated_cpu_offload_is_offload_optimizer_on_cpu():
+    """DeepSpeed 0.19 still reads `cpu_offload: true` as offload_optimizer on cpu (scripts in its examples set it)."""
+    on = load_config(with_keys(MINIMAL, zero_optimization={"stage": 2, "cpu_offload": True}))
+    assert on.zero_optimization.offload_optimizer.device == "cpu"
+    off = load_config(with_keys(MINIMAL, zero_optimization={"stage": 2, "cpu_offload": False}))
+    assert off.zero_optimization.offload_optimizer.device == "none"

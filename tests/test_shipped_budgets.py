@@ -25,14 +25,15 @@ COMMANDS = [
 ]
 
 
-def fits(argv: list[str]) -> tuple[int | None, int]:
-    """(the device budget the main job would run `argv` with, the least it needs)."""
+def fits(argv: list[str], world_size: int = 1) -> tuple[int | None, int]:
+    """(the device budget the main job would run `argv` with, the least it needs on each of `world_size` ranks)."""
     args = run.parse_args(argv)
     config = run.load_ds_config(args)
     run.fast_compute(config, args, local_device())
     with torch.device("meta"):
         model = GPT(run.model_config(args))
-    return load_config(config, world_size=1).zero_tiering.device_budget, sum(device_need(model, config).values())
+    budget = load_config(config, world_size=world_size).zero_tiering.device_budget
+    return budget, sum(device_need(model, config, world_size).values())
 
 
 @pytest.mark.parametrize("argv", COMMANDS, ids=lambda argv: " ".join(argv) or "default")
@@ -40,6 +41,12 @@ def test_each_readme_command_fits_its_device_budget(argv, monkeypatch):
     monkeypatch.chdir(ROOT)
     budget, need = fits(argv)
     assert budget is None or budget >= need, f"device budget {budget} below the {need} bytes the engine needs"
+
+
+def test_the_main_job_on_two_ranks_fits_its_device_budget():
+    """`torchrun --nproc_per_node 2 -m zero.train` and `python -m zero.launch --num_gpus 2 --module zero.train`."""
+    budget, need = fits([], world_size=2)
+    assert budget >= need, f"device budget {budget} below the {need} bytes each rank needs"
 
 
 STREAM = ["--config", "configs/zero3_nvme_scale.json", "--preset", "1b", "--layers", "4", "--seq-len", "256",

@@ -170,7 +170,8 @@ def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: n
     The gradients of the root and of that unit
     are on the device at once, until each is reduced. The reduction's scratch: the largest unit's flattened
     gradients (one buffer per gradient copy in flight to the host), its reduced shard when reduce-scattered, the
-    fp32 cast where the device steps (one rank sending them to the host flattens a sub-group's part at a time).
+    fp32 cast where the device steps (where they go to the host, one rank or reduce-scattered, a sub-group's part
+at a time: its pieces from every rank's range, and its reduced piece).
     Segments homed on the device (parameter shards, optimizer state) stay
     there. Activations kept on the device are not counted here: they depend on the batch."""
     zo = cfg.zero_optimization
@@ -180,10 +181,13 @@ def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: n
     reduce_bytes = reduce_dtype(cfg, dtype).itemsize
     work_on_host = zo.offload_optimizer.device != "none"
     slots = SLOTS if work_on_host else 1
-    flattened = largest_sub_group(cfg, [flat for flat, _ in plan]) if world == 1 and work_on_host else largest
-    scratch = slots * charge(max(flattened, 1) * reduce_bytes)
-    if zo.stage >= 2 and world > 1:
-        scratch += slots * charge(largest // world * reduce_bytes)
+    if work_on_host and (world == 1 or zo.stage >= 2):  # a sub-group's part at a time (gradients.py)
+        part = max(largest_sub_group(cfg, [flat for flat, _ in plan]), 1)
+        scratch = slots * charge(world * part * reduce_bytes) + (slots * charge(part * reduce_bytes) if world > 1 else 0)
+    else:
+        scratch = slots * charge(largest * reduce_bytes)
+        if zo.stage >= 2 and world > 1:
+            scratch += slots * charge(largest // world * reduce_bytes)
     if not work_on_host and reduce_bytes != 4:
         scratch += charge(largest * 4)
     parts = {"segments": 0, "gathered units": 0, "unit gradients": 0, "reduction scratch": scratch if plan else 0}

@@ -587,10 +587,12 @@ class ZeroEngine(nn.Module):
         return checkpoint.save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
-                        load_lr_scheduler_states=True, load_module_only=False):
+                        load_lr_scheduler_states=True, load_module_only=False, load_rng_states=False):
         """Load a checkpoint (tag None: the one `latest` names), verified against its manifest first; every
         rank calls it. Returns (tag directory, client_state), or (None, None) when there is no `latest`.
-        `load_module_only` loads the weights alone (as load_optimizer_states=False with no scheduler)."""
+        `load_module_only` loads the weights alone (as load_optimizer_states=False with no scheduler).
+        `load_rng_states` (ours) also puts the random streams back as they were at the save; DeepSpeed's load
+        leaves them as the script set them, and so does this one by default."""
         if not load_module_strict:
             raise ValueError("load_checkpoint(load_module_strict=False) is not supported: a checkpoint loads "
                              "into the same model, every parameter checked against its unit layout")
@@ -598,7 +600,8 @@ class ZeroEngine(nn.Module):
             load_optimizer_states = load_lr_scheduler_states = False
         self._finish_step()
         return checkpoint.load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
-                                          load_lr_scheduler_states=load_lr_scheduler_states)
+                                          load_lr_scheduler_states=load_lr_scheduler_states,
+                                          load_rng_states=load_rng_states)
 
 
 def _check_part(part: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterable, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -159,12 +160,13 @@ def plan_units(model: nn.Module, groups: list[dict], dp: DataParallel) -> list[t
     return plan
 
 
-def device_need(model: nn.Module, config: str | os.PathLike | Mapping) -> dict[str, int]:
+def device_need(model: nn.Module, config: str | os.PathLike | Mapping, world_size: int = 1) -> dict[str, int]:
     """The least device budget `initialize(model=model, config=config)` would run in on this machine, by part
-    (budgets.device_minimum), on one rank, from the plan alone: nothing is built, read or written (a model on
-    meta will do). What zero.plan prints and the shipped configs are checked against."""
-    cfg = load_config(config, world_size=1)
-    plan = plan_units(model, param_groups_from(model, model.parameters(), None, cfg), DataParallel())
+    (budgets.device_minimum), on each of `world_size` ranks, from the plan alone: nothing is built, read or
+    written, no process group is joined (a model on meta will do). What the shipped configs are checked against."""
+    cfg = load_config(config, world_size=world_size)
+    ranks = SimpleNamespace(world_size=world_size, rank=0)  # the plan's sizes are every rank's
+    plan = plan_units(model, param_groups_from(model, model.parameters(), None, cfg), ranks)
     device = local_device()
     return device_minimum(cfg, plan, model, compute_dtype(cfg), charge=lambda nbytes: device_charge(nbytes, device))
 

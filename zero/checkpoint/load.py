@@ -53,8 +53,8 @@ def check_fits(engine: ZeroEngine, manifest: dict, tag_dir: str) -> None:
 
 
 def load_checkpoint(engine: ZeroEngine, load_dir: str | os.PathLike, tag: Any = None,
-                    load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True) -> tuple[str | None, Any]:
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_rng_states: bool = False) -> tuple[str | None, Any]:
     """Load a checkpoint saved by save_checkpoint (any world size, any stage, same model and dtype) into the
     engine; every rank must call it. Returns (tag directory, client_state), or (None, None) with a warning
     when no tag is given and `load_dir` has no `latest` (as DeepSpeed does).
@@ -62,7 +62,9 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str | os.PathLike, tag: Any = 
     Verifies every file this rank reads against the manifest before changing anything. The state file is
     unpickled (client_state may hold any object, as in DeepSpeed): load only checkpoints you trust.
     `load_optimizer_states=False` loads the weights (parameters and fp32 masters) and starts the optimizer
-    afresh (zero moments, step 0, the engine's own hyperparameters and loss scale)."""
+    afresh (zero moments, step 0, the engine's own hyperparameters and loss scale). `load_rng_states`: put the
+    random streams (Python, numpy, torch, CUDA) back where they were at the save, for a resume that draws as the
+    uninterrupted run (the main job's); off by default, as DeepSpeed's load leaves them as the script set them."""
     load_dir = os.fspath(load_dir)
     if tag is None:
         tag = read_latest(load_dir)
@@ -106,7 +108,8 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str | os.PathLike, tag: Any = 
     except Exception as exc:
         raise CheckpointError(f"loading {tag_dir!r} failed part way, after verification: the engine's state is "
                               f"partly loaded; load again or rebuild the engine ({exc})") from exc
-    apply_state(engine, state, load_optimizer_states, load_lr_scheduler_states, same_world, saved_world)
+    apply_state(engine, state, load_optimizer_states, load_lr_scheduler_states, same_world, saved_world,
+                load_rng_states)
     return tag_dir, state["client_state"]
 
 
@@ -126,7 +129,7 @@ def load_tensors(engine: ZeroEngine, reader: RecordReader, parts: tuple[str, ...
 
 
 def apply_state(engine: ZeroEngine, state: dict, load_optimizer_states: bool, load_lr_scheduler_states: bool,
-                same_world: bool, saved_world: int) -> None:
+                same_world: bool, saved_world: int, load_rng_states: bool) -> None:
     engine.counters.load_state_dict(state["engine"])
     if load_optimizer_states:
         for group, saved in zip(engine.optimizer.param_groups, state["optimizer"]["param_groups"]):
@@ -139,6 +142,8 @@ def apply_state(engine: ZeroEngine, state: dict, load_optimizer_states: bool, lo
     scheduler = engine.lr_scheduler
     if load_lr_scheduler_states and scheduler is not None and state["lr_scheduler"] is not None:
         scheduler.load_state_dict(state["lr_scheduler"])
+    if not load_rng_states:
+        return
     if same_world:
         set_rng_state(state["rng"])
     else:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from .errors import ConfigError
 from .schema import Section, Unsupported, setting
@@ -172,8 +173,6 @@ class ZeroOptimizationConfig(Section):
         "load_from_fp32_weights": Unsupported("fp32 master weights rebuilt from the low-precision model weights",
                                               off=True, fix="leave it true: masters load exactly from the checkpoint"),
         "pipeline_loading_checkpoint": Unsupported("pipeline-mode checkpoint loading", off=False),
-        "cpu_offload": Unsupported("a deprecated offload switch", off=False,
-                                   fix='use "offload_optimizer": {"device": "cpu"}'),
         "cpu_offload_param": Unsupported("a deprecated offload switch", off=False,
                                          fix='use "offload_param": {"device": "cpu"}'),
         "cpu_offload_use_pin_memory": Unsupported("a deprecated offload switch", off=False,
@@ -190,6 +189,22 @@ class ZeroOptimizationConfig(Section):
         "override_module_apply": "DeepSpeed's patch of nn.Module.apply for stage 3; ours patches nothing",
         "log_trace_cache_warnings": "logging only",
     }
+
+    @classmethod
+    def from_json(cls, data: object, path: str, ignored: list[str]) -> Any:
+        """DeepSpeed's deprecated `cpu_offload` (still read by DeepSpeed 0.19) is `offload_optimizer` on cpu:
+        true becomes that section where the config has none; false changes nothing."""
+        if isinstance(data, Mapping) and "cpu_offload" in data:
+            data = dict(data)
+            legacy = data.pop("cpu_offload")
+            if not isinstance(legacy, bool):
+                raise ConfigError(f"{path}.cpu_offload", "true or false", value=legacy)
+            if legacy:
+                if "offload_optimizer" in data:
+                    raise ConfigError(f"{path}.cpu_offload", "names the same setting as offload_optimizer; keep "
+                                      "one of the two", value=legacy)
+                data["offload_optimizer"] = {"device": "cpu"}
+        return super().from_json(data, path, ignored)
 
     def __post_init__(self) -> None:
         super().__post_init__()

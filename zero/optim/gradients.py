@@ -4,7 +4,8 @@ global gradient norm that clipping and fp16 overflow checks read.
 A unit's gradients are flattened into one buffer (the unit's layout), divided as DeepSpeed's gradient
 averaging asks, reduced (all-reduce, or reduce-scatter when gradients are partitioned: stage 2 on), and this
 rank's range is cast to fp32 once and added to the sub-groups' accumulated gradient (AdamDriver.accumulate).
-One rank sending them to the host has nothing to reduce: a sub-group's part at a time is flattened and sent.
+Where they go to the host (and, with several ranks, are reduce-scattered), a sub-group's part at a time is
+flattened, reduced and sent, so the device holds scratch of a sub-group's size rather than of the largest unit's.
 Where the optimizer works on the host, the range goes there first, asynchronously (gradient_copies.py), and is
 added one unit later; `drain` adds the last ones at the end of the backward.
 Norms are taken per parameter piece, keyed by the parameter's place in the model, so they sum in torch's
@@ -25,8 +26,8 @@ from .speculative_step import SpeculativeStep
 
 REDUCTION_SCRATCH = "reduction scratch"
 """The device budget's part the reduction's buffers take: a unit's flattened gradients and its reduced shard, one
-of each per device scratch (gradient_copies.SLOTS of them where the gradients go to the host; one rank sending
-them there flattens a sub-group's part at a time)."""
+of each per device scratch (gradient_copies.SLOTS of them where the gradients go to the host, each then a
+sub-group's part: its pieces from every rank's range, and its reduced piece)."""
 COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -67,14 +68,13 @@ class Gradients:
         world = self.dp.world_size
         last = self.counters.at_boundary()  # this step's gradient is complete after these adds
         early = last and self.speculation is not None and self.speculation.running
-        if world == 1 and self.copies is not None:
-            # Nothing to reduce and the parts go to the host: each sub-group's part is flattened into a scratch
-            # of a sub-group's size as its copy comes, not the whole unit into one of the largest unit's size
-            # (a tied embedding's: the device working set would hold two).
+        if self.copies is not None and (world == 1 or self.reduce_scatter):
+            # The parts go to the host a sub-group at a time: each is flattened (from every rank's range, to be
+            # reduce-scattered) and reduced as its copy comes, into scratch of a sub-group's size, not the whole
+            # unit into buffers of the largest unit's size (a tied embedding's: the device would hold two).
             for i, sg in enumerate(unit.sub_groups):
                 slot = self.copies.scratch()
-                scratch = self._scratch(f"grads{slot}", sg.numel, dtype, full.device, largest=self.copies.numel)
-                self.copies.send(slot, flat.flatten_grads(scratch, sg.offset), self._adder(unit, i, last, early))
+                self.copies.send(slot, self._reduce_part(unit, sg, slot, dtype), self._adder(unit, i, last, early))
             flat.drop_grads()
             return last
         slot = self.copies.scratch() if self.copies is not None else 0  # a scratch no copy still reads
@@ -99,6 +99,24 @@ class Gradients:
             else:
                 self.copies.send(slot, part, add)
         return last
+
+    def _reduce_part(self, unit: Unit, sg: SubGroup, slot: int, dtype: torch.dtype) -> torch.Tensor:
+        """Sub-group `sg`'s part of the unit's gradient, reduced over ranks (the mean, as DeepSpeed averages), in
+        scratch `slot`: every rank's range holds its sub-groups at the same offsets, so the part's pieces of
+        all ranks are flattened side by side and reduce-scattered."""
+        flat, world, n = unit.flat, self.dp.world_size, sg.numel
+        grads = self._scratch(f"grads{slot}", world * n, dtype, unit.full.device, largest=world * self.copies.numel)
+        for rank in range(world):
+            flat.flatten_grads(grads[rank * n:(rank + 1) * n], rank * flat.shard_numel + sg.offset)
+        if world == 1:
+            return grads
+        if self.predivide != 1.0:
+            grads.div_(self.predivide)
+        part = self._scratch(f"shard{slot}", n, dtype, grads.device, largest=self.copies.numel)
+        self.dp.reduce_scatter_sum(grads, part)
+        if self.predivide != world:
+            part.div_(world / self.predivide)  # the mean over ranks
+        return part
 
     def _adder(self, unit: Unit, i: int, last: bool, early: bool) -> Callable[[torch.Tensor], None]:
         """What adds the unit's `i`th sub-group's reduced part, where it lands: speculation learns of the unit's
