@@ -371,8 +371,6 @@ BAD = [
     # keys that contradict each other
     ("fp16 and bf16", with_keys(MINIMAL, fp16={"enabled": True}, bf16={"enabled": True}), ConfigError,
      "bf16.enabled", "both"),
-    ("param offload below stage 3", with_keys(MINIMAL, zero_optimization={"stage": 2, "offload_param": {
-        "device": "cpu"}}), ConfigError, "zero_optimization.offload_param.device", "stage 3"),
     ("required schedule key", with_keys(MINIMAL, scheduler={"type": "WarmupCosineLR", "params": {}}),
      ConfigError, "scheduler.params.total_num_steps", "required"),
 ]
@@ -479,3 +477,13 @@ def test_deepspeeds_deprecated_cpu_offload_is_offload_optimizer_on_cpu():
     assert on.zero_optimization.offload_optimizer.device == "cpu"
     off = load_config(with_keys(MINIMAL, zero_optimization={"stage": 2, "cpu_offload": False}))
     assert off.zero_optimization.offload_optimizer.device == "none"
+
+
+def test_offload_param_below_stage_3_is_ignored_with_a_warning_as_deepspeed_ignores_it():
+    config = with_keys(MINIMAL, zero_optimization={"stage": 2, "offload_param": {"device": "cpu"},
+                                                   "offload_optimizer": {"device": "cpu"}})
+    with pytest.warns(UserWarning, match=r"zero_optimization.offload_param \(device 'cpu'\) is read at stage 3 only"):
+        loaded = load_config(config)
+    assert loaded.zero_optimization.offload_param.device == "none"
+    assert loaded.zero_optimization.offload_optimizer.device == "cpu"
+    assert "zero_optimization.offload_param" in loaded.ignored

@@ -115,9 +115,6 @@ BAD = {  # name: (config, exception type, the key its message must name)
         with_change(lambda c: c.update(train_batch_size=3)), ConfigError, "train_batch_size"),
     "fp16 and bf16": (
         with_change(lambda c: c.update(fp16={"enabled": True}, bf16={"enabled": True})), ConfigError, "bf16.enabled"),
-    "parameter offload below stage 3": (
-        with_change(lambda c: c["zero_optimization"].update(offload_param={"device": "cpu"})), ConfigError,
-        "zero_optimization.offload_param.device"),
 }
 
 

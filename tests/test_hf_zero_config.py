@@ -54,3 +54,42 @@ def test_from_pretrained_builds_under_zero_init_and_trains_as_the_plain_load(tmp
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["zero_init"] == result["plain"], result
+
+
+RESIZE = textwrap.dedent("""
+    import sys, torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import zero
+    from zero.integrations.hf_config import HfZeroConfig
+
+    path = sys.argv[1]
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    LlamaForCausalLM(config).save_pretrained(path)
+    pretrained = LlamaForCausalLM.from_pretrained(path).model.embed_tokens.weight.detach().clone()
+    ds = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}
+    dschf = HfZeroConfig(ds)
+    model = LlamaForCausalLM.from_pretrained(path)
+    model.resize_token_embeddings(80)  # a new embedding, built on the partitioned one's device, its old rows copied
+    engine, *_ = zero.initialize(model=model, config=ds)
+    with zero.zero.GatheredParameters([model.model.embed_tokens.weight]):
+        weight = model.model.embed_tokens.weight.detach().clone()
+    assert weight.shape == (80, 32)
+    assert torch.equal(weight[:64], pretrained), (weight[:64] - pretrained).abs().max()
+    # The added rows: transformers samples them into the new embedding before any GatheredParameters names it, while
+    # it is still on meta here (on the CPU under DeepSpeed): they are the zeros it got when first named.
+    assert torch.equal(weight[64:], torch.zeros(16, 32))
+    engine.close()
+    print("OK")
+""")
+
+
+def test_resized_embeddings_keep_their_pretrained_rows(tmp_path):
+    """transformers' resize_token_embeddings under ZeRO-3 builds the new embedding on the old weight's device (meta
+    under our zero.Init) and copies the old rows inside GatheredParameters(modifier_rank=0): the copy is kept (before,
+    it went to meta and the engine initialized the whole embedding afresh); the added rows are zeros."""
+    done = subprocess.run([sys.executable, "-c", RESIZE, str(tmp_path / "model")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -193,7 +194,16 @@ class ZeroOptimizationConfig(Section):
     @classmethod
     def from_json(cls, data: object, path: str, ignored: list[str]) -> Any:
         """DeepSpeed's deprecated `cpu_offload` (still read by DeepSpeed 0.19) is `offload_optimizer` on cpu:
-        true becomes that section where the config has none; false changes nothing."""
+        true becomes that section where the config has none; false changes nothing. `offload_param` below stage 3
+        is ignored, with a warning, as DeepSpeed ignores it there (scripts set it whatever their stage)."""
+        if isinstance(data, Mapping) and isinstance(data.get("stage", 0), int) and data.get("stage", 0) < 3 \
+                and isinstance(data.get("offload_param"), Mapping) \
+                and data["offload_param"].get("device", "none") not in ("none", None):
+            data = dict(data)
+            device = data.pop("offload_param")["device"]
+            ignored.append(f"{path}.offload_param")
+            warnings.warn(f"{path}.offload_param (device {device!r}) is read at stage 3 only, as DeepSpeed reads it: "
+                          f"ignored at stage {data.get('stage', 0)}; parameters stay on the device", stacklevel=2)
         if isinstance(data, Mapping) and "cpu_offload" in data:
             data = dict(data)
             legacy = data.pop("cpu_offload")

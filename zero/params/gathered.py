@@ -7,8 +7,10 @@ import contextlib
 from collections.abc import Iterable, Iterator
 
 import torch
+from torch import nn
 
 from .ds_param import owner_of
+from .materialize import swap_keeping_attributes
 
 
 @contextlib.contextmanager
@@ -17,8 +19,10 @@ def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor] | None, mod
     """Inside the block `params` hold their full values on every rank (every rank enters it). With
     `modifier_rank`, what that rank's parameters hold on exit becomes every rank's and the model's (the fp32
     masters too, once `initialize` has made them); without, changes are dropped. A block that raises changes
-    nothing. `fwd_module` is accepted for DeepSpeed's signature: units are gathered by the forward that runs
-    them, so no parameter needs registering with another module's forward."""
+    nothing. A parameter on meta that nobody partitioned gets real host memory for a block with `modifier_rank`
+    (zeros, then what the block writes), which it keeps. `fwd_module` is accepted for DeepSpeed's signature:
+    units are gathered by the forward that runs them, so no parameter needs registering with another module's
+    forward."""
     if not enabled or params is None:
         yield
         return
@@ -28,6 +32,13 @@ def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor] | None, mod
         owner = owner_of(p)
         if owner is not None:
             owners.setdefault(id(owner), (owner, []))[1].append(p)
+        elif isinstance(p, nn.Parameter) and p.is_meta and modifier_rank is not None:
+            # Built from a partitioned parameter's device (transformers' resize_token_embeddings makes its new
+            # embedding on the old weight's, meta under zero.Init): what the block writes must not vanish into
+            # meta. It gets host memory (zeros) and keeps it, a whole parameter `initialize` takes as it is, as
+            # under DeepSpeed, whose partitioned stand-ins live on the CPU. What was written into it before, on
+            # meta, is lost: resize's added rows stay zeros (DeepSpeed's are sampled from the old rows).
+            swap_keeping_attributes(p, nn.Parameter(torch.zeros(p.shape, dtype=p.dtype), p.requires_grad))
     with contextlib.ExitStack() as stack:
         for owner, owned in owners.values():
             stack.enter_context(owner.gathered_parameters(owned, modifier_rank=modifier_rank))

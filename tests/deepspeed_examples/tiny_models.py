@@ -1,0 +1,49 @@
+"""Tiny Hugging Face models and tokenizers, written with save_pretrained into a directory, for the copied scripts that
+load theirs with from_pretrained (a model-name argument may name a local directory). Built from a config and a seed,
+with no download; the same transformers version writes the same weights."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+WORDS = [f"w{i}" for i in range(59)]
+"""The vocabulary's plain words (whitespace-separated tokens)."""
+
+
+def word_level_tokenizer(specials: list[str], **special_names: str):
+    """A fast word-level tokenizer: the special tokens first (ids 0, 1, ...), then WORDS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(specials + WORDS)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=special_names["unk_token"]))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special_names)
+
+
+def write_llama(directory: str, seed: int = 0) -> str:
+    """A 2-layer Llama (hidden 128, MLP 2048) and its tokenizer (no pad token: the script sets eos), fp32. Each MLP
+    matrix has 2**18 elements (1 MiB): DeepSpeed swaps a tensor to NVMe only from its aio block size (1 MiB) up, and
+    keeps smaller ones in host memory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = word_level_tokenizer(["<unk>", "<s>", "</s>"], unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=2048, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).float()
+    os.makedirs(directory, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def write_roberta_tokenizer(directory: str) -> str:
+    """A RoBERTa-style tokenizer with roberta-base's special ids (<s> 0, <pad> 1, </s> 2, <unk> 3) and a mask token."""
+    tokenizer = word_level_tokenizer(["<s>", "<pad>", "</s>", "<unk>", "<mask>"], bos_token="<s>", pad_token="<pad>",
+                                     eos_token="</s>", unk_token="<unk>", mask_token="<mask>")
+    os.makedirs(directory, exist_ok=True)
+    tokenizer.save_pretrained(directory)
+    return directory
