@@ -28,14 +28,14 @@ from .activations import ActivationOffload
 from .comm import DataParallel
 from .config import Config
 from .counters import StepCounters, ThroughputTimer
-from .optim.driver import STATE_PARTS, AdamDriver, SubGroup
+from .optim.driver import STATE_PARTS, AdamDriver
 from .optim.gradients import Gradients
 from .optim.loss_scaler import LossScaler
 from .optim.overlapped_step import OverlappedStep
 from .optim.speculative_step import SpeculativeStep
 from .optim.param_groups import ZeroOptimizer
 from .params.ds_param import OWNER, mark, set_owner
-from .params.flat_unit import ParamSlot
+from .params.full_values import FullValues
 from .params.placement import Placement
 from .params.unit import DS_STATUS, Unit
 from .preemption import SIGNALS, Preemption
@@ -65,7 +65,7 @@ class StateTensor(NamedTuple):
     """held(write) gives the tensor for the length of a block (write: the block rewrites it)."""
 
 
-class ZeroEngine(nn.Module):
+class ZeroEngine(FullValues, nn.Module):
     def __init__(self, *, module: nn.Module, config: Config, placement: Placement, driver: AdamDriver,
                  gradients: Gradients, counters: StepCounters, optimizer: ZeroOptimizer, lr_scheduler,
                  dp: DataParallel, swap: SwapManager, loss_scaler: LossScaler | None, compute_dtype: torch.dtype,
@@ -289,142 +289,6 @@ class ZeroEngine(nn.Module):
         if self.speculation is not None:
             self.speculation.abandon()
 
-    # -- full parameters on demand ----------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def gathered_parameters(self, params: list[nn.Parameter] | None = None, modify: bool = False,
-                            modifier_rank: int | None = None):
-        """Inside the block the given parameters (default: all) hold their full values, as DeepSpeed's
-        GatheredParameters gives them; every rank calls it. With `modify=True` the values they hold on exit
-        become the model's: their fp32 masters (and, for stage 3, the parameter shards) are rewritten; every
-        rank must make the same change. With `modifier_rank` (DeepSpeed's), the values that rank holds on exit
-        are first sent to every rank, then become the model's. Moments are kept. A block that raises (or one
-        without `modify` or `modifier_rank`) leaves the masters as they were; what it wrote into a full buffer
-        that stays (stages 0-2, a persistent unit) is there until the next step rewrites it from them.
-
-        A unit this block alone gathers lends its parameters a private copy of its full buffer, not views of it:
-        the release gives the full buffer's bytes back (to nothing, or to the device tier's pool), and a tensor the
-        caller kept (`p.data`, `p.data.cpu()` on a CPU, a view) must stay valid after the block, as DeepSpeed's
-        does. What the parameters hold on exit (written in place or assigned to `p.data`) is what is adopted."""
-        self._finish_step()
-        wanted = None if params is None else {id(p) for p in params}
-        chosen = [unit for unit in self.units
-                  if wanted is None or any(id(slot.param) in wanted for slot in unit.flat.slots)]
-        held: list[Unit] = []
-        lent: list[Unit] = []
-        try:
-            for unit in chosen:
-                self.placement.gather(unit)
-                held.append(unit)
-                if self.placement.frees_on_release(unit):
-                    unit.flat.bind(unit.full.clone())
-                    lent.append(unit)
-            yield
-            if modify or modifier_rank is not None:
-                for unit in chosen:
-                    if unit in lent:
-                        unit.flat.flatten(unit.full)
-                    if modifier_rank is not None:
-                        self.dp.broadcast(unit.full, modifier_rank)
-                    self._adopt_full_values(unit, wanted)
-        finally:
-            for unit in lent:
-                unit.flat.bind(unit.full)  # the caller's tensors keep the private copy; the release unbinds
-            for unit in held:
-                self.placement.release(unit)
-
-    def _adopt_full_values(self, unit: Unit, wanted: set[int] | None) -> None:
-        """Make the unit's full buffer the truth for the parameters in `wanted` (None: all): copy their part of
-        this rank's range into the masters (each sub-group fetched once), and the range into the shard (the
-        others' values are its own)."""
-        ranges = ([(0, unit.flat.padded_numel)] if wanted is None else
-                  [(slot.offset, slot.numel) for slot in unit.flat.slots if id(slot.param) in wanted])
-        runs: dict[int, tuple[SubGroup, list[tuple[int, int, int]]]] = {}
-        for start, length in ranges:
-            for sg, at, offset, numel in self._pieces(unit, start, length):
-                runs.setdefault(id(sg), (sg, []))[1].append((at, offset, numel))
-        for sg, pieces in runs.values():
-            with self.driver.held(sg, "master", dirty=True) as master:
-                for at, offset, numel in pieces:
-                    master.narrow(0, at, numel).copy_(unit.full.narrow(0, offset, numel))
-        self.placement.adopt_full(unit)
-
-    def _pieces(self, unit: Unit, offset: int, numel: int) -> Iterator[tuple[SubGroup, int, int, int]]:
-        """Where the flat range [offset, offset + numel) of `unit` meets this rank's sub-groups: (sub-group,
-        offset in it, offset in the flat buffer, length)."""
-        start = self.placement.rank_range(unit)[0]
-        for sg in unit.sub_groups:
-            lo, hi = max(offset, start + sg.offset), min(offset + numel, start + sg.offset + sg.numel)
-            if lo < hi:
-                yield sg, lo - start - sg.offset, lo, hi - lo
-
-    # -- one parameter's training state, whole (zero.utils' safe_get_* and safe_set_*) ---------------------------
-
-    def _slot_of(self, param: torch.Tensor) -> tuple[Unit, ParamSlot] | None:
-        for unit in self.units:
-            for slot in unit.flat.slots:
-                if slot.param is param:
-                    return unit, slot
-        return None
-
-    def full_state(self, param: torch.Tensor, part: str) -> torch.Tensor | None:
-        """`param`'s whole fp32 `part` ("master", "exp_avg", "exp_avg_sq", or "grad": the gradient accumulated
-        since the last step, unscaled) in its shape, gathered from every rank; every rank calls it. None for a
-        parameter the engine does not train, or for "grad" when no gradient waits for a step."""
-        found = self._slot_of(param)
-        if found is None:
-            return None
-        _check_part(part)
-        self._finish_step()
-        unit, slot = found
-        out = torch.zeros(slot.numel + 1, dtype=torch.float32)  # the last element counts pieces holding gradients
-        for sg, at, offset, numel in self._pieces(unit, slot.offset, slot.numel):
-            if part == "grad" and sg.grad_fresh:
-                continue  # a spent gradient: zeros
-            with self.driver.held(sg, part) as state:
-                out.narrow(0, offset - slot.offset, numel).copy_(state.narrow(0, at, numel))
-            out[-1] += 1
-        if self.placement.sharded:
-            self.dp.all_reduce_sum(out)  # each rank filled its own range, zeros elsewhere: every rank sees the count
-        if part == "grad":
-            if out[-1] == 0:
-                return None
-            out /= self.cur_scale
-        return out[:-1].view(slot.shape)
-
-    def set_full_state(self, param: torch.Tensor, part: str, value: torch.Tensor) -> None:
-        """Rewrite `param`'s `part` (as `full_state` names them; "grad" scaled back as the step reads it) from
-        `value`, its whole value in its shape; setting "master" sets the parameter too (in the compute dtype).
-        Every rank calls it with the same value."""
-        found = self._slot_of(param)
-        if found is None:
-            raise ValueError(f"this engine does not train the parameter of shape "
-                             f"{tuple(getattr(param, 'ds_shape', param.shape))} (frozen, or not in the model it was "
-                             "initialized with)")
-        _check_part(part)
-        unit, slot = found
-        if tuple(value.shape) != tuple(slot.shape):
-            raise ValueError(f"{slot.name}: a value of shape {tuple(value.shape)} for a parameter of shape "
-                             f"{tuple(slot.shape)}")
-        self._finish_step()
-        flat = value.detach().reshape(-1).float().cpu()
-        if part == "grad":
-            flat = flat * self.cur_scale
-        start = self.placement.rank_range(unit)[0]
-        for sg, at, offset, numel in self._pieces(unit, slot.offset, slot.numel):
-            fresh = part == "grad" and sg.grad_fresh  # a spent gradient: the rest of the sub-group is zero
-            with self.driver.held(sg, part, dirty=True, overwrite=fresh) as state:
-                if fresh:
-                    state.zero_()
-                state.narrow(0, at, numel).copy_(flat.narrow(0, offset - slot.offset, numel))
-            if part == "grad":
-                sg.grad_fresh, sg.norms = False, None
-            elif part == "master":
-                with self.placement.shard(unit, write=True) as shard:
-                    shard.narrow(0, offset - start, numel).copy_(flat.narrow(0, offset - slot.offset, numel))
-        if part == "master":
-            self.placement.shards_changed()
-
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state_dict with real tensors (gathered unit by unit under stage 3); tied parameters
         appear under every name, as torch's state_dict lists them."""
@@ -602,11 +466,6 @@ class ZeroEngine(nn.Module):
         return checkpoint.load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                           load_lr_scheduler_states=load_lr_scheduler_states,
                                           load_rng_states=load_rng_states)
-
-
-def _check_part(part: str) -> None:
-    if part not in (*STATE_PARTS, "grad"):
-        raise ValueError(f"state part {part!r}: one of {', '.join((*STATE_PARTS, 'grad'))}")
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:

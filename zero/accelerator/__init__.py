@@ -46,10 +46,16 @@ class Accelerator:
             torch.cuda.empty_cache()
 
     def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed) if self._name == "cpu" else torch.cuda.manual_seed(seed)
+        if self._name == "cuda":
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
 
     def manual_seed_all(self, seed: int) -> None:
-        torch.manual_seed(seed) if self._name == "cpu" else torch.cuda.manual_seed_all(seed)
+        if self._name == "cuda":
+            torch.cuda.manual_seed_all(seed)
+        else:
+            torch.manual_seed(seed)
 
     def is_bf16_supported(self) -> bool:
         return torch.cuda.is_bf16_supported() if self._name == "cuda" else True
