@@ -167,13 +167,12 @@ def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: n
     Stage 3 gathers: the units that follow the whole model (the root: its module's forward spans the step, and a
     tied embedding is used at both ends), and persistent ones, stay gathered; beside them the largest other unit
     (prefetching the next one needs its full buffer's room on top: without it the engine runs, unprefetched).
-    The gradients of the root and of that unit
-    are on the device at once, until each is reduced. The reduction's scratch: the largest unit's flattened
-    gradients (one buffer per gradient copy in flight to the host), its reduced shard when reduce-scattered, the
-    fp32 cast where the device steps (where they go to the host, one rank or reduce-scattered, a sub-group's part
-at a time: its pieces from every rank's range, and its reduced piece).
-    Segments homed on the device (parameter shards, optimizer state) stay
-    there. Activations kept on the device are not counted here: they depend on the batch."""
+    The gradients of the root and of that unit are on the device at once, until each is reduced. The reduction's
+    scratch, one per gradient copy in flight to the host: where the gradients go there (one rank, or
+    reduce-scattered), a sub-group's part from every rank's range and its reduced piece (gradients.py); else the
+    largest unit's flattened gradients, its reduced shard when reduce-scattered, and the fp32 cast where the device
+    steps. Segments homed on the device (parameter shards, optimizer state) stay there. Activations kept on the
+    device are not counted: they depend on the batch."""
     zo = cfg.zero_optimization
     world = plan[0][0].world_size if plan else 1
     stage3 = zo.stage == 3

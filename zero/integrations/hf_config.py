@@ -19,7 +19,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..comm import init_distributed
+from ..comm import DataParallel, init_distributed
 from ..config import load_config
 from . import deepspeed_alias
 
@@ -33,7 +33,8 @@ class HfZeroConfig:
                 config = json.load(f)
         self.config = config
         """The DeepSpeed-format dict, as transformers' `deepspeed_config()` returns it to `zero.Init`."""
-        self._stage = load_config(copy.deepcopy(config), world_size=1).zero_optimization.stage  # validated now
+        validated = load_config(config, world_size=DataParallel.world_size_to_join())  # bad keys are named now
+        self._stage = validated.zero_optimization.stage
         from transformers.integrations import deepspeed as hf_deepspeed
 
         deepspeed_alias.install()
