@@ -5,13 +5,15 @@ bytes per element, "range" = this rank's part of a unit: its shard from stage 1 
 
     | term                 | bytes                                                                        |
     |----------------------|------------------------------------------------------------------------------|
-    | homed on host        | parts x 4 x sum(range) with offload_optimizer cpu (parts: 3, or 4 with a     |
-    |                      | separate fp32 master); + P x sum(shard) with stage 3 offload_param cpu       |
-    | working window       | 4 sub-groups' state: 4 x parts x 4 x sub-group; stage 3: + 4 parameter shards |
+    | homed on host        | S x sum(range) with offload_optimizer cpu (S: a sub-group's state and        |
+    |                      | gradient per element, `window_bytes`: 16, or 12 when the master is the       |
+    |                      | shard, for exact state; less for a compact state format); + P x sum(shard)   |
+    |                      | with stage 3 offload_param cpu                                               |
+    | working window       | 4 sub-groups' state: 4 x S x sub-group; stage 3: + 4 parameter shards        |
     |                      | (P x largest shard); parameters on nvme: + P x min(max_in_cpu, all shards)   |
     |                      | offload_optimizer: + 2 x R x sub-group, the gradients' staging on their way  |
     |                      | to the host (R: the bytes of the dtype the reduction leaves them in)         |
-    | prefetch             | 2 sub-groups' state: 2 x parts x 4 x sub-group; stage 3: + P x               |
+    | prefetch             | 2 sub-groups' state: 2 x S x sub-group; stage 3: + P x                       |
     |                      | stage3_prefetch_bucket_size                                                  |
     | activations          | zero_tiering.activation_host_bytes with activation_offload cpu or nvme       |
 
@@ -43,13 +45,19 @@ def compute_dtype(cfg: Config) -> torch.dtype:
 
 
 def masters_are_params(cfg: Config, dtype: torch.dtype) -> bool:
-    """Stage 3 computing in fp32 with parameters and optimizer state offloaded to the same tier: each unit's
-    parameter shard is its fp32 master (identical values), so the master is not stored a second time and the
-    optimizer updates the shard in place. Elsewhere the master is a copy of its own: the compute dtype is
-    lower, or the parameters rest in another tier than the optimizer works in."""
+    """Stage 3 computing in the master's dtype (fp32, or bf16 with a bf16 master) with parameters and optimizer
+    state offloaded to the same tier: each unit's parameter shard is its master (identical values), so the master
+    is not stored a second time and the optimizer updates the shard in place. Elsewhere the master is a copy of
+    its own: the compute dtype differs, or the parameters rest in another tier than the optimizer works in."""
     zo = cfg.zero_optimization
-    return (zo.stage == 3 and dtype == torch.float32
+    return (zo.stage == 3 and dtype == cfg.state_format.master_dtype
             and zo.offload_param.device == zo.offload_optimizer.device != "none")
+
+
+def window_bytes(cfg: Config, dtype: torch.dtype, numel: int) -> int:
+    """Host bytes a sub-group of `numel` elements takes for a step: its state as the state format stores it (the
+    master unless it is the parameter shard) and its gradient, counted at 4 bytes."""
+    return cfg.state_format.state_bytes(numel, master=not masters_are_params(cfg, dtype)) + 4 * numel
 
 
 def reduce_dtype(cfg: Config, dtype: torch.dtype) -> torch.dtype:
@@ -84,7 +92,7 @@ def nvme_segments(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, opt
     zo = cfg.zero_optimization
     params_on_nvme = zo.stage == 3 and HOMES[zo.offload_param.device] == "nvme"
     state_on_nvme = optimizer and HOMES[zo.offload_optimizer.device] == "nvme"  # the gradient is homed with it
-    masters = 0 if masters_are_params(cfg, dtype) else 1
+    fmt, own_master = cfg.state_format, not masters_are_params(cfg, dtype)
     sizes = []
     for unit in units:
         numel = unit.rank_range(zo.stage >= 1)[1]
@@ -94,7 +102,9 @@ def nvme_segments(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, opt
             chunk = zo.sub_group_size or numel
             for offset in range(0, numel, chunk):
                 n = min(chunk, numel - offset)
-                sizes += [4 * n] * (masters + 2) + [grad_dtype(cfg, dtype).itemsize * n]
+                codecs = fmt.codecs(n)
+                sizes += [codecs.master.nbytes(n)] * own_master + [codecs.exp_avg.nbytes(n), codecs.exp_avg_sq.nbytes(n),
+                                                                  grad_dtype(cfg, dtype).itemsize * n]
     return sizes
 
 
@@ -112,15 +122,20 @@ def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, optim
     False (inference): there is no optimizer state, so neither its window nor its read-ahead; prefetch reads
     ahead the prefetch bucket's parameters alone, leaving the rest of the host budget to cache them."""
     zo, zt = cfg.zero_optimization, cfg.zero_tiering
-    shard_bytes = [4 * u.rank_range(zo.stage >= 1)[1] for u in units]
-    sub_group_bytes = 4 * largest_sub_group(cfg, units)
-    parts = 0 if not optimizer else 3 if masters_are_params(cfg, dtype) else 4  # (master,) grad, two moments
-    window = 4 * parts * sub_group_bytes  # the segments of up to four sub-groups
+    sub_group = largest_sub_group(cfg, units)
+    state = window_bytes(cfg, dtype, sub_group) if optimizer else 0  # (master,) two moments, grad
+    window = 4 * state  # the segments of up to four sub-groups
     offload = zo.offload_optimizer.device
-    homed_on_host = parts * sum(shard_bytes) if offload == "cpu" else 0
+    homed_on_host = 0
+    if optimizer and offload == "cpu":
+        for unit in units:
+            numel = unit.rank_range(zo.stage >= 1)[1]
+            chunk = zo.sub_group_size or numel
+            homed_on_host += sum(window_bytes(cfg, dtype, min(chunk, numel - offset))
+                                 for offset in range(0, numel, chunk))
     if optimizer and offload != "none":  # gradient_copies.py: the staging of the gradients' way to the host
         window += SLOTS * reduce_dtype(cfg, dtype).itemsize * largest_sub_group(cfg, units)
-    prefetch = 2 * parts * sub_group_bytes  # read ahead the next sub-groups' state
+    prefetch = 2 * state  # read ahead the next sub-groups' state
     max_live = reuse_distance = None
     if zo.stage == 3:
         param_bytes = [u.shard_numel * dtype.itemsize for u in units]

@@ -92,7 +92,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
         work_tier: Tier = "device" if state_home == "device" else "host"
         grad_home: Tier = "nvme" if state_home == "nvme" else work_tier  # host holds no per-parameter bytes
         driver = AdamDriver(swap, state_home=state_home, grad_home=grad_home, work_tier=work_tier,
-                            grad_dtype=grad_dtype(cfg, dtype))
+                            grad_dtype=grad_dtype(cfg, dtype), state_format=cfg.state_format)
         counters = StepCounters(cfg.gradient_accumulation_steps)
         placement = None
         if speculates(cfg, work_tier, [flat for flat, _ in plan], dtype, swap.config.host_budget):

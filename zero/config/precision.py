@@ -49,6 +49,13 @@ class BF16Config(Section):
     enabled: bool = False
     """Train in bf16 (exclusive with fp16)."""
 
+    bf16_optimizer_states: bool = False
+    """DeepSpeed 0.18's: keep the Adam moments in bf16 (zero_tiering.moments "bf16")."""
+
+    bf16_master_weights_and_grads: bool = False
+    """DeepSpeed 0.18's: keep the master weights in bf16, rounded to nearest (zero_tiering.master "bf16");
+    gradients are kept as they are without it (in the reduction's dtype, fp32 when accumulated)."""
+
     UNSUPPORTED = {
         "check_grad_overflow": Unsupported("skipping bf16 steps whose gradients overflow", off=False),
     }

@@ -49,6 +49,18 @@ class ZeroTieringSection(Section):
     shard resting on the device would need a second copy there); null: on where served; false: every sub-group
     steps after the backward."""
 
+    moments: Literal["fp32", "bf16", "int8"] | None = None
+    """How the Adam moments are stored: "fp32" (exact, torch AdamW bit for bit), "bf16", or "int8" (block-wise: 256
+    elements share an fp32 absmax; sub-groups under 4096 elements stay fp32); null: bf16 with DeepSpeed's
+    bf16.bf16_optimizer_states, else fp32. Compact moments move fewer bytes a step at a measured price in loss
+    (bench/RESULTS.md)."""
+
+    master: Literal["fp32", "bf16", "bf16-sr"] | None = None
+    """How the master weights are stored: "fp32" (exact), "bf16" (rounded to nearest after each step, as DeepSpeed's
+    bf16.bf16_master_weights_and_grads), or "bf16-sr" (rounded stochastically: small updates survive on average);
+    a bf16 master needs bf16 compute, and at stage 3 with parameters in the optimizer's tier it is the parameter
+    shard itself, not a copy. null: bf16 with bf16_master_weights_and_grads, else fp32."""
+
     nonfinite: Literal["error", "skip"] = "error"
     """What a step whose gradient norm is nan or inf does where no fp16 loss scaler handles it (bf16, fp32):
     "error" raises NonFiniteLossError naming the step (nothing of it applied), "skip" drops its gradients and

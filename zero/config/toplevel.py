@@ -17,6 +17,7 @@ from .scheduler import SchedulerConfig
 from .schema import DISABLED, Section, Unsupported, setting
 from .tiering_section import ZeroTieringSection
 from .zero_optimization import ZeroOptimizationConfig
+from ..optim.state_format import StateFormat
 
 def _fp32_accumulation(value: object) -> bool:
     return value is None or (isinstance(value, Mapping) and value.get("grad_accum_dtype") in (None, "fp32"))
@@ -127,6 +128,34 @@ class Config(Section):
             raise ConfigError("zero_tiering.activation_offload",
                               "activation_checkpointing.cpu_checkpointing asks for host memory; drop one of the two",
                               value=self.zero_tiering.activation_offload)
+        self._check_state_format()
+
+    @property
+    def state_format(self) -> StateFormat:
+        """How the optimizer state is stored: zero_tiering.moments / .master, else DeepSpeed's bf16 keys."""
+        zt, bf16 = self.zero_tiering, self.bf16
+        moments = zt.moments or ("bf16" if bf16.bf16_optimizer_states else "fp32")
+        master = zt.master or ("bf16" if bf16.bf16_master_weights_and_grads else "fp32")
+        return StateFormat(moments, master)
+
+    def _check_state_format(self) -> None:
+        zt, bf16 = self.zero_tiering, self.bf16
+        for ours, theirs, value in (("moments", "bf16_optimizer_states", "bf16"),
+                                    ("master", "bf16_master_weights_and_grads", "bf16")):
+            if getattr(bf16, theirs) and getattr(zt, ours) not in (None, value):
+                raise ConfigError(f"zero_tiering.{ours}", f"bf16.{theirs} asks for {value!r}: drop one of the two",
+                                  value=getattr(zt, ours))
+        fmt = self.state_format
+        if fmt.master != "fp32" and not self.bf16.enabled:
+            key = "zero_tiering.master" if zt.master else "bf16.bf16_master_weights_and_grads"
+            raise ConfigError(key, f"a {fmt.master} master is the bf16 parameter's value: it needs bf16 compute "
+                                   "(bf16.enabled); this config computes in "
+                                   f"{'fp16' if self.fp16.enabled else 'fp32'}", value=zt.master or True)
+        if not fmt.exact and self.zero_optimization.offload_optimizer.device == "none":
+            key = "zero_tiering.moments" if fmt.moments != "fp32" else "zero_tiering.master"
+            raise ConfigError(key, f"a compact state format ({fmt.describe()}) is stepped by CPU-Adam: set "
+                                   "zero_optimization.offload_optimizer.device to cpu or nvme",
+                              value=getattr(zt, key.split(".")[1]) or True)
 
     @property
     def activation_offload(self) -> str:

@@ -16,6 +16,8 @@ import torch
 from tiering import SwapManager, Tier
 
 from .adam_math import AdamThreads, adam_step, torch_fused_step
+from .compact_step import compact_step, sr_key
+from .state_format import FP32, StateFormat, SubGroupCodecs
 
 STATE_PARTS = ("master", "exp_avg", "exp_avg_sq")
 """The parts of a sub-group's optimizer state (with its gradient, "grad", what a step reads)."""
@@ -33,6 +35,10 @@ class SubGroup:
     """Index of the unit whose optimizer state it is a slice of."""
     offset: int
     """Where the slice starts within this rank's range of the unit's flat buffer (see FlatUnit.rank_range)."""
+    codecs: SubGroupCodecs
+    """How its master and moments are stored."""
+    index: int = 0
+    """Its first element's index in the unit's flat buffer (the same on any number of ranks)."""
     grad_fresh: bool = True
     """No gradient accumulated since the last step: the next accumulation overwrites instead of adding."""
     norms: list[tuple[int, torch.Tensor]] | None = None
@@ -54,11 +60,13 @@ class SubGroup:
 
 class AdamDriver:
     def __init__(self, swap: SwapManager, *, state_home: Tier, grad_home: Tier, work_tier: Tier,
-                 grad_dtype: torch.dtype = torch.float32):
+                 grad_dtype: torch.dtype = torch.float32, state_format: StateFormat = StateFormat()):
         """`grad_dtype`: what the accumulated gradient is kept in. 16 bits where each step's gradient is
         stored once, exactly as the reduction left it (no accumulation): the same values as fp32 in half the
-        bytes written and read back; the step casts them to fp32 once."""
+        bytes written and read back; the step casts them to fp32 once. `state_format`: how master and moments
+        are stored."""
         self.swap = swap
+        self.state_format = state_format
         self.state_home, self.grad_home, self.work_tier = state_home, grad_home, work_tier
         self.grad_dtype = grad_dtype
         self._grad_fp32: torch.Tensor | None = None  # where a 16-bit gradient is cast for the step (reused)
@@ -66,27 +74,33 @@ class AdamDriver:
         self.threads = AdamThreads()  # the step on as many threads as torch uses (see adam_step)
 
     def add_unit(self, unit: int, name: str, master: torch.Tensor, group: int, chunk: int,
-                 master_in: str | None = None) -> list[SubGroup]:
-        """Register `master` (this rank's fp32 range of unit `unit`, flat) as sub-groups `<name>/<k>` of at most
-        `chunk` elements (0: one), stepped with param group `group`; moments and gradient start at zero. With
-        `master_in`, the fp32 segment that already holds the master (see SubGroup.master_in)."""
+                 master_in: str | None = None, start: int = 0) -> list[SubGroup]:
+        """Register `master` (this rank's fp32 range of unit `unit`, flat, starting at element `start` of the
+        unit's flat buffer) as sub-groups `<name>/<k>` of at most `chunk` elements (0: one), stepped with param
+        group `group`; moments and gradient start at zero. With `master_in`, the segment that already holds the
+        master in the master's format (see SubGroup.master_in)."""
         chunk = chunk or master.numel()
         sub_groups = []
         for k, offset in enumerate(range(0, master.numel(), chunk)):
             numel = min(chunk, master.numel() - offset)
-            sg = SubGroup(f"{name}/{k}", numel, group, unit, offset,
-                          master_in=None if master_in is None else (master_in, offset))
+            sg = SubGroup(f"{name}/{k}", numel, group, unit, offset, self.state_format.codecs(numel),
+                          index=start + offset, master_in=None if master_in is None else (master_in, offset))
             sub_groups.append(self._add(sg, master.narrow(0, offset, numel)))
         return sub_groups
 
     def _add(self, sg: SubGroup, master: torch.Tensor) -> SubGroup:
         shape = (sg.numel,)
         handles = []
-        if sg.master_in is None:
-            handles.append(self.swap.register(sg.segment("master"), dtype=torch.float32, shape=shape,
-                                              home=self.state_home, data=master.reshape(-1)))
-        for part in ("exp_avg", "exp_avg_sq"):
-            handles.append(self.swap.register(sg.segment(part), dtype=torch.float32, shape=shape, home=self.state_home))
+        for part in STATE_PARTS:
+            if part == "master" and sg.master_in is not None:
+                continue
+            codec = sg.codecs.of(part)
+            data = None
+            if part == "master":
+                data = torch.empty(codec.storage_numel(sg.numel), dtype=codec.dtype)
+                codec.encode(master.reshape(-1), data, sg.numel)
+            handles.append(self.swap.register(sg.segment(part), dtype=codec.dtype,
+                                              shape=(codec.storage_numel(sg.numel),), home=self.state_home, data=data))
         handles.append(self.swap.register(sg.segment("grad"), dtype=self.grad_dtype, shape=shape, home=self.grad_home))
         for handle in handles:
             handle.wait()
@@ -136,11 +150,27 @@ class AdamDriver:
     @contextlib.contextmanager
     def held(self, sg: SubGroup, part: str, *, dirty: bool = False, discard: bool = False,
              overwrite: bool = False) -> Iterator[torch.Tensor]:
-        """`part` of `sg` in the work tier, released afterwards as asked (see SwapManager.fetch and release),
-        even if the block fails."""
+        """`part` of `sg` in the work tier, its values in fp32 for a state part (the gradient as it is kept),
+        released afterwards as asked (see SwapManager.fetch and release), even if the block fails. A part stored
+        compact is decoded into a copy, encoded back after the block when `dirty`."""
+        codec = sg.codecs.of(part) if part in STATE_PARTS else FP32
+        with self._stored(sg, part, dirty=dirty, discard=discard, overwrite=overwrite) as stored:
+            if codec is FP32:
+                yield stored
+                return
+            values = torch.empty(sg.numel, dtype=torch.float32, device=stored.device)
+            codec.decode(stored, sg.numel, values)
+            yield values
+            if dirty:
+                codec.encode(values, stored, sg.numel)
+
+    @contextlib.contextmanager
+    def _stored(self, sg: SubGroup, part: str, **release) -> Iterator[torch.Tensor]:
+        """`part` of `sg` as its segment stores it."""
         name, offset = sg.place(part)
-        with self.swap.held(name, self.work_tier, dirty=dirty, discard=discard, overwrite=overwrite) as tensor:
-            yield tensor.narrow(0, offset, sg.numel)
+        codec = sg.codecs.of(part) if part in STATE_PARTS else FP32
+        with self.swap.held(name, self.work_tier, **release) as tensor:
+            yield tensor.narrow(0, offset, codec.storage_numel(sg.numel))
 
     def zero_grad(self) -> None:
         for sg in self.sub_groups:
@@ -177,8 +207,8 @@ class AdamDriver:
             # since the last step) is zeros, nothing to read.
             spend = not keep_grad
             master, grad, exp_avg, exp_avg_sq = (
-                stack.enter_context(self.held(sg, part, dirty=part != "grad", discard=part == "grad" and spend,
-                                              overwrite=part == "grad" and sg.grad_fresh))
+                stack.enter_context(self._stored(sg, part, dirty=part != "grad", discard=part == "grad" and spend,
+                                                 overwrite=part == "grad" and sg.grad_fresh))
                 for part in ("master", "grad", "exp_avg", "exp_avg_sq"))
             if grad.dtype != torch.float32 or (keep_grad and grad_scale != 1.0):
                 grad = self._in_fp32(grad)  # a scale != 1 is stored back into the grad by the kernel
@@ -194,7 +224,11 @@ class AdamDriver:
             with contextlib.nullcontext() if sg.master_in is not None else output(sg) as out:
                 low_precision = out is not None and out.dtype in (torch.bfloat16, torch.float16)
                 low = out if low_precision and not out.is_cuda else None
-                if master.is_cuda:  # optimizer state kept on the GPU (offload_optimizer none)
+                if not sg.codecs.exact:
+                    compact_step(*tensors, codecs=sg.codecs, numel=sg.numel, out=low, key=sr_key(step, sg.unit),
+                                 index=sg.index, threads=self.threads, hyper=dict(
+                                     step=step, decoupled=hyper["decoupled"], grad_scale=grad_scale, **options))
+                elif master.is_cuda:  # optimizer state kept on the GPU (offload_optimizer none)
                     torch_fused_step(*tensors, step=step, decoupled=hyper["decoupled"], grad_scale=grad_scale,
                                      **options)
                 else:

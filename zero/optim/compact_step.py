@@ -1,0 +1,126 @@
+"""The Adam step of a sub-group stored in a compact state format (state_format.py): decode, torch's fused Adam(W)
+arithmetic, encode (stochastic rounding for a bf16-sr master), and the compute-dtype copy-out, in one pass.
+
+The C kernel (`compact_step` in zero.optim._adam_kernel) runs it block by block in registers, its Adam arithmetic
+the exact kernel's (bit for bit torch's fused kernel); `torch_compact_step` computes the same bits with torch ops
+a chunk at a time. It runs where the kernel is not built, and the tests compare the two for every format.
+
+Stochastic rounding adds 16 random bits below a value's bf16 part and truncates: unbiased, so updates smaller
+than a bf16 step survive on average. The bits are a hash of (step, unit, the element's index in the unit's flat
+buffer): a run reproduces, and a roll back's re-step, a resume, and 1 or 2 ranks (the same element keeps its
+index whoever holds it) round alike.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from .adam_math import AdamThreads, _kernel, torch_fused_step
+from .state_format import FP32, SubGroupCodecs
+
+CHUNK = 1 << 16
+"""Elements per torch piece: a multiple of QBLOCK and of 8, so the fused kernel's scalar tail is the sub-group's."""
+PIECE = 1 << 20
+"""Elements per C kernel call handed to a thread (a multiple of QBLOCK)."""
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix(x):
+    """A 32-bit integer hash (Chris Wellons' lowbias32) of an int or an int64 tensor of values below 2^32;
+    multiplications split in 16-bit halves, so int64 tensors never overflow."""
+    def mul(a, c):
+        return (a * (c & 0xFFFF) + (((a * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+    x = x ^ (x >> 16)
+    x = mul(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = mul(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def sr_key(step: int, unit: int) -> int:
+    """The stochastic rounding key of `unit` at `step`."""
+    return _mix(_mix(unit & _MASK32) ^ (step & _MASK32))
+
+
+def round_stochastic(values: torch.Tensor, out: torch.Tensor, key: int, index: int) -> None:
+    """fp32 `values` into bf16 `out`, rounded stochastically with the bits of elements index, index + 1, ...
+    (non-finite values round to nearest)."""
+    n = values.numel()
+    position = torch.arange(index, index + n, dtype=torch.int64) & _MASK32
+    random = _mix(position ^ key) >> 16
+    bits = values.view(torch.int32).to(torch.int64) & _MASK32
+    rounded = ((bits + random) >> 16) & 0xFFFF
+    rounded = torch.where(rounded >= 0x8000, rounded - 0x10000, rounded).to(torch.int16)
+    nearest = values.to(torch.bfloat16).view(torch.int16)
+    out.view(torch.int16).copy_(torch.where(torch.isfinite(values), rounded, nearest))
+
+
+def compact_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+                 codecs: SubGroupCodecs, numel: int, out: torch.Tensor | None, key: int, index: int,
+                 threads: AdamThreads | None, hyper: dict) -> None:
+    """One Adam(W) step of a sub-group of `numel` elements whose parts are stored as `codecs` says (`master`,
+    `exp_avg`, `exp_avg_sq`: its segments' views; `grad` fp32), with `hyper` as `adam_step` takes it. `out` (a
+    bf16/fp16 tensor, or None) receives the stored weights in the compute dtype. `key` and `index` (the first
+    element's index in its unit): the stochastic rounding's bits. On the C kernel where it is built, on `threads`
+    (None: the calling thread); else `torch_compact_step`."""
+    kernel = _kernel()[0]
+    if kernel is None or not hasattr(kernel, "compact_step"):
+        return torch_compact_step(master, grad, exp_avg, exp_avg_sq, codecs=codecs, numel=numel, out=out, key=key,
+                                  index=index, hyper=hyper)
+    pieces = kernel_pieces(kernel, master, grad, exp_avg, exp_avg_sq, codecs=codecs, numel=numel, out=out, key=key,
+                           index=index, hyper=hyper)
+    if threads is None:
+        for piece in pieces:
+            piece()
+    else:
+        threads.run(pieces)
+
+
+def kernel_pieces(kernel, master, grad, exp_avg, exp_avg_sq, *, codecs: SubGroupCodecs, numel: int,
+                  out: torch.Tensor | None, key: int, index: int, hyper: dict) -> list[Callable[[], None]]:
+    """The C kernel's calls for the step, one per PIECE elements, to run on any threads in any order."""
+    maps = _maps()
+    call = functools.partial(
+        kernel.compact_step, master.data_ptr(), codecs.master.kind, grad.data_ptr(), exp_avg.data_ptr(),
+        codecs.exp_avg.kind, exp_avg_sq.data_ptr(), codecs.exp_avg_sq.kind, 0 if out is None else out.data_ptr(),
+        0 if out is None else (1 if out.dtype == torch.bfloat16 else 2), numel, int(codecs.stochastic), key, index,
+        *(t.data_ptr() for t in maps), **hyper)
+    return [functools.partial(call, lo, min(lo + PIECE, numel)) for lo in range(0, numel, PIECE)]
+
+
+@functools.cache
+def _maps() -> tuple[torch.Tensor, ...]:
+    from .state_format import INT8_SIGNED, INT8_UNSIGNED
+    return INT8_SIGNED.values, INT8_SIGNED.midpoints, INT8_UNSIGNED.values, INT8_UNSIGNED.midpoints
+
+
+def torch_compact_step(master, grad, exp_avg, exp_avg_sq, *, codecs: SubGroupCodecs, numel: int,
+                       out: torch.Tensor | None, key: int, index: int, hyper: dict) -> None:
+    """`compact_step` with torch ops, CHUNK elements at a time (scratch of three chunks, fp32)."""
+    scratch = torch.empty(3, min(CHUNK, numel), dtype=torch.float32)
+    for lo in range(0, numel, CHUNK):
+        n = min(CHUNK, numel - lo)
+        fp32 = []
+        for k, (stored, codec) in enumerate(((master, codecs.master), (exp_avg, codecs.exp_avg),
+                                             (exp_avg_sq, codecs.exp_avg_sq))):
+            if codec is FP32:
+                fp32.append(stored.narrow(0, lo, n))
+            else:
+                fp32.append(scratch[k, :n])
+                codec.decode(stored, numel, fp32[-1], lo)
+        p, m, v = fp32
+        torch_fused_step(p, grad.narrow(0, lo, n), m, v, **hyper)
+        for stored, codec, values in ((exp_avg, codecs.exp_avg, m), (exp_avg_sq, codecs.exp_avg_sq, v)):
+            if codec is not FP32:
+                codec.encode(values, stored, numel, lo)
+        if codecs.master is not FP32:
+            if codecs.stochastic:
+                round_stochastic(p, master.narrow(0, lo, n), key, index + lo)
+            else:
+                codecs.master.encode(p, master, numel, lo)
+        if out is not None:
+            out.narrow(0, lo, n).copy_(p if codecs.master is FP32 else master.narrow(0, lo, n))
+

@@ -1,0 +1,204 @@
+"""State formats: how a sub-group's optimizer state is stored (DESIGN.md, "state format").
+
+Exact (fp32 master and moments) is the default and is torch AdamW bit for bit. A compact format stores the
+moments in bf16 or block-wise int8, and the master in bf16 (rounded to nearest, as DeepSpeed's
+`bf16_master_weights_and_grads`, or stochastically): fewer bytes read and written each step, at a price in loss
+that bench/quality.py measures. Each part is a `Codec`: its storage (dtype and element count of its segment),
+`encode` and `decode` from and to fp32. The fused step over these codecs is compact_step.py; the driver never
+branches on a format.
+
+Block-wise int8 (Dettmers et al., "8-bit Optimizers via Block-wise Quantization"): blocks of 256 elements, each
+with its fp32 absmax; an element is the nearest of 256 codes of a dynamic map times its block's absmax, signed for
+the first moment, unsigned for the second. A sub-group under 4096 elements keeps fp32 moments (the quantization
+error of a tiny tensor, a bias or a norm, is not worth its bytes).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+MomentsFormat = Literal["fp32", "bf16", "int8"]
+MasterFormat = Literal["fp32", "bf16", "bf16-sr"]
+MOMENTS: tuple[str, ...] = ("fp32", "bf16", "int8")
+MASTERS: tuple[str, ...] = ("fp32", "bf16", "bf16-sr")
+
+QBLOCK = 256
+"""Elements sharing one absmax in block-wise int8."""
+SMALLEST_INT8 = 4096
+"""Sub-groups with fewer elements keep fp32 moments."""
+TINY = 2.0 ** -100
+"""A block whose absmax is below this is stored as zeros: every code times a larger absmax is a normal fp32
+number, so decoding and encoding again gives the same bytes (a checkpoint stores decoded values)."""
+
+
+class Codec:
+    """One part's storage: `kind` (the C kernel's code), `dtype`, `storage_numel(n)`, `encode`, `decode`."""
+
+    kind = 0
+    dtype = torch.float32
+
+    def storage_numel(self, numel: int) -> int:
+        return numel
+
+    def __repr__(self) -> str:
+        return self.name
+
+    def nbytes(self, numel: int) -> int:
+        return self.storage_numel(numel) * self.dtype.itemsize
+
+    def decode(self, stored: torch.Tensor, numel: int, out: torch.Tensor, start: int = 0) -> None:
+        """Elements [start, start + out.numel()) of the values a segment `stored` of `numel` elements holds, into
+        fp32 `out` (start a multiple of QBLOCK)."""
+        out.copy_(stored.narrow(0, start, out.numel()))
+
+    def encode(self, values: torch.Tensor, stored: torch.Tensor, numel: int, start: int = 0) -> None:
+        """fp32 `values` into elements [start, start + values.numel()) of a segment `stored` of `numel` elements,
+        rounded to nearest (start a multiple of QBLOCK, and the run whole blocks or the segment's end)."""
+        stored.narrow(0, start, values.numel()).copy_(values)
+
+
+class Fp32(Codec):
+    name = "fp32"
+
+
+class Bf16(Codec):
+    """bf16, rounded to nearest even (torch's conversion)."""
+
+    name, kind, dtype = "bf16", 1, torch.bfloat16
+
+
+class Int8Blocks(Codec):
+    """Block-wise int8: the segment (uint8) holds each block's fp32 absmax first, then one code per element."""
+
+    dtype = torch.uint8
+
+    def __init__(self, signed: bool):
+        self.signed = signed
+        self.name = "int8"
+        self.kind = 2 if signed else 3
+        self.values, self.midpoints = dynamic_map(signed)
+        self.zero = int(torch.nonzero(self.values == 0)[0])
+
+    @staticmethod
+    def blocks(numel: int) -> int:
+        return -(-numel // QBLOCK)
+
+    def storage_numel(self, numel: int) -> int:
+        return 4 * self.blocks(numel) + numel
+
+    def split(self, stored: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(absmax fp32 [blocks], codes uint8 [numel]) views of a segment holding `numel` elements."""
+        nblocks = self.blocks(numel)
+        return stored.narrow(0, 0, 4 * nblocks).view(torch.float32), stored.narrow(0, 4 * nblocks, numel)
+
+    def decode(self, stored: torch.Tensor, numel: int, out: torch.Tensor, start: int = 0) -> None:
+        absmax, codes = self.split(stored, numel)
+        n = out.numel()
+        scale = absmax.narrow(0, start // QBLOCK, self.blocks(n)).repeat_interleave(QBLOCK)[:n]
+        torch.mul(self.values[codes.narrow(0, start, n).long()], scale, out=out)
+
+    def encode(self, values: torch.Tensor, stored: torch.Tensor, numel: int, start: int = 0) -> None:
+        absmax_all, codes_all = self.split(stored, numel)
+        n = values.numel()
+        nblocks = self.blocks(n)
+        padded = torch.zeros(nblocks * QBLOCK, dtype=torch.float32)
+        padded[:n] = values
+        blocks = padded.view(nblocks, QBLOCK)
+        absmax = blocks.abs().amax(dim=1)
+        tiny = absmax < TINY
+        absmax = torch.where(tiny, torch.zeros_like(absmax), absmax)
+        scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+        scaled = torch.where(tiny[:, None], torch.zeros_like(blocks), blocks / scale[:, None]).view(-1)[:n]
+        codes = torch.searchsorted(self.midpoints, scaled)  # how many midpoints lie below: the nearest code
+        codes = torch.where(torch.isnan(scaled), self.zero, codes)
+        absmax_all.narrow(0, start // QBLOCK, nblocks).copy_(absmax)
+        codes_all.narrow(0, start, n).copy_(codes)
+
+
+@functools.cache
+def dynamic_map(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(256 sorted fp32 code values in [-1, 1] (signed) or [0, 1], the 255 fp32 midpoints between neighbours).
+
+    A dynamic (tree) map: seven decades 1e-6 .. 1, the decade 10^(k-6) holding 2^k linearly spaced values
+    (midpoints of 0.1 .. 1 cut in 2^k) per sign, so small magnitudes keep relative precision. Signed: both signs,
+    the smallest decade positive only, with 0 and +-1; unsigned: 2^(k+1) per decade, with 0 and 1."""
+    import numpy as np
+
+    values = [0.0, 1.0] + ([-1.0] if signed else [])
+    for k in range(7):
+        count = 2 ** k if signed else 2 ** (k + 1)
+        edges = np.linspace(0.1, 1.0, count + 1)
+        level = (edges[:-1] + edges[1:]) / 2 * 10.0 ** (k - 6)
+        values += level.tolist()
+        if signed and k > 0:
+            values += (-level).tolist()
+    table = np.array(sorted(set(np.float32(values).tolist())), dtype=np.float64)
+    assert table.size == 256, table.size
+    midpoints = ((table[:-1] + table[1:]) / 2).astype(np.float32)
+    return torch.from_numpy(table.astype(np.float32)), torch.from_numpy(midpoints)
+
+
+FP32, BF16 = Fp32(), Bf16()
+INT8_SIGNED, INT8_UNSIGNED = Int8Blocks(signed=True), Int8Blocks(signed=False)
+
+
+@dataclass(frozen=True)
+class StateFormat:
+    """The state format a run asked for (zero_tiering.moments / .master, or DeepSpeed's bf16 keys)."""
+
+    moments: MomentsFormat = "fp32"
+    master: MasterFormat = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.moments not in MOMENTS:
+            raise ValueError(f"moments format {self.moments!r}: one of {', '.join(MOMENTS)}")
+        if self.master not in MASTERS:
+            raise ValueError(f"master format {self.master!r}: one of {', '.join(MASTERS)}")
+
+    @property
+    def exact(self) -> bool:
+        return self.moments == "fp32" and self.master == "fp32"
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        return torch.float32 if self.master == "fp32" else torch.bfloat16
+
+    def codecs(self, numel: int) -> SubGroupCodecs:
+        """The codecs of a sub-group of `numel` elements."""
+        if self.moments == "int8" and numel >= SMALLEST_INT8:
+            m, v = INT8_SIGNED, INT8_UNSIGNED
+        elif self.moments == "bf16":
+            m = v = BF16
+        else:
+            m = v = FP32
+        return SubGroupCodecs(FP32 if self.master == "fp32" else BF16, m, v, self.master == "bf16-sr")
+
+    def state_bytes(self, numel: int, *, master: bool = True) -> int:
+        """Bytes of a sub-group's stored state (with its master, unless the master is the parameter shard)."""
+        codecs = self.codecs(numel)
+        return (codecs.master.nbytes(numel) if master else 0) + codecs.exp_avg.nbytes(numel) \
+            + codecs.exp_avg_sq.nbytes(numel)
+
+    def describe(self) -> str:
+        return "exact (fp32 master and moments)" if self.exact else f"moments {self.moments}, master {self.master}"
+
+
+@dataclass(frozen=True)
+class SubGroupCodecs:
+    """What one sub-group's parts are stored as."""
+
+    master: Codec
+    exp_avg: Codec
+    exp_avg_sq: Codec
+    stochastic: bool
+    """The master is rounded stochastically (bf16-sr) when the step writes it."""
+
+    @property
+    def exact(self) -> bool:
+        return all(c is FP32 for c in (self.master, self.exp_avg, self.exp_avg_sq))
+
+    def of(self, part: str) -> Codec:
+        return getattr(self, part)
