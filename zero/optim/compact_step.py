@@ -94,7 +94,8 @@ def kernel_pieces(kernel, master, grad, exp_avg, exp_avg_sq, *, codecs: SubGroup
 @functools.cache
 def _maps() -> tuple[torch.Tensor, ...]:
     from .state_format import INT8_SIGNED, INT8_UNSIGNED
-    return INT8_SIGNED.values, INT8_SIGNED.midpoints, INT8_UNSIGNED.values, INT8_UNSIGNED.midpoints
+    return tuple(getattr(codec, name) for codec in (INT8_SIGNED, INT8_UNSIGNED)
+                 for name in ("values", "midpoints", "buckets"))
 
 
 def torch_compact_step(master, grad, exp_avg, exp_avg_sq, *, codecs: SubGroupCodecs, numel: int,

@@ -80,6 +80,7 @@ class Int8Blocks(Codec):
         self.name = "int8"
         self.kind = 2 if signed else 3
         self.values, self.midpoints = dynamic_map(signed)
+        self.buckets = buckets(self.midpoints)
         self.zero = int(torch.nonzero(self.values == 0)[0])
 
     @staticmethod
@@ -108,12 +109,13 @@ class Int8Blocks(Codec):
         padded[:n] = values
         blocks = padded.view(nblocks, QBLOCK)
         absmax = blocks.abs().amax(dim=1)
-        tiny = absmax < TINY
-        absmax = torch.where(tiny, torch.zeros_like(absmax), absmax)
+        empty = absmax < TINY  # zero, or too small for every code times it to stay a normal float: all zeros
+        absmax = torch.where(empty, torch.zeros_like(absmax), absmax)
         scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-        scaled = torch.where(tiny[:, None], torch.zeros_like(blocks), blocks / scale[:, None]).view(-1)[:n]
+        scaled = (blocks / scale[:, None]).view(-1)[:n]
         codes = torch.searchsorted(self.midpoints, scaled)  # how many midpoints lie below: the nearest code
         codes = torch.where(torch.isnan(scaled), self.zero, codes)
+        codes = torch.where(empty.repeat_interleave(QBLOCK)[:n], 0, codes)
         absmax_all.narrow(0, start // QBLOCK, nblocks).copy_(absmax)
         codes_all.narrow(0, start, n).copy_(codes)
 
@@ -139,6 +141,26 @@ def dynamic_map(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     assert table.size == 256, table.size
     midpoints = ((table[:-1] + table[1:]) / 2).astype(np.float32)
     return torch.from_numpy(table.astype(np.float32)), torch.from_numpy(midpoints)
+
+
+def buckets(midpoints: torch.Tensor) -> torch.Tensor:
+    """For each of the 2^17 buckets of fp32 values sharing their top 17 bits (sign, exponent, 8 bits of mantissa),
+    how many midpoints lie below the bucket (uint8): the C kernel's nearest-code search starts there and needs one
+    comparison, as no bucket holds two midpoints (checked here)."""
+    import numpy as np
+
+    mid = midpoints.numpy()
+    index = np.arange(1 << 17, dtype=np.uint32)
+    low, high = (index << 15).view(np.float32), ((index << 15) | 0x7FFF).view(np.float32)
+    negative = index >> 16 == 1
+    least, most = np.where(negative, high, low), np.where(negative, low, high)
+    below = np.searchsorted(mid, least, side="left")
+    finite = np.isfinite(least) & np.isfinite(most)
+    inside = np.searchsorted(mid, most, side="right") - below
+    if inside[finite].max() > 1:
+        raise AssertionError("a bucket of the int8 map holds two midpoints: the kernel's search would miss one")
+    # 3 bytes of padding: the kernel's vector loop reads 4 bytes at a bucket's place and keeps the first
+    return torch.from_numpy(np.concatenate([np.minimum(below, 255), np.zeros(3)]).astype(np.uint8))
 
 
 FP32, BF16 = Fp32(), Bf16()
