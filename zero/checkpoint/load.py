@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..optim.driver import STATE_PARTS
+from ..optim.state_format import StateFormat
 from .format import (
     CHUNK,
     CheckpointError,
@@ -110,6 +111,10 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str | os.PathLike, tag: Any = 
                               f"partly loaded; load again or rebuild the engine ({exc})") from exc
     apply_state(engine, state, load_optimizer_states, load_lr_scheduler_states, same_world, saved_world,
                 load_rng_states)
+    saved_format = StateFormat(**manifest.get("state_format", {}))
+    if saved_format != engine.driver.state_format:
+        warnings.warn(f"checkpoint {tag_dir!r} holds {saved_format.describe()} optimizer state; this run stores "
+                      f"{engine.driver.state_format.describe()}: converted on load", stacklevel=3)
     return tag_dir, state["client_state"]
 
 

@@ -12,6 +12,7 @@ continues bitwise where the saved one stood.
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -179,6 +180,7 @@ def write_manifest(engine: ZeroEngine, save_dir: str, tag: str, tag_dir: str, en
         "format": FORMAT, "format_version": FORMAT_VERSION, "library_version": library_version(), "tag": tag,
         "world_size": engine.dp.world_size, "stage": engine.stage,
         "compute_dtype": dtype_name(engine.compute_dtype),
+        "state_format": dataclasses.asdict(engine.driver.state_format),
         "gradient_accumulation_steps": engine.counters.gradient_accumulation_steps,
         **engine.counters.state_dict(),
         "model_class": f"{type(module).__module__}.{type(module).__qualname__}",

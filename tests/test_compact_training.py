@@ -1,0 +1,194 @@
+"""Compact state formats through the engine: every format trains the tiny Llama with the same bits whichever path
+steps it (ZeRO-3 with state on nvme or cpu, serial or speculative with roll backs, ZeRO-2 on cpu), accumulation 3
+and clipping that acts on some steps; two ranks over gloo agree; a save resumes in a fresh process bit for bit the
+uninterrupted run; an exact checkpoint loads into a compact run and the reverse, converted with one line saying
+so. What a format costs in loss is measured by bench/quality.py, not asserted here beyond "it trains": its losses
+stay within a few percent of exact AdamW's over these steps.
+
+Children run this file as a script (`python tests/test_compact_training.py resume ...`) for the fresh-process
+resume, and spawn ranks for the two-rank case.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import zero  # noqa: E402
+
+from conftest import child_env  # noqa: E402
+from stage3_models import batches, engine_train, free_port, full_state, one_thread, stage3_config, tiny_llama  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:bf16 compute:UserWarning")
+
+FORMATS = {  # name: (zero_tiering keys, bf16 compute)
+    "int8": ({"moments": "int8"}, False),
+    "bf16-moments": ({"moments": "bf16"}, False),
+    "int8-bf16-sr": ({"moments": "int8", "master": "bf16-sr"}, True),
+    "bf16-bf16": ({"moments": "bf16", "master": "bf16"}, True),
+}
+STEPS, ACCUM = 5, 3
+CLIP = 1.0
+"""The tiny Llama's gradient norms over these batches run about 1.11, 0.98, 0.94, 0.96, 1.09: clipping acts on the
+first and last steps, so a speculative run (which does not bet right after a clipped step) commits steps 3 and 4 and
+rolls back step 5."""
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+
+def config(fmt: str, tmp_path, *, tier: str = "nvme", stage: int = 3, speculate: bool | None = None,
+           accum: int = ACCUM, micro: int = 2) -> dict:
+    keys, bf16 = FORMATS[fmt] if fmt != "exact" else ({}, False)
+    os.makedirs(tmp_path, exist_ok=True)
+    cfg = stage3_config(tier, tier, nvme_path=tmp_path, accum=accum, clip=CLIP, bf16=bf16, micro=micro,
+                        sub_group_size=10**9, zero_tiering={**keys, "speculative_step": speculate})
+    if stage != 3:
+        cfg["zero_optimization"] = {"stage": stage, "offload_optimizer": {"device": tier}}
+    return cfg
+
+
+def train(cfg: dict, steps: int = STEPS, *, accum: int = ACCUM, rows: slice = slice(None)) -> dict:
+    engine, *_ = zero.initialize(model=tiny_llama(0), config=cfg)
+    try:
+        losses = engine_train(engine, [ids[rows] for ids in batches(steps * accum)])
+        stats = None if engine.speculation is None else vars(engine.speculation.stats).copy()
+        return dict(losses=losses, state=full_state(engine), speculation=stats)
+    finally:
+        engine.close()
+
+
+def assert_same_bits(a: dict, b: dict) -> None:
+    assert a["losses"] == b["losses"]
+    assert a["state"].keys() == b["state"].keys()
+    for key in a["state"]:
+        assert torch.equal(a["state"][key], b["state"][key]), key
+
+
+@pytest.fixture(scope="module")
+def exact_run(tmp_path_factory):
+    with one_thread():
+        return train(config("exact", tmp_path_factory.mktemp("exact")))
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_every_path_steps_a_format_to_the_same_bits(fmt, tmp_path, exact_run):
+    serial = train(config(fmt, tmp_path / "serial", speculate=False))
+    speculative = train(config(fmt, tmp_path / "speculative", speculate=True))
+    assert speculative["speculation"]["rolled_back"] > 0 and speculative["speculation"]["stepped_early"] > \
+        speculative["speculation"]["rolled_back"], speculative["speculation"]
+    assert_same_bits(speculative, serial)
+    assert_same_bits(train(config(fmt, tmp_path / "cpu", tier="cpu", speculate=False)), serial)
+    assert_same_bits(train(config(fmt, tmp_path / "stage2", tier="cpu", stage=2)), serial)
+    # It trains: losses fall and stay within a few percent of exact AdamW's (bench/quality.py measures the price).
+    losses, exact = torch.tensor(serial["losses"]), torch.tensor(exact_run["losses"])
+    assert losses[-ACCUM:].mean() < losses[:ACCUM].mean()
+    assert ((losses - exact).abs() / exact).max() < 0.03, ((losses - exact).abs() / exact).max()
+
+
+def _rank(rank: int, port: int, root: str) -> None:
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    result = train(config("int8-bf16-sr", os.path.join(root, f"nvme{rank}"), micro=1), rows=slice(rank, rank + 1))
+    torch.save(result, os.path.join(root, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_two_ranks_agree_and_train_as_one(tmp_path):
+    """Two ranks (each a row of every batch) hold the same full parameters; their losses average to one rank's
+    within 1%: int8 blocks start where each rank's shard does, so the bits differ from one rank's; stochastic
+    rounding is keyed by an element's place in its unit, not by who holds it."""
+    context = mp.start_processes(_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + 240
+    try:
+        while not context.join(timeout=1):
+            assert time.monotonic() < deadline, "two-rank training did not finish in 240 s"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for key in ranks[0]["state"]:
+        assert torch.equal(ranks[0]["state"][key], ranks[1]["state"][key]), key
+    one = train(config("int8-bf16-sr", tmp_path / "one"))
+    mean = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"])]
+    torch.testing.assert_close(mean, one["losses"], rtol=1e-2, atol=0.0)
+
+
+def resume(fmt: str, root: str) -> None:
+    """Child: load the checkpoint saved after 2 steps and train the remaining steps; write the result."""
+    torch.set_num_threads(1)
+    engine, *_ = zero.initialize(model=tiny_llama(1), config=config(fmt, os.path.join(root, "child")))
+    engine.load_checkpoint(os.path.join(root, "ckpt"))
+    data = batches(STEPS * ACCUM)[2 * ACCUM:]
+    losses = engine_train(engine, data)
+    torch.save(dict(losses=losses, state=full_state(engine)), os.path.join(root, "child.pt"))
+    engine.close()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int8-bf16-sr"])
+def test_a_save_resumes_bit_for_bit_in_a_fresh_process(fmt, tmp_path):
+    engine, *_ = zero.initialize(model=tiny_llama(0), config=config(fmt, tmp_path / "parent"))
+    data = batches(STEPS * ACCUM)
+    first = engine_train(engine, data[:2 * ACCUM])
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    rest = engine_train(engine, data[2 * ACCUM:])
+    state = full_state(engine)
+    engine.close()
+    subprocess.run([sys.executable, __file__, "resume", fmt, str(tmp_path)], check=True, env=child_env(), timeout=300)
+    child = torch.load(tmp_path / "child.pt")
+    assert first and child["losses"] == rest
+    for key in state:
+        assert torch.equal(child["state"][key], state[key]), key
+
+
+def layer_weight(engine) -> torch.nn.Parameter:
+    """A weight of a layer's unit (over 4096 elements: its moments are int8)."""
+    return dict(engine.module.named_parameters())["model.layers.0.mlp.gate_proj.weight"]
+
+
+def test_exact_and_compact_checkpoints_convert_both_ways(tmp_path):
+    """An exact checkpoint loads into an int8 run (one warning line), its moments quantized as the format stores
+    them; saved again and loaded into an exact run, the values come back as the int8 run held them."""
+    exact, *_ = zero.initialize(model=tiny_llama(0), config=config("exact", tmp_path / "a"))
+    engine_train(exact, batches(2 * ACCUM))
+    exact.save_checkpoint(str(tmp_path / "exact"))
+    param = layer_weight(exact)
+    moment = exact.full_state(param, "exp_avg")
+    master = exact.full_state(param, "master")
+    exact.close()
+
+    compact, *_ = zero.initialize(model=tiny_llama(1), config=config("int8", tmp_path / "b"))
+    with pytest.warns(UserWarning, match=r"holds exact \(fp32 master and moments\) optimizer state; this run stores "
+                                         r"moments int8, master fp32: converted on load"):
+        compact.load_checkpoint(str(tmp_path / "exact"))
+    cparam = layer_weight(compact)
+    assert torch.equal(compact.full_state(cparam, "master"), master)
+    quantized = compact.full_state(cparam, "exp_avg")
+    assert not torch.equal(quantized, moment)
+    torch.testing.assert_close(quantized, moment, rtol=0.0, atol=float(moment.abs().max()) * 0.02)
+    compact.save_checkpoint(str(tmp_path / "compact"))
+    compact.close()
+
+    back, *_ = zero.initialize(model=tiny_llama(2), config=config("exact", tmp_path / "c"))
+    with pytest.warns(UserWarning, match="converted on load"):
+        back.load_checkpoint(str(tmp_path / "compact"))
+    bparam = layer_weight(back)
+    assert torch.equal(back.full_state(bparam, "exp_avg"), quantized)
+    back.close()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "resume":
+        resume(sys.argv[2], sys.argv[3])

@@ -1,0 +1,196 @@
+"""The compact state formats' codecs and step (zero/optim/state_format.py, compact_step.py, compact_kernel.c):
+the block-wise int8 round trip within its bound per block against a float64 reference, decoding and encoding again
+the identity (what a checkpoint relies on), the C kernel and the torch version equal bit for bit for every format
+(the same random bits for stochastic rounding), stochastic rounding unbiased, the keys of its bits, and the config's
+errors. Compared in bits."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zero.config import ConfigError, load_config
+from zero.optim.adam_math import _kernel
+from zero.optim.compact_step import kernel_pieces, round_stochastic, sr_key, torch_compact_step
+from zero.optim.state_format import (
+    BF16, FP32, INT8_SIGNED, INT8_UNSIGNED, QBLOCK, SMALLEST_INT8, StateFormat, dynamic_map,
+)
+
+HYPER = dict(step=3, lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True, grad_scale=0.37)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def encoded(codec, values: torch.Tensor) -> torch.Tensor:
+    stored = torch.zeros(codec.storage_numel(values.numel()), dtype=codec.dtype)
+    codec.encode(values, stored, values.numel())
+    return stored
+
+
+def decoded(codec, stored: torch.Tensor, numel: int) -> torch.Tensor:
+    out = torch.empty(numel, dtype=torch.float32)
+    codec.decode(stored, numel, out)
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(numel=st.integers(1, 3 * QBLOCK + 17), signed=st.booleans(), scale=st.sampled_from([1e-20, 1e-6, 1.0, 1e6]),
+       seed=st.integers(0, 2**16))
+def test_int8_round_trip_within_the_map_s_bound(numel, signed, scale, seed):
+    """Each element decodes to the code nearest its value / absmax: the error is at most half the gap between the
+    two codes around it, times the absmax (float64 arithmetic, a relative slack of 1e-6 for the fp32 steps)."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(numel, generator=gen) * scale
+    if not signed:
+        values = values.abs()
+    codec = INT8_SIGNED if signed else INT8_UNSIGNED
+    out = decoded(codec, encoded(codec, values), numel).double()
+    table = dynamic_map(signed)[0].double()
+    for block in range(codec.blocks(numel)):
+        piece = slice(block * QBLOCK, min(numel, (block + 1) * QBLOCK))
+        x = values[piece].double()
+        absmax = x.abs().max()
+        y = x / absmax
+        upper = torch.searchsorted(table, y.clamp(table[0], table[-1])).clamp(1, 255)
+        gap = table[upper] - table[upper - 1]
+        bound = gap / 2 * absmax * (1 + 1e-6) + 1e-45
+        assert ((out[piece] - x).abs() <= bound).all(), (block, (out[piece] - x).abs().max().item())
+
+
+@pytest.mark.parametrize("codec", [BF16, INT8_SIGNED, INT8_UNSIGNED], ids=["bf16", "int8s", "int8u"])
+def test_decode_then_encode_is_the_identity(codec):
+    """A checkpoint stores decoded fp32 values; loading encodes them again: the same bytes, tiny blocks included."""
+    gen = torch.Generator().manual_seed(0)
+    numel = 5 * QBLOCK + 3
+    values = torch.randn(numel, generator=gen) * 10.0 ** torch.randint(-40, 5, (numel,), generator=gen)
+    values[:QBLOCK] *= 1e-30  # a block below the tiny threshold: stored as zeros
+    values[QBLOCK:2 * QBLOCK] = 0
+    if codec is INT8_UNSIGNED:
+        values = values.abs()
+    stored = encoded(codec, values)
+    assert torch.equal(bits(encoded(codec, decoded(codec, stored, numel))), bits(stored))
+
+
+def test_int8_maps_are_256_sorted_codes_with_zero_and_one():
+    for signed in (True, False):
+        table, midpoints = dynamic_map(signed)
+        assert table.numel() == 256 and midpoints.numel() == 255
+        assert (table[1:] > table[:-1]).all()
+        assert 0.0 in table.tolist() and table[-1] == 1.0 and (table[0] == -1.0) == signed
+
+
+kernel = _kernel()[0]
+needs_kernel = pytest.mark.skipif(kernel is None or not hasattr(kernel, "compact_step"),
+                                  reason="the C kernel is not built (pip install -e .)")
+
+
+def sub_group(codecs, numel: int, seed: int, out_dtype):
+    gen = torch.Generator().manual_seed(seed)
+    values = [torch.randn(numel, generator=gen) * 3, torch.randn(numel, generator=gen) * 0.1,
+              torch.rand(numel, generator=gen) * 0.01]
+    grad = torch.randn(numel, generator=gen) * 10.0 ** torch.randint(-6, 3, (numel,), generator=gen)
+    stored = [encoded(codec, x) for codec, x in zip((codecs.master, codecs.exp_avg, codecs.exp_avg_sq), values)]
+    out = None if out_dtype is None else torch.zeros(numel, dtype=out_dtype)
+    return [stored[0], grad, stored[1], stored[2]], out
+
+
+FORMATS = [StateFormat(moments, master) for moments, master in itertools.product(("fp32", "bf16", "int8"),
+                                                                                ("fp32", "bf16", "bf16-sr"))]
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.moments}-{f.master}")
+@pytest.mark.parametrize("numel", [SMALLEST_INT8 + 3 * QBLOCK + 5, 70001])
+def test_kernel_equals_torch_bit_for_bit(fmt, numel):
+    """Every part, the scaled gradient and the copy-out; sizes with a partial last block and a scalar tail, and
+    more than one kernel piece and torch chunk."""
+    codecs = fmt.codecs(numel)
+    for out_dtype, hyper in itertools.product((None, torch.bfloat16, torch.float16),
+                                              (HYPER, {**HYPER, "decoupled": False, "grad_scale": 1.0})):
+        if fmt.master != "fp32" and out_dtype is torch.float16:
+            continue
+        theirs, their_out = sub_group(codecs, numel, 7, out_dtype)
+        ours, our_out = sub_group(codecs, numel, 7, out_dtype)
+        torch_compact_step(*theirs, codecs=codecs, numel=numel, out=their_out, key=sr_key(5, 2), index=1000,
+                           hyper=hyper)
+        for piece in kernel_pieces(kernel, *ours, codecs=codecs, numel=numel, out=our_out, key=sr_key(5, 2),
+                                   index=1000, hyper=hyper):
+            piece()
+        for name, a, b in zip(("master", "grad", "exp_avg", "exp_avg_sq", "out"), ours + [our_out],
+                              theirs + [their_out]):
+            if a is not None:
+                assert torch.equal(bits(a), bits(b)), (name, out_dtype, hyper)
+
+
+def test_stochastic_rounding_is_unbiased():
+    """The mean of 4096 stochastic roundings (different keys) of values between two bf16 neighbours is within
+    4 standard errors of the value; round to nearest is biased by up to half a step."""
+    gen = torch.Generator().manual_seed(3)
+    values = (1 + torch.rand(64, generator=gen)) * 2.0 ** torch.randint(-20, 20, (64,), generator=gen).float()
+    rounds = torch.empty(4096, 64)
+    out = torch.empty(64, dtype=torch.bfloat16)
+    for k in range(rounds.shape[0]):
+        round_stochastic(values, out, sr_key(k, 0), 0)
+        rounds[k] = out.float()
+    step = values.to(torch.bfloat16).float().abs() * 2.0 ** -7  # a bf16 step at these magnitudes (or half of one)
+    error = (rounds.double().mean(0) - values.double()).abs()
+    assert (error <= 4 * step.double() / 2 / 64).all(), (error / step).max()
+    down = (values.view(torch.int32) & ~0xFFFF).view(torch.float32)  # truncated to bf16, and the next one up
+    up = (down.view(torch.int32) + 0x10000).view(torch.float32)
+    assert ((rounds == down) | (rounds == up)).all()
+
+
+def test_stochastic_bits_are_keyed_by_step_unit_and_index():
+    """The same (step, unit, index) rounds alike whoever holds the element: a piece from index 100 equals that
+    slice of the whole; another step or unit rounds otherwise."""
+    gen = torch.Generator().manual_seed(4)
+    values = torch.randn(1000, generator=gen)
+    whole, piece, other = (torch.empty(n, dtype=torch.bfloat16) for n in (1000, 900, 1000))
+    round_stochastic(values, whole, sr_key(7, 3), 0)
+    round_stochastic(values[100:], piece, sr_key(7, 3), 100)
+    assert torch.equal(bits(piece), bits(whole[100:]))
+    for key in (sr_key(8, 3), sr_key(7, 4)):
+        round_stochastic(values, other, key, 0)
+        assert not torch.equal(bits(other), bits(whole))
+
+
+def test_small_sub_groups_keep_fp32_moments():
+    fmt = StateFormat("int8", "fp32")
+    assert fmt.codecs(SMALLEST_INT8 - 1).exp_avg is FP32
+    assert fmt.codecs(SMALLEST_INT8).exp_avg is INT8_SIGNED and fmt.codecs(SMALLEST_INT8).exp_avg_sq is INT8_UNSIGNED
+    assert fmt.state_bytes(1 << 20) == 4 * (1 << 20) + 2 * ((1 << 20) + 4 * (1 << 12))
+    assert StateFormat().state_bytes(1000, master=False) == 8000
+
+
+def config(**sections):
+    base = {"train_micro_batch_size_per_gpu": 1,
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
+    return load_config({**base, **sections})
+
+
+def test_config_reads_ours_and_deepspeed_s_keys():
+    assert config().state_format == StateFormat()
+    assert config(zero_tiering={"moments": "int8", "master": "bf16-sr"}, bf16={"enabled": True}).state_format \
+        == StateFormat("int8", "bf16-sr")
+    assert config(bf16={"enabled": True, "bf16_optimizer_states": True,
+                        "bf16_master_weights_and_grads": True}).state_format == StateFormat("bf16", "bf16")
+
+
+@pytest.mark.parametrize("sections, key, words", [
+    (dict(zero_tiering={"moments": "int4"}), "zero_tiering.moments", "'fp32', 'bf16', 'int8'"),
+    (dict(zero_tiering={"master": "bf16-sr"}), "zero_tiering.master", "needs bf16 compute"),
+    (dict(zero_tiering={"master": "bf16"}, fp16={"enabled": True}), "zero_tiering.master", "computes in fp16"),
+    (dict(bf16={"enabled": True, "bf16_optimizer_states": True}, zero_tiering={"moments": "int8"}),
+     "zero_tiering.moments", "bf16.bf16_optimizer_states asks for 'bf16'"),
+    (dict(zero_tiering={"moments": "int8"}, zero_optimization={"stage": 2}), "zero_tiering.moments",
+     "offload_optimizer.device"),
+])
+def test_a_format_the_run_cannot_serve_names_the_key(sections, key, words):
+    with pytest.raises(ConfigError) as info:
+        config(**sections)
+    assert info.value.key == key and words in str(info.value), str(info.value)
