@@ -5,14 +5,16 @@ Three measurements, in one run:
 1. fio's mixed rate (reads and writes at once, O_DIRECT, 8 MiB blocks, queue depth 32) on the nvme_path, before
    and after the training run (the disk drifts; the bound uses their mean);
 2. the same model's step with everything in memory (stage 0, no offload, same precision): the compute;
-3. ours with the given config (default: the README's scale config), step by step.
+3. ours with the given config (default: the README's scale config), step by step, once per state format asked
+   (--formats: exact fp32 state and compact ones, side by side against the same yardstick).
 
 Per measured step: bytes read and written, realized GB/s against fio's, the disk's idle fraction (1 - the union
 of the nvme lanes' busy time / the step), and step / max(compute, bytes / fio mixed). Medians over the measured
 steps; the first step against a later one (the first runs without a trace). Each run is its own process, so
 peak RSS is its own.
 
-    python bench/stream.py [--quick] [--preset 1b --layers 4 --host-budget 1GiB] [--json PATH]
+    python bench/stream.py [--quick] [--preset 1b --layers 4 --host-budget 1GiB] [--formats fp32/fp32,int8/fp32]
+                           [--json PATH]
 """
 from __future__ import annotations
 
@@ -101,11 +103,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device-budget", help="default: the config's (1536MiB in the scale config)")
     parser.add_argument("--fio-size", default=str(2 * GiB), help="bytes fio reads and writes, per measurement")
     parser.add_argument("--dir", default=None, help="nvme_path (default: a temporary directory)")
+    parser.add_argument("--formats", default="fp32/fp32",
+                        help="state formats to run, comma-separated MOMENTS/MASTER (zero_tiering.moments and .master), "
+                             "e.g. fp32/fp32,int8/fp32,int8/bf16-sr")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    formats = [tuple(f.split("/")) for f in args.formats.split(",")]
     if args.quick:
         args.preset, args.layers, args.seq_len, args.steps, args.warmup = "tiny", 0, 64, 3, 1
-        args.host_budget, args.device_budget, args.fio_size = "8MiB", "4MiB", str(64 << 20)
+        args.host_budget, args.device_budget, args.fio_size = "2MiB", "4MiB", str(64 << 20)
     if fio_binary() is None:
         raise SystemExit("bench/stream.py needs fio (apt-get install fio): it is the yardstick")
     with open(args.config) as f:
@@ -117,24 +123,20 @@ def main(argv: list[str] | None = None) -> dict:
         summary = os.path.join(directory, "summary.json")
         mixed_before = fio_mixed(directory, int(args.fio_size))
         memory, memory_rss = train(args, in_memory(config), summary, offloaded=False)
-        ours, ours_rss = train(args, config, summary, offloaded=True)
+        runs = {}
+        for moments, master in formats:
+            formatted = json.loads(json.dumps(config))
+            formatted.setdefault("zero_tiering", {}).update(moments=moments, master=master)
+            runs[f"{moments}/{master}"] = train(args, formatted, summary, offloaded=True)
         mixed_after = fio_mixed(directory, int(args.fio_size))
     mixed = (mixed_before + mixed_after) / 2
     compute = statistics.median(s["step_s"] for s in memory["steps"][args.warmup:])
-    steps = [per_step(s, mixed, compute) for s in ours["steps"]]
-    measured = steps[args.warmup:]
     result = {
         "model": {"preset": args.preset, "layers": args.layers, "seq_len": args.seq_len},
         "config": os.path.relpath(args.config, ROOT), "host_budget": args.host_budget,
         "fio_mixed_gbps": {"before": mixed_before / 1e9, "after": mixed_after / 1e9},
         "in_memory_step_s": compute, "in_memory_peak_rss_bytes": memory_rss,
-        "peak_rss_bytes": ours_rss,
-        "losses": [s["loss"] for s in ours["steps"]],
-        "steps": steps,
-        "median": {key: statistics.median(s[key] for s in measured)
-                   for key in ("step_s", "read_bytes", "write_bytes", "realized_gbps", "of_fio", "disk_idle",
-                               "bound_s", "vs_bound")},
-        "first_vs_later": steps[0]["step_s"] / statistics.median(s["step_s"] for s in steps[1:]),
+        "formats": {name: measured_run(ours, rss, mixed, compute, args.warmup) for name, (ours, rss) in runs.items()},
     }
     print_result(result)
     if args.json:
@@ -143,18 +145,37 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def measured_run(ours: dict, rss: int, mixed: float, compute: float, warmup: int) -> dict:
+    """One format's run: its steps against the bound, their medians, bytes per parameter."""
+    steps = [per_step(s, mixed, compute) for s in ours["steps"]]
+    measured = steps[warmup:]
+    median = {key: statistics.median(s[key] for s in measured)
+              for key in ("step_s", "read_bytes", "write_bytes", "realized_gbps", "of_fio", "disk_idle", "bound_s",
+                          "vs_bound")}
+    params = ours["steps"][0]["params"]
+    return {"peak_rss_bytes": rss, "params": params, "losses": [s["loss"] for s in ours["steps"]], "steps": steps,
+            "median": median, "bytes_per_param": (median["read_bytes"] + median["write_bytes"]) / params,
+            "held_out_loss": ours["held_out_loss"],
+            "first_vs_later": steps[0]["step_s"] / statistics.median(s["step_s"] for s in steps[1:])}
+
+
 def print_result(r: dict) -> None:
     fio = r["fio_mixed_gbps"]
     print(f"fio mixed on the nvme_path: {fio['before']:.2f} GB/s before, {fio['after']:.2f} GB/s after")
-    print(f"in memory: {r['in_memory_step_s']:.2f} s/step, peak RSS {r['in_memory_peak_rss_bytes'] / GiB:.2f} GiB; "
-          f"ours: peak RSS {r['peak_rss_bytes'] / GiB:.2f} GiB")
-    print(f"{'step':>4} {'s':>7} {'read GB':>8} {'write GB':>8} {'GB/s':>6} {'of fio':>7} {'idle':>6} "
-          f"{'bound s':>8} {'vs bound':>8}")
-    for s in r["steps"] + [dict(r["median"], step="med")]:
-        print(f"{s['step']:>4} {s['step_s']:7.2f} {s['read_bytes'] / 1e9:8.2f} {s['write_bytes'] / 1e9:8.2f} "
-              f"{s['realized_gbps']:6.2f} {s['of_fio']:7.2f} {s['disk_idle']:6.0%} {s['bound_s']:8.2f} "
-              f"{s['vs_bound']:8.2f}")
-    print(f"first step / later steps: {r['first_vs_later']:.2f}")
+    print(f"in memory: {r['in_memory_step_s']:.2f} s/step, peak RSS {r['in_memory_peak_rss_bytes'] / GiB:.2f} GiB")
+    first = None
+    for name, run in r["formats"].items():
+        first = first or run
+        print(f"state format {name} (moments/master): peak RSS {run['peak_rss_bytes'] / GiB:.2f} GiB, "
+              f"{run['bytes_per_param']:.1f} bytes per parameter per step, median step "
+              f"{run['median']['step_s'] / first['median']['step_s']:.2f}x the first format's")
+        print(f"{'step':>4} {'s':>7} {'read GB':>8} {'write GB':>8} {'GB/s':>6} {'of fio':>7} {'idle':>6} "
+              f"{'bound s':>8} {'vs bound':>8}")
+        for s in run["steps"] + [dict(run["median"], step="med")]:
+            print(f"{s['step']:>4} {s['step_s']:7.2f} {s['read_bytes'] / 1e9:8.2f} {s['write_bytes'] / 1e9:8.2f} "
+                  f"{s['realized_gbps']:6.2f} {s['of_fio']:7.2f} {s['disk_idle']:6.0%} {s['bound_s']:8.2f} "
+                  f"{s['vs_bound']:8.2f}")
+        print(f"first step / later steps: {run['first_vs_later']:.2f}")
 
 
 if __name__ == "__main__":

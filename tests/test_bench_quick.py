@@ -11,11 +11,11 @@ import sys
 from conftest import REPO_ROOT, child_env
 
 
-def quick(script: str, tmp_path) -> dict | list:
-    """Run `bench/<script> --quick` with its files under tmp_path; its JSON record."""
+def quick(script: str, tmp_path, *flags: str) -> dict | list:
+    """Run `bench/<script> --quick` (and `flags`) with its files under tmp_path; its JSON record."""
     out = tmp_path / "record.json"
     done = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", script), "--quick", "--dir",
-                           str(tmp_path), "--json", str(out)], env=child_env(), capture_output=True, text=True,
+                           str(tmp_path), "--json", str(out), *flags], env=child_env(), capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
@@ -47,15 +47,20 @@ def test_adam_stream_bound_is_its_bytes_over_the_mixed_rate(tmp_path):
 
 
 def test_stream_bounds_each_step_by_fio_and_the_in_memory_step(tmp_path):
-    result = quick("stream.py", tmp_path)
+    """Exact and int8 moments side by side, each step bounded by the same yardstick; the int8 run moves fewer
+    bytes per parameter."""
+    result = quick("stream.py", tmp_path, "--formats", "fp32/fp32,int8/fp32")
     fio = result["fio_mixed_gbps"]
     mixed = (fio["before"] + fio["after"]) / 2 * 1e9
-    assert result["in_memory_step_s"] > 0 and result["peak_rss_bytes"] > 0 and len(result["losses"]) == 3
-    for step in result["steps"]:
-        moved = step["read_bytes"] + step["write_bytes"]
-        assert abs(step["bound_s"] - max(result["in_memory_step_s"], moved / mixed)) < 1e-9
-        assert 0 <= step["disk_idle"] <= 1 and step["vs_bound"] > 0
-    assert sum(step["read_bytes"] for step in result["steps"]) > 0  # the quick model does stream through nvme
+    assert result["in_memory_step_s"] > 0 and list(result["formats"]) == ["fp32/fp32", "int8/fp32"]
+    for run in result["formats"].values():
+        assert run["peak_rss_bytes"] > 0 and len(run["losses"]) == 3
+        for step in run["steps"]:
+            moved = step["read_bytes"] + step["write_bytes"]
+            assert abs(step["bound_s"] - max(result["in_memory_step_s"], moved / mixed)) < 1e-9
+            assert 0 <= step["disk_idle"] <= 1 and step["vs_bound"] > 0
+        assert sum(step["read_bytes"] for step in run["steps"]) > 0  # the quick model does stream through nvme
+    assert result["formats"]["int8/fp32"]["bytes_per_param"] < result["formats"]["fp32/fp32"]["bytes_per_param"]
 
 
 def test_gpu_check_runs_on_cpu_and_says_what_it_skipped(tmp_path):

@@ -77,6 +77,14 @@ class StepReport:
     speculation: dict | None = None
     """The step's sub-groups stepped early, rolled back and re-stepped, and the bytes the roll backs restored
     (zero_tiering.speculative_step); None where the step is serial."""
+    params: int = 0
+    """The model's parameters: what bytes_per_param divides by."""
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Bytes read from and written to nvme this step, per parameter: what sets a disk-bound step."""
+        disk = sum(n for pair, n in self.bytes_moved.items() if "nvme" in pair)
+        return disk / self.params if self.params else 0.0
 
     @property
     def compute_s(self) -> float:
@@ -132,6 +140,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="where the activations autograd keeps rest until the backward (zero_tiering."
                              "activation_offload; 'device' keeps them there, counted in the device budget); cpu, "
                              "nvme and device turn --activation-checkpointing on")
+    parser.add_argument("--moments", choices=["fp32", "bf16", "int8"],
+                        help="how the Adam moments are stored (zero_tiering.moments): fp32 is exact; bf16 and int8 "
+                             "(block-wise) move fewer bytes a step at a measured price in loss")
+    parser.add_argument("--master", choices=["fp32", "bf16", "bf16-sr"],
+                        help="how the master weights are stored (zero_tiering.master): fp32 is exact; bf16 rounds "
+                             "each update to nearest, bf16-sr stochastically; both compute in bf16")
     parser.add_argument("--dtype", choices=sorted(DTYPES),
                         help="compute dtype, overriding the config's bf16/fp16 sections (default: the config's, "
                              "unless it is slow on this device: then bf16 or fp32, with a line saying so)")
@@ -178,6 +192,9 @@ def load_ds_config(args: argparse.Namespace) -> dict:
         tiering["trace_path"] = args.trace
     if args.activation_offload:
         tiering["activation_offload"] = args.activation_offload
+    for flag in ("moments", "master"):
+        if getattr(args, flag):
+            tiering[flag] = getattr(args, flag)
     if args.dtype:
         set_dtype(config, DTYPES[args.dtype])
     return config
@@ -204,9 +221,12 @@ def fast_compute(config: dict, args: argparse.Namespace, device: torch.device) -
     if not speed.slow:
         return None
     instead = fast_alternative(device)
-    line = slow_dtype_line(speed, device, instead, f"--dtype {args.dtype}" if args.dtype else args.config)
+    line = slow_dtype_line(speed, device, instead, f"--dtype {args.dtype}" if args.dtype else args.config or "the built-in config")
     if args.dtype:
         return line + "; kept, as --dtype asks"
+    master = config.get("zero_tiering", {}).get("master")
+    if master not in (None, "fp32") and speed.name == "bf16":
+        return line + f"; kept: a {master} master is the bf16 parameter itself"
     set_dtype(config, instead)
     return line + f"; training in {NAMES[instead]} (--dtype {speed.name} keeps {speed.name})"
 
@@ -251,7 +271,8 @@ def main(argv: list[str] | None = None) -> TrainRun:
         if compute_line:
             say(compute_line)
         say(f"model: {gpt_config.params / 1e6:.1f}M parameters, {gpt_config.n_layer} layers x {gpt_config.n_embd}; "
-            f"training state {fmt_bytes(16 * gpt_config.params)} (fp32 master + Adam + grads), "
+            f"training state {fmt_bytes(16 * gpt_config.params)} exact (fp32 master + Adam + grads), stored as "
+            f"{engine.driver.state_format.describe()}, "
             f"stage {engine.stage}, compute {str(engine.compute_dtype).removeprefix('torch.')}")
         say(f"tiers: device budget {fmt_bytes(swap.device_tier.budget) if swap.device_tier.budget else 'unlimited'}"
             f" on {engine.device}, host budget {fmt_bytes(swap.pool.budget)}"
@@ -269,7 +290,7 @@ def main(argv: list[str] | None = None) -> TrainRun:
         bar = tqdm(range(first, args.steps), unit="step", file=sys.stdout, dynamic_ncols=True,
                    disable=not (main_rank and sys.stdout.isatty()))
         for step in bar:
-            reports.append(train_step(engine, batches, step))
+            reports.append(train_step(engine, batches, step, gpt_config.params))
             report = reports[-1]
             bar.set_postfix_str(
                 f"loss {report.loss:.3f} | {tokens_per_step / report.step_s:,.0f} tok/s | "
@@ -288,7 +309,7 @@ def main(argv: list[str] | None = None) -> TrainRun:
         if args.summary_json and main_rank:
             with open(args.summary_json, "w") as f:
                 json.dump({"held_out_loss": [held_before, held_after],
-                           "steps": [vars(r) | {"compute_s": r.compute_s, "overlap": r.overlap} for r in reports]},
+                           "steps": [vars(r) | {"compute_s": r.compute_s, "overlap": r.overlap, "bytes_per_param": r.bytes_per_param} for r in reports]},
                           f, indent=1)
         engine.close()  # writes the Chrome trace when zero_tiering.trace_path is set
     if args.trace:
@@ -321,7 +342,7 @@ def held_out_loss(engine, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
     return loss
 
 
-def train_step(engine, batches: Batches, step: int) -> StepReport:
+def train_step(engine, batches: Batches, step: int, params: int) -> StepReport:
     swap = engine.swap
     stall0, moved0 = swap.stats.stall_seconds, dict(swap.stats.bytes_moved)
     bets0 = None if engine.speculation is None else asdict(engine.speculation.stats)
@@ -345,7 +366,7 @@ def train_step(engine, batches: Batches, step: int) -> StepReport:
     moved = {pair: n - moved0.get(pair, 0) for pair, n in swap.stats.bytes_moved.items()}
     bets = None if bets0 is None else {key: n - bets0[key]
                                        for key, n in asdict(engine.speculation.stats).items()}
-    return StepReport(step=step, loss=sum(losses) / len(losses), step_s=end - start,
+    return StepReport(step=step, params=params, loss=sum(losses) / len(losses), step_s=end - start,
                       forward_backward_s=middle - start, optimizer_s=end - middle,
                       stall_s=swap.stats.stall_seconds - stall0, io_s=io, bytes_moved=moved, speculation=bets,
                       activations=None if saved0 is None else {
@@ -357,7 +378,8 @@ def summary_line(r: StepReport) -> str:
     moved = ", ".join(f"{pair} {fmt_bytes(n)}" for pair, n in sorted(r.bytes_moved.items()) if n)
     return (f"step {r.step}: loss {r.loss:.4f} | {r.step_s:.2f} s (fwd+bwd {r.forward_backward_s:.2f}, "
             f"optimizer {r.optimizer_s:.2f}) | compute {r.compute_s:.2f} s, I/O {r.io_s:.2f} s, "
-            f"stall {r.stall_s:.2f} s, overlap {100 * r.overlap:.0f}% | {moved}" + (
+            f"stall {r.stall_s:.2f} s, overlap {100 * r.overlap:.0f}% | {moved}"
+            + (f" ({r.bytes_per_param:.1f} B/param)" if r.bytes_per_param else "") + (
                 "" if r.activations is None else
                 f" | activations {r.activations['count']} ({fmt_bytes(r.activations['bytes'])})") + (
                 "" if r.speculation is None else
