@@ -23,10 +23,12 @@ from ..report.bandwidth import DEFAULT_FIGURES, DiskFigures, load_figures
 from ..cli import add_common_flags, run_command
 from ..comm import local_device
 from ..compute_speed import dtype_speed, fast_alternative, slow_dtype_line
-from .machine import (Machine, adam_rate, gpu_memory, host_ram, matmul_rate, memory_rates, nvme_directory,
-                      parse_memory)
+from ..optim.state_format import StateFormat
+from .machine import (Machine, adam_rate, compact_adam_rate, gpu_memory, host_ram, matmul_rate, memory_rates,
+                      nvme_directory, parse_memory)
 from .model_source import PlanInputError, load_model
-from .predict import PRECISIONS, Prediction, ds_config, host_budget_for, placement_of, placements, predict
+from .predict import (PRECISIONS, Prediction, compact_formats, ds_config, host_budget_for, placement_of, placements,
+                      predict)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -44,6 +46,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--activation-offload", choices=["none", "cpu", "nvme"],
                         help="where the checkpointed activations rest (zero_tiering.activation_offload); cpu and "
                              "nvme turn --activation-checkpointing on; nvme plans only placements with a store")
+    parser.add_argument("--moments", choices=["fp32", "bf16", "int8"],
+                        help="plan this Adam moments format (zero_tiering.moments); default: exact state, and where "
+                             "it fits nowhere, the compact formats too")
+    parser.add_argument("--master", choices=["fp32", "bf16", "bf16-sr"],
+                        help="plan this master format (zero_tiering.master; bf16 ones need --precision bf16)")
     parser.add_argument("--config", help="predict this DeepSpeed-format config only")
     parser.add_argument("--host-budget", help="zero_tiering.host_budget for --config (as zero.train takes it)")
     parser.add_argument("--device-budget", help="zero_tiering.device_budget for --config")
@@ -83,11 +90,19 @@ def plan(args: argparse.Namespace, base_rss: int) -> dict:
         slow_line = slow_dtype_line(speed, device, fast_alternative(device), f"precision {precision}")
     # A slow dtype's rate is fp32's over its measured slowdown: timing its kernels at the model's width takes minutes.
     rate = matmul_rate(shape.hidden, args.micro_batch * shape.seq_len, torch.float32 if speed.slow else dtype)
+    asked = None
+    if args.moments or args.master:
+        asked = StateFormat(args.moments or "fp32", args.master or "fp32")
+        if asked.master != "fp32" and precision != "bf16":
+            raise PlanInputError(f"--master {asked.master}: a bf16 master needs bf16 compute (--precision bf16)")
+    formats = ([placement_of(config).state_format] if args.config else [asked] if asked else
+               [StateFormat(), *compact_formats(precision)])
     machine = Machine(
         ram_bytes=parse_memory("--ram", args.ram) if args.ram else host_ram(),
         gpu_bytes=parse_memory("--gpu-memory", args.gpu_memory) if args.gpu_memory else gpu_memory(),
         disk=disk, matmul_flops=rate / (speed.slowdown if speed.slow else 1.0),
-        adam_elements=adam_rate(dtype), **dict(zip(("copy_bytes", "fresh_bytes"), memory_rates())))
+        adam_elements=adam_rate(dtype), **dict(zip(("copy_bytes", "fresh_bytes"), memory_rates())),
+        compact_adam={fmt: compact_adam_rate(fmt, dtype) for fmt in formats if not fmt.exact})
     nvme_free = None
     if disk is not None:
         stat = os.statvfs(nvme_directory(args.nvme_path))
@@ -106,16 +121,19 @@ def plan(args: argparse.Namespace, base_rss: int) -> dict:
         predictions = [predict(shape, machine, config, base_rss, nvme_free, checkpointing)]
     else:
         predictions = []
-        for placement in placements(precision, nvme=disk is not None):
-            if offload == "nvme" and "nvme" not in (placement.offload_param, placement.offload_optimizer):
-                continue  # activations on nvme need the store a placement on nvme has
-            config = ds_config(placement, micro_batch=args.micro_batch, nvme_path=args.nvme_path,
-                               activation_offload=offload)
-            budget = host_budget_for(shape, machine, config, base_rss, checkpointing)
-            if budget is not None:
+        for fmt in formats:  # exact first; compact formats only where no exact placement fits
+            if not fmt.exact and not asked and any(p.fits for p in predictions):
+                break
+            for placement in placements(precision, nvme=disk is not None, state_format=fmt):
+                if offload == "nvme" and "nvme" not in (placement.offload_param, placement.offload_optimizer):
+                    continue  # activations on nvme need the store a placement on nvme has
                 config = ds_config(placement, micro_batch=args.micro_batch, nvme_path=args.nvme_path,
-                                   host_budget=budget, activation_offload=offload)
-            predictions.append(predict(shape, machine, config, base_rss, nvme_free, checkpointing))
+                                   activation_offload=offload)
+                budget = host_budget_for(shape, machine, config, base_rss, checkpointing)
+                if budget is not None:
+                    config = ds_config(placement, micro_batch=args.micro_batch, nvme_path=args.nvme_path,
+                                       host_budget=budget, activation_offload=offload)
+                predictions.append(predict(shape, machine, config, base_rss, nvme_free, checkpointing))
     fitting = [p for p in predictions if p.fits]
     chosen = min(fitting, key=lambda p: (p.step_s, p.peak_rss_bytes)) if fitting else None
     if not args.json:
@@ -177,6 +195,14 @@ def explain(predictions: list[Prediction], chosen: Prediction | None) -> str:
     faster = [p for p in predictions if p.step_s < chosen.step_s and not p.fits]
     lines = [f"{chosen.placement.name}: the fastest placement that fits ({chosen.step_s:.2f} s a step, peak RSS "
              f"{fmt_bytes(chosen.peak_rss_bytes)})."]
+    fmt = chosen.placement.state_format
+    exact = [p for p in predictions if p.placement.state_format.exact]
+    if not fmt.exact and exact:
+        tightest = min(exact, key=lambda p: p.peak_rss_bytes)
+        lines.append(f"Exact fp32 state fits nowhere (the smallest, {tightest.placement.name}: "
+                     f"{'; '.join(tightest.why_not)}); {fmt.describe()} stores it in fewer bytes and moves fewer a "
+                     "step, at a price in loss measured in bench/RESULTS.md (bench/quality.py), not bit for bit "
+                     "torch AdamW.")
     if faster:
         quickest = min(faster, key=lambda p: p.step_s)
         lines.append(f"Faster but not fitting: {quickest.placement.name} ({quickest.step_s:.2f} s): "

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..config.sizes import parse_size
 from ..optim.adam_math import AdamThreads, adam_step
+from ..optim.compact_step import compact_step
+from ..optim.state_format import FP32, StateFormat
 from ..report.bandwidth import DiskFigures
 from ..report.checks import meminfo
 from .model_source import PlanInputError
@@ -33,6 +35,11 @@ class Machine:
     fresh_bytes: float
     """Bytes per second of memory allocated and touched for the first time (page faults: autograd's fresh
     gradients and activations every step)."""
+    compact_adam: dict = field(default_factory=dict)
+    """CPU-Adam elements per second for each compact StateFormat planned (compact_adam_rate)."""
+
+    def adam_rate(self, state_format: StateFormat) -> float:
+        return self.adam_elements if state_format.exact else self.compact_adam[state_format]
 
 
 def parse_memory(flag: str, text: str) -> int:
@@ -92,6 +99,25 @@ def adam_rate(out_dtype: torch.dtype) -> float:
             start = time.perf_counter()
             adam_step(p, g, m, v, step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
                       out=out, threads=threads)
+            times.append(time.perf_counter() - start)
+    return n / sorted(times)[len(times) // 2]
+
+
+def compact_adam_rate(state_format: StateFormat, out_dtype: torch.dtype) -> float:
+    """Elements per second of one CPU-Adam step over 4M elements stored in `state_format` (compact_step, on
+    the engine's threads)."""
+    n = 4 << 20
+    codecs = state_format.codecs(n)
+    stored = [torch.zeros(c.storage_numel(n), dtype=c.dtype) for c in (codecs.master, codecs.exp_avg, codecs.exp_avg_sq)]
+    grad = torch.rand(n)
+    out = torch.empty(n, dtype=out_dtype) if out_dtype != torch.float32 and codecs.master is FP32 else None
+    with AdamThreads() as threads:
+        times = []
+        for step in range(1, 5):
+            start = time.perf_counter()
+            compact_step(stored[0], grad, stored[1], stored[2], codecs=codecs, numel=n, out=out, key=step, index=0,
+                         threads=threads, hyper=dict(step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                                     weight_decay=0.01, decoupled=True, grad_scale=1.0))
             times.append(time.perf_counter() - start)
     return n / sorted(times)[len(times) // 2]
 

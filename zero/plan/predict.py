@@ -43,6 +43,7 @@ from ..comm import DataParallel
 from ..config import load_config
 from ..initialize import plan_units, speculates
 from ..optim.param_groups import param_groups_from
+from ..optim.state_format import StateFormat
 from .machine import Machine
 from .model_source import ModelShape
 
@@ -75,19 +76,29 @@ class Placement:
     offload_param: str
     offload_optimizer: str
     precision: str
+    state_format: StateFormat = StateFormat()
 
     @property
     def name(self) -> str:
         return (f"stage {self.stage}, params {self.offload_param if self.stage == 3 else 'on device'}, "
-                f"optimizer {self.offload_optimizer}, {self.precision}")
+                f"optimizer {self.offload_optimizer}, {self.precision}"
+                + ("" if self.state_format.exact else
+                   f", {self.state_format.moments} moments, {self.state_format.master} master"))
 
 
-def placements(precision: str, nvme: bool) -> list[Placement]:
-    """Every placement the engine supports in one precision (nvme ones only where a disk is planned)."""
+def placements(precision: str, nvme: bool, state_format: StateFormat = StateFormat()) -> list[Placement]:
+    """Every placement the engine supports in one precision and state format (nvme ones only where a disk is
+    planned; a compact format only with the optimizer offloaded, where CPU-Adam steps it)."""
     devices = ("none", "cpu", "nvme") if nvme else ("none", "cpu")
-    out = [Placement(stage, "none", optimizer, precision) for stage in (0, 1, 2) for optimizer in devices]
-    out += [Placement(3, param, optimizer, precision) for param in devices for optimizer in devices]
-    return out
+    out = [Placement(stage, "none", optimizer, precision, state_format) for stage in (0, 1, 2) for optimizer in devices]
+    out += [Placement(3, param, optimizer, precision, state_format) for param in devices for optimizer in devices]
+    return [p for p in out if state_format.exact or p.offload_optimizer != "none"]
+
+
+def compact_formats(precision: str) -> list[StateFormat]:
+    """The compact formats proposed where exact state does not fit: int8 moments, and with bf16 compute the
+    bf16 master rounded stochastically as well (the fewest bytes)."""
+    return [StateFormat("int8", "fp32")] + ([StateFormat("int8", "bf16-sr")] if precision == "bf16" else [])
 
 
 def ds_config(placement: Placement, *, micro_batch: int, nvme_path: str | None, host_budget: int | None = None,
@@ -107,8 +118,11 @@ def ds_config(placement: Placement, *, micro_batch: int, nvme_path: str | None, 
               "zero_optimization": zero}
     if placement.precision != "fp32":
         config[placement.precision] = {"enabled": True}
+    fmt = placement.state_format
     tiering = {key: value for key, value in (("host_budget", host_budget), ("device_budget", device_budget),
-                                             ("activation_offload", activation_offload)) if value is not None}
+                                             ("activation_offload", activation_offload),
+                                             ("moments", None if fmt.exact else fmt.moments),
+                                             ("master", None if fmt.exact else fmt.master)) if value is not None}
     if tiering:
         config["zero_tiering"] = tiering
     return config
@@ -119,7 +133,7 @@ def placement_of(config: dict) -> Placement:
     zo = cfg.zero_optimization
     precision = "bf16" if cfg.bf16.enabled else "fp16" if cfg.fp16.enabled else "fp32"
     return Placement(zo.stage, zo.offload_param.device if zo.stage == 3 else "none", zo.offload_optimizer.device,
-                     precision)
+                     precision, cfg.state_format)
 
 
 @dataclass
@@ -187,7 +201,8 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     largest = max(flat.padded_numel for flat in flats)
 
     shared = masters_are_params(cfg, dtype)
-    state = (8 if shared else 12) * n  # fp32 moments, and the master unless the parameter shard is it
+    # The moments, and the master unless the parameter shard is it, as the state format stores them.
+    state = state_bytes(cfg, flats, master=not shared)
     grads, params = grad_dtype(cfg, dtype).itemsize * n, p * n
     state_home = HOMES[zo.offload_optimizer.device]
     grad_home = "nvme" if state_home == "nvme" else "device" if state_home == "device" else "host"
@@ -233,7 +248,7 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     fresh = p * n + kept  # new gradients and saved activations
     memory = accumulation * (copied * n / machine.copy_bytes + fresh / machine.fresh_bytes)
     compute = accumulation * flops / machine.matmul_flops * COMPUTE_OVERHEAD + memory
-    adam = n / machine.adam_elements
+    adam = n / machine.adam_rate(cfg.state_format)
     speculative = speculates(cfg, "host" if state_home != "device" else "device", flats, dtype, budgets.host_budget)
     read_fb = 2 * params if param_home == "nvme" else 0
     # Speculating, the boundary's gradient is stepped while still in host memory: no write, no read back.
@@ -278,6 +293,18 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
         prediction.why_not.append(f"{tiers['nvme'] / 2**30:.1f} GiB on nvme > {nvme_free / 2**30:.1f} GiB free")
     prediction.fits = not prediction.why_not
     return prediction
+
+
+def state_bytes(cfg, flats: list, *, master: bool) -> int:
+    """Bytes of optimizer state (moments, and the masters where `master`) over every sub-group of `flats`."""
+    zo = cfg.zero_optimization
+    total = 0
+    for flat in flats:
+        numel = flat.rank_range(zo.stage >= 1)[1]
+        chunk = zo.sub_group_size or numel
+        total += sum(cfg.state_format.state_bytes(min(chunk, numel - offset), master=master)
+                     for offset in range(0, numel, chunk))
+    return total
 
 
 def working_window_config(config: dict) -> dict:
