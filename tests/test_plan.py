@@ -154,3 +154,37 @@ def test_a_config_on_nvme_without_disk_figures_is_named(tmp_path, capsys):
         cli(["--model", "tiny", "--config", str(config), "--nvme-path", str(tmp_path),
              "--disk", str(tmp_path / "no-figures.json")])
     assert info.value.code == 1 and "puts state on nvme, and there are no disk figures" in capsys.readouterr().err
+
+
+def test_compact_bytes_per_tier_are_the_engines(tmp_path):
+    """int8 moments, stage 3, params and optimizer on cpu: 4 bytes of parameter (the master) and 4 of gradient per
+    element, and the moments as the engine's sub-groups store them (block-wise int8, fp32 under 4096 elements)."""
+    config = str(tmp_path / "c.json")
+    with open(config, "w") as f:
+        json.dump({"train_micro_batch_size_per_gpu": 2, "zero_tiering": {"moments": "int8"}, "zero_optimization": {
+            "stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}, f)
+    result = plan(tmp_path, "--config", config)
+    engine = zero.initialize(model=from_preset("tiny").model, config=config)[0]
+    padded = sum(unit.flat.padded_numel for unit in engine.units)
+    moments = sum(engine.swap.segments[sg.segment(part)].nbytes for sg in engine.driver.sub_groups
+                  for part in ("exp_avg", "exp_avg_sq"))
+    engine.close()
+    assert moments < 8 * padded / 3  # int8 where it counts
+    assert result["tier_bytes"] == {"device": 0, "host": 8 * padded + moments, "nvme": 0}
+    assert "int8 moments, fp32 master" in result["placement"]
+
+
+def test_where_exact_state_fits_nowhere_a_compact_format_is_proposed(tmp_path):
+    """No disk figures (cpu placements only) and a RAM between what exact state and int8 moments need: the plan
+    chooses int8 moments and says what it trades."""
+    def run(*args: str) -> dict:
+        return main(["--model", "small", "--json", *args])
+
+    exact = min(p["predicted_peak_rss_bytes"] for p in run("--ram", "1TiB")["placements"])
+    compact = min(p["predicted_peak_rss_bytes"] for p in run("--ram", "1TiB", "--moments", "int8")["placements"])
+    assert compact < exact
+    result = run("--ram", str(int((exact + compact) / 2 / 0.9)))
+    assert result["fits"] and "int8 moments" in result["placement"]
+    assert "Exact fp32 state fits nowhere" in result["explanation"] and "price in loss" in result["explanation"]
+    assert result["config"]["zero_tiering"]["moments"] == "int8"
+    load_config(result["config"])

@@ -110,3 +110,17 @@ def test_activation_offload_trains_the_same_steps_as_autograd_keeping_them(offlo
     assert all(r.activations["count"] >= 2 and r.activations["bytes"] >= 2 * tiny_input for r in moved.reports)
     assert f"offloaded to {'host memory' if offload == 'cpu' else 'nvme'}" in out and "| activations " in out
     assert json.loads(summary.read_text())["steps"][0]["activations"]["count"] == moved.reports[0].activations["count"]
+
+
+def test_compact_state_moves_fewer_bytes_a_step_and_says_so(tmp_path, capsys):
+    """--moments int8 on the default job (state on nvme, the host budget smaller than it): each step's line shows
+    the bytes per parameter it moved, fewer than exact state's on the same steps."""
+    def run(*flags: str):
+        return main(["--preset", "tiny", "--layers", "4", "--steps", "3", "--host-budget", "1MiB",
+                     "--nvme-path", str(tmp_path / flags[-1]), "--save-dir", str(tmp_path / "ck"), *flags])
+
+    exact = run("--moments", "fp32")
+    compact = run("--moments", "int8")
+    out = capsys.readouterr().out
+    assert "stored as moments int8, master fp32" in out and "B/param)" in out
+    assert sum(r.bytes_per_param for r in compact.reports[1:]) < sum(r.bytes_per_param for r in exact.reports[1:])

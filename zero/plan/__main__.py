@@ -220,11 +220,12 @@ def report(shape, machine: Machine, predictions: list[Prediction], chosen: Predi
             if machine.disk else "no disk figures (run python -m zero.report --bandwidth PATH): no nvme placement")
     print(f"machine: RAM {fmt_bytes(machine.ram_bytes)}, GPU {fmt_bytes(machine.gpu_bytes)}, {disk}; matmul "
           f"{machine.matmul_flops / 1e9:.0f} GFLOP/s, CPU-Adam {machine.adam_elements / 1e6:.0f} M elements/s")
-    print(f"{'placement':<48} {'device':>10} {'host':>10} {'nvme':>10} {'peak RSS':>10} {'nvme/step':>10} "
+    width = max(len(p.placement.name) for p in predictions)
+    print(f"{'placement':<{width}} {'device':>10} {'host':>10} {'nvme':>10} {'peak RSS':>10} {'nvme/step':>10} "
           f"{'step s':>8}  fits")
     for p in predictions:
         t = p.tier_bytes
-        print(f"{p.placement.name:<48} {fmt_bytes(t['device']):>10} {fmt_bytes(t['host']):>10} "
+        print(f"{p.placement.name:<{width}} {fmt_bytes(t['device']):>10} {fmt_bytes(t['host']):>10} "
               f"{fmt_bytes(t['nvme']):>10} {fmt_bytes(p.peak_rss_bytes):>10} {fmt_bytes(p.bytes_per_step):>10} "
               f"{p.step_s:>8.2f}  {'yes' if p.fits else 'no: ' + '; '.join(p.why_not)}")
     print(explain(predictions, chosen))
