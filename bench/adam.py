@@ -29,8 +29,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from zero.optim.adam_math import AdamThreads, adam_step  # noqa: E402  (the checkout's zero/, also when not installed)
+from zero.optim.compact_step import compact_step  # noqa: E402
+from zero.optim.state_format import StateFormat  # noqa: E402
 
-IMPLS = ("ours", "torch-fused", "torch-foreach", "deepspeed")
+IMPLS = ("ours", "torch-fused", "torch-foreach", "deepspeed", "ours-bf16", "ours-int8")
+"""ours-bf16 and ours-int8: our step with the moments stored compact (fp32 master), zero.optim.compact_step."""
 BYTES_PER_PARAM = 28
 """Adam's memory traffic: reads param, grad, exp_avg, exp_avg_sq; writes param, exp_avg, exp_avg_sq."""
 HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -62,6 +65,26 @@ def ours(buf: Buffers, threads: AdamThreads, copy_out: bool) -> Callable[[], Non
                   beta2=beta2, eps=HYPER["eps"], weight_decay=HYPER["weight_decay"],
                   out=buf.out if copy_out else None, threads=threads)
     return run
+
+
+def ours_compact(moments: str) -> Callable[[Buffers, AdamThreads, bool], Callable[[], None]]:
+    """Our step with the moments stored as `moments` (their own buffers; param and grad shared)."""
+    def make(buf: Buffers, threads: AdamThreads, copy_out: bool) -> Callable[[], None]:
+        numel = buf.param.numel()
+        codecs = StateFormat(moments, "fp32").codecs(numel)
+        m, v = (torch.zeros(c.storage_numel(numel), dtype=c.dtype) for c in (codecs.exp_avg, codecs.exp_avg_sq))
+        step = 0
+        beta1, beta2 = HYPER["betas"]
+
+        def run() -> None:
+            nonlocal step
+            step += 1
+            compact_step(buf.param, buf.grad, m, v, codecs=codecs, numel=numel, out=buf.out if copy_out else None,
+                         key=step, index=0, threads=threads,
+                         hyper=dict(step=step, lr=HYPER["lr"], beta1=beta1, beta2=beta2, eps=HYPER["eps"],
+                                    weight_decay=HYPER["weight_decay"], decoupled=True, grad_scale=1.0))
+        return run
+    return make
 
 
 def torch_adamw(kind: str) -> Callable[[Buffers, int, bool], Callable[[], None]]:
@@ -96,7 +119,7 @@ def with_copy_out(step: Callable[[], object], copy_to: Buffers | None) -> Callab
 
 
 MAKERS = {"ours": ours, "torch-fused": torch_adamw("fused"), "torch-foreach": torch_adamw("foreach"),
-          "deepspeed": deepspeed_adam}
+          "deepspeed": deepspeed_adam, "ours-bf16": ours_compact("bf16"), "ours-int8": ours_compact("int8")}
 
 
 def deepspeed_note() -> str | None:
@@ -156,6 +179,11 @@ def print_table(records: list[dict], paired: dict[tuple, float], out_name: str) 
         print(f"| {params / 1e6:g}M | {t} | {out_name if copy_out else 'no'} | {' | '.join(cells)} | "
               f"{rate[('ours', params, t, copy_out)] / best_torch:.2f}x | {paired[(params, t, copy_out)]:.2f}x | "
               f"{gbps:.1f} |")
+    for impl in (i for i in impls if i.startswith("ours-")):
+        ratios = ", ".join(f"{params / 1e6:g}M x{t}{' copy-out' if copy_out else ''} "
+                           f"{rate[(impl, params, t, copy_out)] / rate[('ours', params, t, copy_out)]:.2f}x"
+                           for params, t, copy_out in sorted({k[1:] for k in rate}))
+        print(f"{impl} (moments {impl[5:]}, one pass) / ours (exact): {ratios}")
     print(f"\nMparams/s, median of timed steps. paired: median over rounds of best torch time / ours, each round "
           f"timing every optimizer once.\nGB/s counts {BYTES_PER_PARAM} B/param (+2 with copy-out).")
 

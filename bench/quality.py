@@ -129,14 +129,16 @@ def main(argv: list[str] | None = None) -> dict:
     seeds = [int(s) for s in args.seeds.split(",")]
     runs: dict[str, dict[int, dict]] = {}
     for seed in seeds:
-        runs.setdefault("exact", {})[seed] = train_ours(args, seed, "fp32", "fp32")
-        for fmt in args.formats.split(","):
-            moments, master = fmt.split("/")
-            runs.setdefault(fmt, {})[seed] = train_ours(args, seed, moments, master)
+        todo = [("exact", lambda: train_ours(args, seed, "fp32", "fp32"))]
+        todo += [(fmt, lambda fmt=fmt: train_ours(args, seed, *fmt.split("/"))) for fmt in args.formats.split(",")]
         if args.torchao:
-            runs.setdefault("torchao AdamW8bit", {})[seed] = train_torchao(args, seed, False)
+            todo.append(("torchao AdamW8bit", lambda: train_torchao(args, seed, False)))
         if args.torchao_bf16:
-            runs.setdefault("torchao AdamW8bit bf16-sr", {})[seed] = train_torchao(args, seed, True)
+            todo.append(("torchao AdamW8bit bf16-sr", lambda: train_torchao(args, seed, True)))
+        for name, run in todo:
+            runs.setdefault(name, {})[seed] = run()
+            print(f"  seed {seed} {name}: held-out {runs[name][seed]['held_out']:.4f} "
+                  f"({runs[name][seed]['seconds']:.0f} s)", file=sys.stderr, flush=True)
     exact = {seed: runs["exact"][seed]["held_out"] for seed in seeds}
     result = {"preset": args.preset, "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
               "dtype": args.dtype, "seeds": seeds,

@@ -379,10 +379,13 @@ def child_rlimit(root: str) -> None:
 # -- a flipped byte in a swap file ------------------------------------------------------------------------------
 
 
-def test_a_flipped_byte_in_a_swap_file_is_detected_and_named(tmp_path):
-    engine = build(CONFIG, str(tmp_path))
+@pytest.mark.parametrize("moments", ["fp32", "int8"])
+def test_a_flipped_byte_in_a_swap_file_is_detected_and_named(moments, tmp_path):
+    """Exact and compact state alike: the byte flipped is in a first moment (an int8 one: in a block's absmax)."""
+    engine = build(CONFIG, str(tmp_path), tiering={"moments": moments})
     try:
-        name = "blocks.0/0/exp_avg"
+        sg = next(sg for sg in engine.driver.sub_groups if sg.codecs.exp_avg.name == moments)
+        name = sg.segment("exp_avg")
         segment = engine.swap.segments[name]
         assert segment.state.tier == "nvme"
         fd = os.open(engine.swap.store.path, os.O_RDWR)

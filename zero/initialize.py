@@ -228,12 +228,12 @@ def speculates(cfg: Config, work_tier: Tier, units: list[FlatUnit], dtype: torch
 
 
 def speculation_room(cfg: Config, units: list[FlatUnit], dtype: torch.dtype) -> int:
-    """Host bytes a speculative step needs beside the backward: 2 x (the largest sub-group's master, moments and
-    fp32 gradient + the largest parameter shard)."""
+    """Host bytes a speculative step needs beside the backward: 2 x (the largest sub-group's master and moments as
+    the state format stores them, its fp32 gradient, and the largest parameter shard)."""
     zo = cfg.zero_optimization
     largest = max((u.shard_numel for u in units), default=0)
     sub_group = min(largest, zo.sub_group_size or largest)
-    return 2 * (16 * sub_group + dtype.itemsize * largest)
+    return 2 * (cfg.state_format.state_bytes(sub_group) + 4 * sub_group + dtype.itemsize * largest)
 
 
 def waits_for_update(overlap: OverlappedStep | None, speculation: SpeculativeStep | None):

@@ -16,7 +16,8 @@ A checkpoint, for `engine.save_checkpoint(save_dir, tag)` with N ranks:
                                         unit layout, every record, and each file's size and xxh3-64 checksum
 
 Records. A unit's flat buffer (its parameters, flattened and padded; see FlatUnit) has four "parts": `param`
-(the compute dtype), `master`, `exp_avg`, `exp_avg_sq` (fp32). A record is a run [start, start + numel) of
+(the compute dtype), `master`, `exp_avg`, `exp_avg_sq` (fp32: the values, whatever state format stored them, so a
+checkpoint loads into a run of any format; the manifest names the format it was saved from). A record is a run [start, start + numel) of
 one part of one unit, in the unit's flat coordinates, as one rank held it: its param shard, or one
 sub-group's optimizer state. Together the records of all ranks cover every element of every unit below its
 `numel` (padding may be missing: it is zero). `extra` records hold what is not in a unit: frozen parameters and
