@@ -392,3 +392,20 @@ def test_an_epoch_that_ends_inside_an_accumulation_window_is_an_error(tmp_path):
         assert trainer.state.global_step == 2
     finally:
         trainer.close()
+
+
+def test_a_compact_state_format_trains_under_the_trainer(gpt2_runs, tmp_path):
+    """zero_tiering.moments int8 in the Trainer's ds_config: the engine stores int8 moments, and the losses stay
+    within a few percent of the plain Trainer's (the format's price, measured by bench/quality.py)."""
+    config = hf_docs_zero3(tmp_path / "nvme", optimizer=False, scheduler=False)
+    config["zero_tiering"] = {"moments": "int8"}
+    trainer = ZeroTrainer(model=gpt2(), args=training_args(TrainingArguments, tmp_path / "int8"),
+                          train_dataset=dataset(), zero_config=config)
+    try:
+        trainer.train()
+        assert trainer.engine.driver.state_format.moments == "int8"
+        assert any(sg.codecs.exp_avg.name == "int8" for sg in trainer.engine.driver.sub_groups)
+        ours, theirs = losses(trainer), losses(gpt2_runs["reference"])
+        assert list(ours.values()) == pytest.approx(list(theirs.values()), rel=0.03)
+    finally:
+        trainer.close()
