@@ -165,3 +165,20 @@ def test_discard_drops_a_dirty_copy_unwritten(make_manager):
     assert mgr.stats.bytes_moved["host->nvme"] == written
     with pytest.raises(IllegalTransitionError):
         mgr.acquire("g", "host")  # its bytes are gone: only a fetch that overwrites may take it
+
+
+def test_without_an_nvme_budget_a_copy_never_takes_the_disk_s_reserve(small_tmpfs_dir):
+    """On a 1 MiB filesystem (its reserve 5%: 51 KiB) and no nvme budget: a kept copy-on-write extent is refused
+    where it would leave the filesystem less than its reserve, so a speculative step never fills the disk."""
+    store = NvmeStoreConfig(nvme_path=small_tmpfs_dir, grow_step=4 * PAGE, aio=AioConfig(engine="threads"))
+    mgr = SwapManager(SwapConfig(nvme=store, host_budget=512 * PAGE, prefetch_bytes=0))
+    try:
+        numel = 96 * PAGE // 4  # 384 KiB a segment: two fit the disk, a copy of one more does not
+        mgr.register("a", dtype=torch.float32, shape=(numel,), home="nvme").wait()
+        mgr.register("b", dtype=torch.float32, shape=(numel,), home="nvme").wait()
+        stat = os.statvfs(small_tmpfs_dir)
+        assert stat.f_bavail * stat.f_frsize < numel * 4 + int(0.05 * stat.f_blocks * stat.f_frsize)
+        assert mgr.store.spare_bytes() < numel * 4
+        assert not mgr.keep("a") and mgr.segments["a"].kept is None
+    finally:
+        mgr.close()

@@ -40,7 +40,8 @@ class Keeping:
         """Preserve the segment's current bytes until `commit` or `restore`. It must hold bytes (not spent); a
         move under way is waited for. It may be pinned by readers (a copy reading it): the bytes kept are those
         its copies hold now. False (nothing kept) where no copy fits: no free room in the budget of the tier
-        holding the bytes, or no room in the nvme budget for the copy-on-write extent."""
+        holding the bytes, or no room in the nvme budget for the copy-on-write extent (without a budget: in the
+        store's spare bytes, which leave the filesystem a reserve)."""
         while True:
             with self._lock:
                 seg = self._get(name)
@@ -72,6 +73,8 @@ class Keeping:
             budget = self.store.config.budget
             if budget is not None and self.store.used_bytes + self._cow_pending + seg.nbytes > budget:
                 return False
+            if budget is None and self._cow_pending + seg.nbytes > self.store.spare_bytes():
+                return False  # the disk's last bytes are not for an optional copy
             seg.kept = Kept(seg.extent, seg.checksum, None, None)
             self._cow_pending += seg.nbytes
             return True

@@ -17,6 +17,10 @@ from .handle import Handle
 from .stale import StaleReport
 from .store_file import StoreFile
 
+RESERVE_SHARE = 0.05
+RESERVE_MAX = 2 << 30
+"""What `spare_bytes` leaves free on a filesystem: 5% of it, at most 2 GiB."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class NvmeStoreConfig:
@@ -108,6 +112,21 @@ class NvmeStore:
     @property
     def used_bytes(self) -> int:
         return sum(f.used_bytes for f in self.files)
+
+    def spare_bytes(self) -> int:
+        """Bytes the store can still take while leaving each filesystem it writes to a reserve (RESERVE_SHARE of
+        the filesystem, at most RESERVE_MAX): its files' free ranges and their filesystems' free space. For what
+        may be refused (a kept copy-on-write extent), so that an optional copy never fills the disk."""
+        spare, seen = 0, set()
+        for file in self.files:
+            spare += file.capacity - file.used_bytes
+            stat = os.statvfs(os.path.dirname(file.path))
+            if stat.f_fsid in seen:
+                continue
+            seen.add(stat.f_fsid)
+            reserve = min(RESERVE_MAX, int(RESERVE_SHARE * stat.f_blocks * stat.f_frsize))
+            spare += max(0, stat.f_bavail * stat.f_frsize - reserve)
+        return spare
 
     def allocate(self, nbytes: int, what: str = "") -> Extent:
         """An extent of `nbytes` rounded up to 4 KiB in the least-used file that can hold it, growing that
