@@ -6,7 +6,9 @@ permitted).
   does not fit is it a StoreFullError (ENOSPC, naming the file), the store and its bytes unchanged.
 - The swap manager, where a dirty copy cannot be written for want of room, makes room with other copies (a
   prefetch waits); only where none can go is it that StoreFullError, never a pin left behind or a byte changed.
-- A step that must grow the store (the first speculative step: its state goes to fresh extents, copy on write)
+- Without an nvme budget the speculative step keeps no copy-on-write extent that would take the filesystem's
+  reserve: on a full disk it steps in place, bitwise as on a roomy one. With a budget larger than the disk, a
+  step that must grow the store (the first speculative step: its state goes to fresh extents, copy on write)
   fails with that StoreFullError, raised on the training thread also where the background thread stepping the
   optimizer met it. The store's bytes read back as they were; close() removes the swap file; the checkpoint
   saved before loads elsewhere and trains on bitwise as a run that never met the full disk.
@@ -52,11 +54,13 @@ def fill(directory: str) -> str:
     return path
 
 
-def engine(nvme_path, *, speculative: bool = True):
+def engine(nvme_path, *, speculative: bool = True, nvme_budget: str | None = None):
     """ZeRO-3, bf16, parameters and optimizer state on nvme. No clipping, so every step speculates."""
     config = ds_config(3, "bf16", "nvme", str(nvme_path), sub_group_size=2048)
     config["gradient_clipping"] = 0.0
     config["zero_tiering"] = {"host_budget": HOST_BUDGET, "speculative_step": speculative}
+    if nvme_budget is not None:
+        config["zero_tiering"]["nvme_budget"] = nvme_budget
     return zero.initialize(model=tiny_lm(), config=config)[0]
 
 
@@ -134,9 +138,10 @@ def test_the_swap_manager_makes_room_without_the_disk_where_it_can_and_names_the
 def test_a_full_disk_fails_the_step_that_must_grow_the_store(tmp_path, small_disk):
     """Resumed from a checkpoint on a disk that then fills up: the first step's speculating optimizer writes its
     state to fresh extents, and the file cannot grow. (Later steps mostly reuse the extents the first one
-    freed, so it is the first step after a start that surely must grow the file.)"""
+    freed, so it is the first step after a start that surely must grow the file.) An nvme budget larger than the
+    disk is what lets the speculation ask: without one it leaves the disk its reserve (the next test)."""
     checkpoint = tmp_path / "checkpoint"
-    first = engine(small_disk)
+    first = engine(small_disk, nvme_budget="1GiB")
     try:
         train(first, 1)
         first.save_checkpoint(checkpoint, tag="one")
@@ -144,7 +149,7 @@ def test_a_full_disk_fails_the_step_that_must_grow_the_store(tmp_path, small_dis
     finally:
         first.close()
 
-    resumed = engine(small_disk)
+    resumed = engine(small_disk, nvme_budget="1GiB")
     try:
         resumed.load_checkpoint(checkpoint)
         store = resumed.swap.store
@@ -179,6 +184,33 @@ def test_a_full_disk_fails_the_step_that_must_grow_the_store(tmp_path, small_dis
     finally:
         fresh.close()
         reference.close()
+
+
+def test_without_an_nvme_budget_a_full_disk_turns_the_speculation_down(tmp_path, small_disk):
+    """The same resumed step on the full disk, no nvme budget: no sub-group keeps a copy-on-write extent (that would
+    take the filesystem's reserve), every one steps at the boundary over its own extents, and training goes on
+    bitwise as on a roomy disk."""
+    checkpoint = tmp_path / "checkpoint"
+    first = engine(small_disk)
+    try:
+        train(first, 1)
+        first.save_checkpoint(checkpoint, tag="one")
+    finally:
+        first.close()
+    (tmp_path / "roomy").mkdir()
+    resumed, roomy = engine(small_disk), engine(tmp_path / "roomy")
+    try:
+        resumed.load_checkpoint(checkpoint)
+        roomy.load_checkpoint(checkpoint)
+        fill(small_disk)
+        capacity = resumed.swap.store.capacity
+        losses = train(resumed, 1)
+        assert resumed.speculation.stats.stepped_early == 0 and resumed.swap.store.capacity == capacity
+        assert torch.equal(torch.stack(losses), torch.stack(train(roomy, 1)))
+        assert_same(snapshot(resumed), snapshot(roomy))
+    finally:
+        resumed.close()
+        roomy.close()
 
 
 def test_a_full_disk_changes_nothing_once_the_store_has_its_room(tmp_path, small_disk):

@@ -1,5 +1,5 @@
 /* The Adam step of a sub-group stored in a compact state format (zero/optim/state_format.py), one pass: for each
- * block of 256 elements, decode the master and moments into registers-sized buffers on the stack, run the exact
+ * block of 256 elements, decode the master and moments into one block's buffers on the stack, run the exact
  * kernel's Adam arithmetic (adam_spans.h: torch's fused kernel bit for bit, its scalar tail for the sub-group's
  * last numel % 8 elements), encode them back and write the compute-dtype copy. zero/optim/compact_step.py's
  * torch version computes the same bits; the tests compare the two.

@@ -138,7 +138,8 @@ def dynamic_map(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if signed and k > 0:
             values += (-level).tolist()
     table = np.array(sorted(set(np.float32(values).tolist())), dtype=np.float64)
-    assert table.size == 256, table.size
+    if table.size != 256:
+        raise AssertionError(f"the int8 map has {table.size} distinct codes, not 256")
     midpoints = ((table[:-1] + table[1:]) / 2).astype(np.float32)
     return torch.from_numpy(table.astype(np.float32)), torch.from_numpy(midpoints)
 
