@@ -1,6 +1,6 @@
 """The benchmarks' --quick modes run end to end and write their records (no speed thresholds: the machine is
-shared and noisy): bench/infer.py, bench/load.py, bench/adam_stream.py, bench/stream.py, bench/activations.py and
-bench/gpu_check.py."""
+shared and noisy): bench/infer.py, bench/load.py, bench/adam_stream.py, bench/stream.py, bench/activations.py,
+bench/quality.py and bench/gpu_check.py."""
 from __future__ import annotations
 
 import json
@@ -11,11 +11,13 @@ import sys
 from conftest import REPO_ROOT, child_env
 
 
-def quick(script: str, tmp_path, *flags: str) -> dict | list:
-    """Run `bench/<script> --quick` (and `flags`) with its files under tmp_path; its JSON record."""
+def quick(script: str, tmp_path, *flags: str, files: bool = True) -> dict | list:
+    """Run `bench/<script> --quick` (and `flags`) with its files under tmp_path (`files`: it takes --dir); its JSON
+    record."""
     out = tmp_path / "record.json"
-    done = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", script), "--quick", "--dir",
-                           str(tmp_path), "--json", str(out), *flags], env=child_env(), capture_output=True, text=True,
+    directory = ["--dir", str(tmp_path)] if files else []
+    done = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", script), "--quick", *directory,
+                           "--json", str(out), *flags], env=child_env(), capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
@@ -61,6 +63,17 @@ def test_stream_bounds_each_step_by_fio_and_the_in_memory_step(tmp_path):
             assert 0 <= step["disk_idle"] <= 1 and step["vs_bound"] > 0
         assert sum(step["read_bytes"] for step in run["steps"]) > 0  # the quick model does stream through nvme
     assert result["formats"]["int8/fp32"]["bytes_per_param"] < result["formats"]["fp32/fp32"]["bytes_per_param"]
+
+
+def test_quality_trains_each_format_beside_exact_on_the_same_batches(tmp_path):
+    result = quick("quality.py", tmp_path, "--plot", str(tmp_path / "curves.png"), files=False)
+    assert list(result["runs"]) == ["exact", "int8/fp32", "bf16/fp32"]
+    for name, by_seed in result["runs"].items():
+        run = by_seed["0"]
+        assert len(run["curve"]) == 4 and run["held_out"] > 0
+        assert result["relative"][name] == run["held_out"] / result["runs"]["exact"]["0"]["held_out"] - 1
+    assert result["runs"]["int8/fp32"]["0"]["curve"][0] == result["runs"]["exact"]["0"]["curve"][0]  # same batch
+    assert (tmp_path / "curves.png").stat().st_size > 0
 
 
 def test_gpu_check_runs_on_cpu_and_says_what_it_skipped(tmp_path):
