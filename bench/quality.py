@@ -18,7 +18,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import replace
@@ -150,8 +149,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"seeds {seeds}: exact's held-out spread over seeds {100 * result['exact_spread']:.2f}%")
     for name, by_seed in runs.items():
         held = [by_seed[seed]["held_out"] for seed in seeds]
+        seconds = statistics.fmean(r["seconds"] for r in by_seed.values())
         print(f"  {name:<28} held-out {' '.join(f'{h:.4f}' for h in held)}  vs exact "
-              f"{100 * result['relative'][name]:+.2f}%  ({statistics.fmean(r['seconds'] for r in by_seed.values()):.0f} s)")
+              f"{100 * result['relative'][name]:+.2f}%  ({seconds:.0f} s)")
     if args.plot:
         plot(runs, seeds[0], args.plot)
     if args.json:

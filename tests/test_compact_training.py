@@ -10,7 +10,6 @@ resume, and spawn ranks for the two-rank case.
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -24,7 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zero  # noqa: E402
 
 from conftest import child_env  # noqa: E402
-from stage3_models import batches, engine_train, free_port, full_state, one_thread, stage3_config, tiny_llama  # noqa: E402
+from stage3_models import (  # noqa: E402
+    batches, engine_train, free_port, full_state, one_thread, stage3_config, tiny_llama,
+)
 
 pytestmark = [pytest.mark.filterwarnings("ignore:bf16 compute:UserWarning"),
               pytest.mark.filterwarnings("ignore:fp16 compute:UserWarning")]

@@ -169,7 +169,8 @@ def test_small_sub_groups_keep_fp32_moments():
 
 def config(**sections):
     base = {"train_micro_batch_size_per_gpu": 1,
-            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                  "offload_param": {"device": "cpu"}}}
     return load_config({**base, **sections})
 
 

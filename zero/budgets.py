@@ -103,8 +103,8 @@ def nvme_segments(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, opt
             for offset in range(0, numel, chunk):
                 n = min(chunk, numel - offset)
                 codecs = fmt.codecs(n)
-                sizes += [codecs.master.nbytes(n)] * own_master + [codecs.exp_avg.nbytes(n), codecs.exp_avg_sq.nbytes(n),
-                                                                  grad_dtype(cfg, dtype).itemsize * n]
+                sizes += [codecs.master.nbytes(n)] * own_master
+                sizes += [codecs.exp_avg.nbytes(n), codecs.exp_avg_sq.nbytes(n), grad_dtype(cfg, dtype).itemsize * n]
     return sizes
 
 

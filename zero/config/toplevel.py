@@ -7,6 +7,7 @@ from typing import Literal
 
 from tiering.aio_config import AioConfig
 
+from ..optim.state_format import StateFormat
 from .activation_checkpointing import ActivationCheckpointingConfig
 from .aio import AioSection
 from .checkpoint import CheckpointConfig
@@ -17,7 +18,7 @@ from .scheduler import SchedulerConfig
 from .schema import DISABLED, Section, Unsupported, setting
 from .tiering_section import ZeroTieringSection
 from .zero_optimization import ZeroOptimizationConfig
-from ..optim.state_format import StateFormat
+
 
 def _fp32_accumulation(value: object) -> bool:
     return value is None or (isinstance(value, Mapping) and value.get("grad_accum_dtype") in (None, "fp32"))

@@ -108,7 +108,8 @@ def compact_adam_rate(state_format: StateFormat, out_dtype: torch.dtype) -> floa
     the engine's threads)."""
     n = 4 << 20
     codecs = state_format.codecs(n)
-    stored = [torch.zeros(c.storage_numel(n), dtype=c.dtype) for c in (codecs.master, codecs.exp_avg, codecs.exp_avg_sq)]
+    stored = [torch.zeros(c.storage_numel(n), dtype=c.dtype)
+              for c in (codecs.master, codecs.exp_avg, codecs.exp_avg_sq)]
     grad = torch.rand(n)
     out = torch.empty(n, dtype=out_dtype) if out_dtype != torch.float32 and codecs.master is FP32 else None
     with AdamThreads() as threads:

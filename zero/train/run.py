@@ -221,7 +221,8 @@ def fast_compute(config: dict, args: argparse.Namespace, device: torch.device) -
     if not speed.slow:
         return None
     instead = fast_alternative(device)
-    line = slow_dtype_line(speed, device, instead, f"--dtype {args.dtype}" if args.dtype else args.config or "the built-in config")
+    asked = f"--dtype {args.dtype}" if args.dtype else args.config or "the built-in config"
+    line = slow_dtype_line(speed, device, instead, asked)
     if args.dtype:
         return line + "; kept, as --dtype asks"
     master = config.get("zero_tiering", {}).get("master")
@@ -309,7 +310,8 @@ def main(argv: list[str] | None = None) -> TrainRun:
         if args.summary_json and main_rank:
             with open(args.summary_json, "w") as f:
                 json.dump({"held_out_loss": [held_before, held_after],
-                           "steps": [vars(r) | {"compute_s": r.compute_s, "overlap": r.overlap, "bytes_per_param": r.bytes_per_param} for r in reports]},
+                           "steps": [vars(r) | {"compute_s": r.compute_s, "overlap": r.overlap,
+                                                "bytes_per_param": r.bytes_per_param} for r in reports]},
                           f, indent=1)
         engine.close()  # writes the Chrome trace when zero_tiering.trace_path is set
     if args.trace:
