@@ -163,7 +163,7 @@ def given_config(args: argparse.Namespace) -> dict:
         raise PlanInputError(f"--config {args.config!r}: {exc}") from exc
     tiering = config.setdefault("zero_tiering", {})
     for flag, key in (("host_budget", "host_budget"), ("device_budget", "device_budget"),
-                      ("activation_offload", "activation_offload")):
+                      ("activation_offload", "activation_offload"), ("moments", "moments"), ("master", "master")):
         if getattr(args, flag):
             tiering[key] = getattr(args, flag)
     config["train_micro_batch_size_per_gpu"] = config.get("train_micro_batch_size_per_gpu", args.micro_batch)
