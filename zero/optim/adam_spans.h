@@ -1,5 +1,7 @@
-/* The Adam arithmetic of zero.optim._adam_kernel over flat fp32 arrays, shared by its two steps: the exact one
- * (adam_kernel.c) and the compact formats' (compact_kernel.c). See adam_kernel.c for why it is written this way. */
+/* What zero.optim._adam_kernel's two steps share, the exact one (adam_kernel.c) and the compact formats'
+ * (compact_kernel.c): a call's Step, its hyperparameters derived as torch derives them, the bf16/fp16 conversions and
+ * the scalar loop. The vector loops live in adam_kernel.c, which picks one at import (`adam_best_span`). See
+ * adam_kernel.c for why the arithmetic is written this way. */
 #ifndef ZERO_ADAM_SPANS_H
 #define ZERO_ADAM_SPANS_H
 #include <math.h>
@@ -77,108 +79,6 @@ static void scalar_span(const Step *args, int64_t begin, int64_t end, int tail) 
     }
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define HAVE_X86_PATHS 1
-
-/* The same arithmetic 16 at a time; returns how many elements it did (a multiple of 16). The copy-out,
- * where aligned, goes out with non-temporal stores: nothing here reads it back, and they spare reading its
- * lines into the cache before writing them (2 of the 32 bytes a parameter costs). */
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
-static int64_t avx512_span(const Step *args, int64_t n) {
-    const Step c = *args, *s = &c;
-    const __m512 inv_scale = _mm512_set1_ps(s->inv_scale), wd = _mm512_set1_ps(s->wd);
-    const __m512 decay = _mm512_set1_ps(s->decay), coeff = _mm512_set1_ps(s->coeff);
-    const __m512 beta2 = _mm512_set1_ps(s->beta2), c2 = _mm512_set1_ps(s->c2);
-    const __m512 bc2_sqrt = _mm512_set1_ps(s->bc2_sqrt), eps = _mm512_set1_ps(s->eps);
-    const __m512 neg_step = _mm512_set1_ps(s->neg_step);
-    const __m512i round = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), nan = _mm512_set1_epi32(0xFFFF);
-    const int stream = s->out != OUT_NONE && ((uintptr_t)s->o & 31) == 0;
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m512 g = _mm512_loadu_ps(s->g + i);
-        if (s->scaled) {
-            g = _mm512_div_ps(g, inv_scale);
-            _mm512_storeu_ps(s->g + i, g);
-        }
-        __m512 p = _mm512_loadu_ps(s->p + i);
-        if (s->adam_wd) g = _mm512_fmadd_ps(p, wd, g);
-        p = _mm512_mul_ps(p, decay);
-        __m512 m = _mm512_loadu_ps(s->m + i);
-        m = _mm512_fmadd_ps(coeff, _mm512_sub_ps(g, m), s->small ? m : g);
-        __m512 v = _mm512_mul_ps(_mm512_loadu_ps(s->v + i), beta2);
-        v = _mm512_fmadd_ps(_mm512_mul_ps(c2, g), g, v);
-        _mm512_storeu_ps(s->m + i, m);
-        _mm512_storeu_ps(s->v + i, v);
-        __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2_sqrt), eps);
-        p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step, m), denom));
-        _mm512_storeu_ps(s->p + i, p);
-        if (s->out != OUT_NONE) {
-            __m256i half;
-            if (s->out == OUT_BF16) {
-                __m512i u = _mm512_castps_si512(p);
-                __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(round, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-                r = _mm512_mask_mov_epi32(_mm512_srli_epi32(r, 16), _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q), nan);
-                half = _mm512_cvtepi32_epi16(r);
-            } else {
-                half = _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            }
-            if (stream) _mm256_stream_si256((__m256i *)(s->o + i), half);
-            else _mm256_storeu_si256((__m256i *)(s->o + i), half);
-        }
-    }
-    if (stream) _mm_sfence(); /* the streamed copy-out is visible before the GIL is taken back */
-    return i;
-}
-
-/* The same arithmetic 8 at a time, the copy-out streamed as above; returns how many elements it did. */
-__attribute__((target("avx2,fma,f16c")))
-static int64_t avx2_span(const Step *args, int64_t n) {
-    const Step c = *args, *s = &c;
-    const __m256 inv_scale = _mm256_set1_ps(s->inv_scale), wd = _mm256_set1_ps(s->wd);
-    const __m256 decay = _mm256_set1_ps(s->decay), coeff = _mm256_set1_ps(s->coeff);
-    const __m256 beta2 = _mm256_set1_ps(s->beta2), c2 = _mm256_set1_ps(s->c2);
-    const __m256 bc2_sqrt = _mm256_set1_ps(s->bc2_sqrt), eps = _mm256_set1_ps(s->eps);
-    const __m256 neg_step = _mm256_set1_ps(s->neg_step);
-    const __m256i round = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1), nan = _mm256_set1_epi32(0xFFFF);
-    const int stream = s->out != OUT_NONE && ((uintptr_t)s->o & 15) == 0;
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 g = _mm256_loadu_ps(s->g + i);
-        if (s->scaled) {
-            g = _mm256_div_ps(g, inv_scale);
-            _mm256_storeu_ps(s->g + i, g);
-        }
-        __m256 p = _mm256_loadu_ps(s->p + i);
-        if (s->adam_wd) g = _mm256_fmadd_ps(p, wd, g);
-        p = _mm256_mul_ps(p, decay);
-        __m256 m = _mm256_loadu_ps(s->m + i);
-        m = _mm256_fmadd_ps(coeff, _mm256_sub_ps(g, m), s->small ? m : g);
-        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(s->v + i), beta2);
-        v = _mm256_fmadd_ps(_mm256_mul_ps(c2, g), g, v);
-        _mm256_storeu_ps(s->m + i, m);
-        _mm256_storeu_ps(s->v + i, v);
-        __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2_sqrt), eps);
-        p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step, m), denom));
-        _mm256_storeu_ps(s->p + i, p);
-        if (s->out != OUT_NONE) {
-            __m128i half;
-            if (s->out == OUT_BF16) {
-                __m256i u = _mm256_castps_si256(p);
-                __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(round, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
-                r = _mm256_blendv_epi8(_mm256_srli_epi32(r, 16), nan, _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q)));
-                half = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-            } else {
-                half = _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            }
-            if (stream) _mm_stream_si128((__m128i *)(s->o + i), half);
-            else _mm_storeu_si128((__m128i *)(s->o + i), half);
-        }
-    }
-    if (stream) _mm_sfence();
-    return i;
-}
-#endif
 
 typedef int64_t (*VectorSpan)(const Step *, int64_t);
 
