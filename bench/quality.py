@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--plot", help="write the loss curves here (PNG; needs matplotlib)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    if any(len(f.split("/")) != 2 for f in args.formats.split(",")):
+        parser.error(f"--formats {args.formats!r}: MOMENTS/MASTER pairs, comma-separated (e.g. int8/fp32)")
     if args.quick:
         args.preset, args.steps, args.batch, args.seq_len, args.seeds = "tiny", 4, 2, 32, "0"
     torch.set_num_threads(os.cpu_count() or 1)

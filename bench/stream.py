@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     formats = [tuple(f.split("/")) for f in args.formats.split(",")]
+    if any(len(f) != 2 for f in formats):
+        parser.error(f"--formats {args.formats!r}: MOMENTS/MASTER pairs, comma-separated (e.g. fp32/fp32,int8/fp32)")
     if args.quick:
         args.preset, args.layers, args.seq_len, args.steps, args.warmup = "tiny", 0, 64, 3, 1
         args.host_budget, args.device_budget, args.fio_size = "2MiB", "4MiB", str(64 << 20)

@@ -99,13 +99,19 @@ def nvme_segments(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, opt
         if params_on_nvme:
             sizes.append(dtype.itemsize * numel)
         if state_on_nvme:
-            chunk = zo.sub_group_size or numel
-            for offset in range(0, numel, chunk):
-                n = min(chunk, numel - offset)
+            for n in sub_group_sizes(cfg, unit):
                 codecs = fmt.codecs(n)
                 sizes += [codecs.master.nbytes(n)] * own_master
                 sizes += [codecs.exp_avg.nbytes(n), codecs.exp_avg_sq.nbytes(n), grad_dtype(cfg, dtype).itemsize * n]
     return sizes
+
+
+def sub_group_sizes(cfg: Config, unit: FlatUnit) -> list[int]:
+    """Elements of each sub-group the driver cuts this rank's range of `unit` into (AdamDriver.add_unit)."""
+    zo = cfg.zero_optimization
+    numel = unit.rank_range(zo.stage >= 1)[1]
+    chunk = zo.sub_group_size or numel
+    return [min(chunk, numel - offset) for offset in range(0, numel, chunk)]
 
 
 def largest_sub_group(cfg: Config, units: list[FlatUnit]) -> int:
@@ -128,11 +134,7 @@ def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, optim
     offload = zo.offload_optimizer.device
     homed_on_host = 0
     if optimizer and offload == "cpu":
-        for unit in units:
-            numel = unit.rank_range(zo.stage >= 1)[1]
-            chunk = zo.sub_group_size or numel
-            homed_on_host += sum(window_bytes(cfg, dtype, min(chunk, numel - offset))
-                                 for offset in range(0, numel, chunk))
+        homed_on_host = sum(window_bytes(cfg, dtype, n) for unit in units for n in sub_group_sizes(cfg, unit))
     if optimizer and offload != "none":  # gradient_copies.py: the staging of the gradients' way to the host
         window += SLOTS * reduce_dtype(cfg, dtype).itemsize * largest_sub_group(cfg, units)
     prefetch = 2 * state  # read ahead the next sub-groups' state
@@ -219,9 +221,6 @@ def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: n
     if not work_on_host:  # the optimizer's state and gradient live on the device
         state = 3 if masters_are_params(cfg, dtype) else 4
         for flat, _ in plan:
-            numel = flat.rank_range(zo.stage >= 1)[1]
-            chunk = zo.sub_group_size or numel
-            for offset in range(0, numel, chunk):
-                n = min(chunk, numel - offset)
+            for n in sub_group_sizes(cfg, flat):
                 parts["segments"] += (state - 1) * charge(4 * n) + charge(grad_dtype(cfg, dtype).itemsize * n)
     return parts

@@ -137,6 +137,7 @@ VectorSpan adam_best_span(void) { return path_spans[0]; }
 
 /* compact_kernel.c: the step of a sub-group stored in a compact state format. */
 PyObject *compact_step(PyObject *self, PyObject *args, PyObject *kwargs);
+void compact_init(void);
 
 static void step_all(const Step *s, int64_t n, VectorSpan vector_span) {
     int64_t body = n - n % 8, done = vector_span ? vector_span(s, body) : 0;
@@ -244,6 +245,7 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__adam_kernel(void) {
+    compact_init();
 #ifdef HAVE_X86_PATHS
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")

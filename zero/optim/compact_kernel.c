@@ -139,7 +139,7 @@ static int bf16_encode_avx2(const float *in, int n, int stochastic, uint32_t key
 }
 #endif
 
-static int use_avx2; /* set at each call: the CPU runs AVX2 */
+static int use_avx2; /* the CPU runs AVX2: set once at import (compact_init) */
 
 /* bf16 of in[0, n) into out: to nearest even, or stochastically (see bf16_encode_avx2). */
 static void bf16_encode(uint16_t *out, const float *in, int n, int stochastic, uint32_t key, uint32_t index) {
@@ -229,6 +229,13 @@ static void encode(int kind, void *base, int64_t numel, int64_t lo, int n, const
 }
 
 
+void compact_init(void) {
+#ifdef HAVE_AVX2_CODECS
+    __builtin_cpu_init();
+    use_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+}
+
 PyObject *compact_step(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"master", "master_kind", "grad", "exp_avg", "exp_avg_kind", "exp_avg_sq",
                                "exp_avg_sq_kind", "out", "out_kind", "numel", "stochastic", "key", "index",
@@ -267,10 +274,6 @@ PyObject *compact_step(PyObject *self, PyObject *args, PyObject *kwargs) {
     float *grad = (float *)(uintptr_t)g;
     uint16_t *out = (uint16_t *)(uintptr_t)o;
     int64_t body_end = numel - numel % 8; /* torch's vector loop's end: its scalar tail rounds v its own way */
-#ifdef HAVE_AVX2_CODECS
-    __builtin_cpu_init();
-    use_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#endif
     Py_BEGIN_ALLOW_THREADS
     uint8_t zeros[2];
     for (int u = 0; u < 2; u++) { /* the index of code 0.0 in each map */

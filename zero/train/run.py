@@ -226,6 +226,8 @@ def fast_compute(config: dict, args: argparse.Namespace, device: torch.device) -
     if args.dtype:
         return line + "; kept, as --dtype asks"
     master = config.get("zero_tiering", {}).get("master")
+    if master is None and config.get("bf16", {}).get("bf16_master_weights_and_grads"):
+        master = "bf16"  # DeepSpeed's key for it
     if master not in (None, "fp32") and speed.name == "bf16":
         return line + f"; kept: a {master} master is the bf16 parameter itself"
     set_dtype(config, instead)
