@@ -56,9 +56,9 @@ class TinyLM(nn.Module):
         return Output(loss, logits)  # a namedtuple: the partitioner finds the tensors in it (pytree)
 
 
-def tiny_lm(seed: int = 0, dropout: float = 0.0) -> TinyLM:
+def tiny_lm(seed: int = 0, dropout: float = 0.0, dim: int = 32) -> TinyLM:
     torch.manual_seed(seed)
-    return TinyLM(dropout)
+    return TinyLM(dropout, dim)
 
 
 def gpt2(seed: int = 0):
@@ -93,15 +93,15 @@ CONFIGS = {  # name: (stage, dtype, offload, dropout)
 }
 
 
-def build(name: str, nvme_path: str, tiering: dict | None = None, **overrides):
-    """The engine of a CONFIGS entry on a TinyLM; `overrides` go to zero_optimization, `tiering` is the
-    zero_tiering section."""
+def build(name: str, nvme_path: str, tiering: dict | None = None, dim: int = 32, **overrides):
+    """The engine of a CONFIGS entry on a TinyLM `dim` wide; `overrides` go to zero_optimization, `tiering` is
+    the zero_tiering section."""
     stage, dtype, offload, dropout = CONFIGS[name]
     config = ds_config(stage, dtype, offload, nvme_path)
     config["zero_optimization"].update(overrides)
     if tiering:
         config["zero_tiering"] = tiering
-    engine, *_ = zero.initialize(model=tiny_lm(dropout=dropout), config=config)
+    engine, *_ = zero.initialize(model=tiny_lm(dropout=dropout, dim=dim), config=config)
     return engine
 
 

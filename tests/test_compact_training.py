@@ -27,6 +27,12 @@ from stage3_models import (  # noqa: E402
     batches, engine_train, free_port, full_state, one_thread, stage3_config, tiny_llama,
 )
 
+
+def model(seed: int):
+    """The tiny Llama with MLP weights of 32 x 128 = 4096 elements: the smallest parameters whose moments are int8,
+    so a layer's sub-group holds int8 tiles (the MLP) beside fp32 ones (the norms, the 32 x 32 projections)."""
+    return tiny_llama(seed, intermediate_size=128)
+
 pytestmark = [pytest.mark.filterwarnings("ignore:bf16 compute:UserWarning"),
               pytest.mark.filterwarnings("ignore:fp16 compute:UserWarning")]
 
@@ -65,7 +71,7 @@ def config(fmt: str, tmp_path, *, tier: str = "nvme", stage: int = 3, speculate:
 
 
 def train(cfg: dict, steps: int = STEPS, *, accum: int = ACCUM, rows: slice = slice(None)) -> dict:
-    engine, *_ = zero.initialize(model=tiny_llama(0), config=cfg)
+    engine, *_ = zero.initialize(model=model(0), config=cfg)
     try:
         losses = engine_train(engine, [ids[rows] for ids in batches(steps * accum)])
         stats = None if engine.speculation is None else vars(engine.speculation.stats).copy()
@@ -141,7 +147,7 @@ def test_two_ranks_agree_and_train_as_one(tmp_path):
 def resume(fmt: str, root: str) -> None:
     """Child: load the checkpoint saved after 2 steps and train the remaining steps; write the result."""
     torch.set_num_threads(1)
-    engine, *_ = zero.initialize(model=tiny_llama(1), config=config(fmt, os.path.join(root, "child")))
+    engine, *_ = zero.initialize(model=model(1), config=config(fmt, os.path.join(root, "child")))
     engine.load_checkpoint(os.path.join(root, "ckpt"))
     data = batches(STEPS * ACCUM)[2 * ACCUM:]
     losses = engine_train(engine, data)
@@ -151,7 +157,7 @@ def resume(fmt: str, root: str) -> None:
 
 @pytest.mark.parametrize("fmt", ["int8", "int8-bf16-sr"])
 def test_a_save_resumes_bit_for_bit_in_a_fresh_process(fmt, tmp_path):
-    engine, *_ = zero.initialize(model=tiny_llama(0), config=config(fmt, tmp_path / "parent"))
+    engine, *_ = zero.initialize(model=model(0), config=config(fmt, tmp_path / "parent"))
     data = batches(STEPS * ACCUM)
     first = engine_train(engine, data[:2 * ACCUM])
     engine.save_checkpoint(str(tmp_path / "ckpt"))
@@ -166,14 +172,14 @@ def test_a_save_resumes_bit_for_bit_in_a_fresh_process(fmt, tmp_path):
 
 
 def layer_weight(engine) -> torch.nn.Parameter:
-    """A weight of a layer's unit (over 4096 elements: its moments are int8)."""
+    """A weight of a layer's unit (4096 elements: its moments are int8)."""
     return dict(engine.module.named_parameters())["model.layers.0.mlp.gate_proj.weight"]
 
 
 def test_exact_and_compact_checkpoints_convert_both_ways(tmp_path):
     """An exact checkpoint loads into an int8 run (one warning line), its moments quantized as the format stores
     them; saved again and loaded into an exact run, the values come back as the int8 run held them."""
-    exact, *_ = zero.initialize(model=tiny_llama(0), config=config("exact", tmp_path / "a"))
+    exact, *_ = zero.initialize(model=model(0), config=config("exact", tmp_path / "a"))
     engine_train(exact, batches(2 * ACCUM))
     exact.save_checkpoint(str(tmp_path / "exact"))
     param = layer_weight(exact)
@@ -181,7 +187,7 @@ def test_exact_and_compact_checkpoints_convert_both_ways(tmp_path):
     master = exact.full_state(param, "master")
     exact.close()
 
-    compact, *_ = zero.initialize(model=tiny_llama(1), config=config("int8", tmp_path / "b"))
+    compact, *_ = zero.initialize(model=model(1), config=config("int8", tmp_path / "b"))
     with pytest.warns(UserWarning, match=r"holds exact \(fp32 master and moments\) optimizer state; this run stores "
                                          r"moments int8, master fp32: converted on load"):
         compact.load_checkpoint(str(tmp_path / "exact"))
@@ -193,7 +199,7 @@ def test_exact_and_compact_checkpoints_convert_both_ways(tmp_path):
     compact.save_checkpoint(str(tmp_path / "compact"))
     compact.close()
 
-    back, *_ = zero.initialize(model=tiny_llama(2), config=config("exact", tmp_path / "c"))
+    back, *_ = zero.initialize(model=model(2), config=config("exact", tmp_path / "c"))
     with pytest.warns(UserWarning, match="converted on load"):
         back.load_checkpoint(str(tmp_path / "compact"))
     bparam = layer_weight(back)

@@ -381,16 +381,19 @@ def child_rlimit(root: str) -> None:
 
 @pytest.mark.parametrize("moments", ["fp32", "int8"])
 def test_a_flipped_byte_in_a_swap_file_is_detected_and_named(moments, tmp_path):
-    """Exact and compact state alike: the byte flipped is in a first moment (an int8 one: in a block's absmax)."""
-    engine = build(CONFIG, str(tmp_path), tiering={"moments": moments})
+    """Exact and compact state alike: the byte flipped is in a first moment (an int8 one: in a block's absmax; the
+    model 64 wide, so that its embedding has the 4096 elements int8 moments need)."""
+    engine = build(CONFIG, str(tmp_path), tiering={"moments": moments}, dim=64)
     try:
-        sg = next(sg for sg in engine.driver.sub_groups if sg.codecs.exp_avg.name == moments)
+        sg = next(sg for sg in engine.driver.sub_groups if moments in sg.codecs.exp_avg.name)
+        tiles = getattr(sg.codecs.exp_avg, "tiles", ())  # int8 tiles beside fp32 ones: flip an int8 tile's absmax
+        at = next((tile.offset for tile in tiles if tile.codec.name == "int8"), 100)
         name = sg.segment("exp_avg")
         segment = engine.swap.segments[name]
         assert segment.state.tier == "nvme"
         fd = os.open(engine.swap.store.path, os.O_RDWR)
         try:
-            offset = segment.extent.offset + 100
+            offset = segment.extent.offset + at + 1
             byte = os.pread(fd, 1, offset)
             os.pwrite(fd, bytes([byte[0] ^ 0x01]), offset)
             os.fsync(fd)

@@ -404,7 +404,7 @@ def test_a_compact_state_format_trains_under_the_trainer(gpt2_runs, tmp_path):
     try:
         trainer.train()
         assert trainer.engine.driver.state_format.moments == "int8"
-        assert any(sg.codecs.exp_avg.name == "int8" for sg in trainer.engine.driver.sub_groups)
+        assert any("int8" in sg.codecs.exp_avg.name for sg in trainer.engine.driver.sub_groups)
         ours, theirs = losses(trainer), losses(gpt2_runs["reference"])
         assert list(ours.values()) == pytest.approx(list(theirs.values()), rel=0.03)
     finally:

@@ -2,7 +2,7 @@
 the block-wise int8 round trip within its bound per block against a float64 reference, decoding and encoding again
 the identity (what a checkpoint relies on), the C kernel and the torch version equal bit for bit for every format
 (the same random bits for stochastic rounding), stochastic rounding unbiased, the keys of its bits, and the config's
-errors. Compared in bits."""
+errors; the tiled layout (a codec per tensor) and its step. Compared in bits."""
 from __future__ import annotations
 
 import itertools
@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 from zero.config import ConfigError, load_config
 from zero.optim.adam_math import _kernel
-from zero.optim.compact_step import kernel_pieces, round_stochastic, sr_key, torch_compact_step
+from zero.optim import compact_step as compact_step_module
+from zero.optim.compact_step import compact_step, kernel_pieces, round_stochastic, sr_key, torch_compact_step
 from zero.optim.state_format import (
-    BF16, FP32, INT8_SIGNED, INT8_UNSIGNED, QBLOCK, SMALLEST_INT8, StateFormat, dynamic_map,
+    BF16, FP32, INT8_SIGNED, INT8_UNSIGNED, QBLOCK, SMALLEST_INT8, StateFormat, Tiled, dynamic_map, int8_runs,
 )
 
 HYPER = dict(step=3, lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True, grad_scale=0.37)
@@ -159,12 +160,72 @@ def test_stochastic_bits_are_keyed_by_step_unit_and_index():
         assert not torch.equal(bits(other), bits(whole))
 
 
-def test_small_sub_groups_keep_fp32_moments():
+def test_small_tensors_keep_fp32_moments():
     fmt = StateFormat("int8", "fp32")
     assert fmt.codecs(SMALLEST_INT8 - 1).exp_avg is FP32
     assert fmt.codecs(SMALLEST_INT8).exp_avg is INT8_SIGNED and fmt.codecs(SMALLEST_INT8).exp_avg_sq is INT8_UNSIGNED
     assert fmt.state_bytes(1 << 20) == 4 * (1 << 20) + 2 * ((1 << 20) + 4 * (1 << 12))
     assert StateFormat().state_bytes(1000, master=False) == 8000
+    # a sub-group of small tensors only (norms, biases): fp32, however large the sub-group
+    assert fmt.codecs(3 * 4000, 0, [(k * 4000, 4000) for k in range(3)]).exp_avg is FP32
+    # one large tensor covering the sub-group, which starts inside it: plain int8
+    assert fmt.codecs(5000, 1000, [(0, 100_000)]).exp_avg is INT8_SIGNED
+
+
+TENSORS = [(0, 100), (100, 5000), (5100, 300), (5400, 9000), (14400, 4096)]
+"""A unit's parameters (offset, numel) in its flat buffer: small, large, small, large, large (flat length 18496)."""
+
+
+def test_int8_runs_follow_the_tensors():
+    """A sub-group starting inside the first tensor: small tensors and the padding are fp32 (merged), each large
+    tensor's part a quantized run of its own, so that its blocks start at its own first element there."""
+    assert int8_runs(19000, 50, TENSORS) == [(0, 50, False), (50, 5000, True), (5050, 300, False),
+                                             (5350, 9000, True), (14350, 4096, True), (18446, 554, False)]
+    assert int8_runs(3000, 6000, TENSORS) == [(0, 3000, True)]
+    assert int8_runs(100, 0, None) == [(0, 100, False)] and int8_runs(4096, 0, None) == [(0, 4096, True)]
+
+
+def test_tiled_moments_store_each_run_in_its_codec():
+    """Each tile starts on a 4-byte boundary, the segment's bytes are the tiles' (padded), and decoding gives each
+    tile's own codec's values: the tiled layout is the per-tensor codecs side by side."""
+    fmt = StateFormat("int8", "fp32")
+    codecs = fmt.codecs(19000, 50, TENSORS)
+    assert isinstance(codecs.exp_avg, Tiled) and isinstance(codecs.exp_avg_sq, Tiled)
+    tiles = codecs.exp_avg.tiles
+    assert [t.codec for t in tiles] == [FP32, INT8_SIGNED, FP32, INT8_SIGNED, INT8_SIGNED, FP32]
+    assert all(t.offset % 4 == 0 for t in tiles)
+    assert codecs.exp_avg.storage_numel(19000) == sum(-(-t.codec.nbytes(t.numel) // 4) * 4 for t in tiles)
+    assert fmt.state_bytes(19000, index=50, tensors=TENSORS) == 4 * 19000 + 2 * codecs.exp_avg.storage_numel(19000)
+    values = torch.randn(19000, generator=torch.Generator().manual_seed(5))
+    stored = encoded(codecs.exp_avg, values)
+    out = decoded(codecs.exp_avg, stored, 19000)
+    for tile in tiles:
+        piece = values.narrow(0, tile.start, tile.numel)
+        alone = decoded(tile.codec, encoded(tile.codec, piece), tile.numel)
+        assert torch.equal(bits(out.narrow(0, tile.start, tile.numel)), bits(alone))
+    assert torch.equal(bits(encoded(codecs.exp_avg, out)), bits(stored))
+
+
+@needs_kernel
+@pytest.mark.parametrize("master", ["fp32", "bf16-sr"])
+def test_a_tiled_sub_group_steps_alike_on_the_kernel_and_torch(master, monkeypatch):
+    """compact_step over a tiled sub-group: the kernel's pieces and the torch version (no kernel) give the same
+    bits, and each tile's step is that of the tile stepped alone at its index (its own stochastic bits)."""
+    codecs = StateFormat("int8", master).codecs(19000, 50, TENSORS)
+    out_dtype = torch.bfloat16
+    ours, our_out = sub_group(codecs, 19000, 8, out_dtype)
+    theirs, their_out = sub_group(codecs, 19000, 8, out_dtype)
+    step = dict(codecs=codecs, numel=19000, key=sr_key(4, 1), index=50, threads=None, hyper=HYPER)
+    compact_step(*ours, out=our_out, **step)
+    alone, _ = sub_group(codecs, 19000, 8, out_dtype)
+    for args, run_codecs, n, at in compact_step_module.runs(*alone, None, codecs, 19000):
+        torch_compact_step(*args, codecs=run_codecs, numel=n, key=sr_key(4, 1), index=50 + at, hyper=HYPER)
+    monkeypatch.setattr(compact_step_module, "_kernel", lambda: (None,))
+    compact_step(*theirs, out=their_out, **step)
+    for name, a, b, c in zip(("master", "grad", "exp_avg", "exp_avg_sq", "out"), ours + [our_out],
+                             theirs + [their_out], alone + [None]):
+        assert torch.equal(bits(a), bits(b)), name
+        assert c is None or torch.equal(bits(a), bits(c)), name
 
 
 def config(**sections):

@@ -54,10 +54,17 @@ def masters_are_params(cfg: Config, dtype: torch.dtype) -> bool:
             and zo.offload_param.device == zo.offload_optimizer.device != "none")
 
 
-def window_bytes(cfg: Config, dtype: torch.dtype, numel: int) -> int:
-    """Host bytes a sub-group of `numel` elements takes for a step: its state as the state format stores it (the
-    master unless it is the parameter shard) and its gradient, counted at 4 bytes."""
-    return cfg.state_format.state_bytes(numel, master=not masters_are_params(cfg, dtype)) + 4 * numel
+def window_bytes(cfg: Config, dtype: torch.dtype, unit: FlatUnit, *, master: bool | None = None) -> list[int]:
+    """Host bytes each of `unit`'s sub-groups takes for a step: its state as the state format stores it (the
+    master unless it is the parameter shard, or as `master` says) and its gradient, counted at 4 bytes."""
+    master = not masters_are_params(cfg, dtype) if master is None else master
+    return [cfg.state_format.state_bytes(n, master=master, index=index, tensors=unit.extents) + 4 * n
+            for index, n in sub_groups(cfg, unit)]
+
+
+def largest_window(cfg: Config, dtype: torch.dtype, units: list[FlatUnit], *, master: bool | None = None) -> int:
+    """The most host bytes one sub-group takes for a step (`window_bytes`)."""
+    return max((b for unit in units for b in window_bytes(cfg, dtype, unit, master=master)), default=0)
 
 
 def reduce_dtype(cfg: Config, dtype: torch.dtype) -> torch.dtype:
@@ -99,19 +106,20 @@ def nvme_segments(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, opt
         if params_on_nvme:
             sizes.append(dtype.itemsize * numel)
         if state_on_nvme:
-            for n in sub_group_sizes(cfg, unit):
-                codecs = fmt.codecs(n)
+            for index, n in sub_groups(cfg, unit):
+                codecs = fmt.codecs(n, index, unit.extents)
                 sizes += [codecs.master.nbytes(n)] * own_master
                 sizes += [codecs.exp_avg.nbytes(n), codecs.exp_avg_sq.nbytes(n), grad_dtype(cfg, dtype).itemsize * n]
     return sizes
 
 
-def sub_group_sizes(cfg: Config, unit: FlatUnit) -> list[int]:
-    """Elements of each sub-group the driver cuts this rank's range of `unit` into (AdamDriver.add_unit)."""
+def sub_groups(cfg: Config, unit: FlatUnit) -> list[tuple[int, int]]:
+    """(index of its first element in the unit's flat buffer, elements) of each sub-group the driver cuts this
+    rank's range of `unit` into (AdamDriver.add_unit)."""
     zo = cfg.zero_optimization
-    numel = unit.rank_range(zo.stage >= 1)[1]
+    start, numel = unit.rank_range(zo.stage >= 1)
     chunk = zo.sub_group_size or numel
-    return [min(chunk, numel - offset) for offset in range(0, numel, chunk)]
+    return [(start + offset, min(chunk, numel - offset)) for offset in range(0, numel, chunk)]
 
 
 def largest_sub_group(cfg: Config, units: list[FlatUnit]) -> int:
@@ -128,13 +136,12 @@ def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, optim
     False (inference): there is no optimizer state, so neither its window nor its read-ahead; prefetch reads
     ahead the prefetch bucket's parameters alone, leaving the rest of the host budget to cache them."""
     zo, zt = cfg.zero_optimization, cfg.zero_tiering
-    sub_group = largest_sub_group(cfg, units)
-    state = window_bytes(cfg, dtype, sub_group) if optimizer else 0  # (master,) two moments, grad
+    state = largest_window(cfg, dtype, units) if optimizer else 0  # (master,) two moments, grad
     window = 4 * state  # the segments of up to four sub-groups
     offload = zo.offload_optimizer.device
     homed_on_host = 0
     if optimizer and offload == "cpu":
-        homed_on_host = sum(window_bytes(cfg, dtype, n) for unit in units for n in sub_group_sizes(cfg, unit))
+        homed_on_host = sum(sum(window_bytes(cfg, dtype, unit)) for unit in units)
     if optimizer and offload != "none":  # gradient_copies.py: the staging of the gradients' way to the host
         window += SLOTS * reduce_dtype(cfg, dtype).itemsize * largest_sub_group(cfg, units)
     prefetch = 2 * state  # read ahead the next sub-groups' state
@@ -221,6 +228,6 @@ def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: n
     if not work_on_host:  # the optimizer's state and gradient live on the device
         state = 3 if masters_are_params(cfg, dtype) else 4
         for flat, _ in plan:
-            for n in sub_group_sizes(cfg, flat):
+            for _, n in sub_groups(cfg, flat):
                 parts["segments"] += (state - 1) * charge(4 * n) + charge(grad_dtype(cfg, dtype).itemsize * n)
     return parts

@@ -20,7 +20,7 @@ from tiering.device_tier import device_charge
 from tiering.errors import fmt_bytes
 
 from .activations import HOMES as ACTIVATION_HOMES, ActivationOffload
-from .budgets import (HOMES, compute_dtype, device_minimum, grad_dtype, largest_sub_group, masters_are_params, nvme_segments, reduce_dtype,
+from .budgets import (HOMES, compute_dtype, device_minimum, grad_dtype, largest_sub_group, largest_window, masters_are_params, nvme_segments, reduce_dtype,
                       swap_config)
 from .comm import DataParallel, local_device
 from .compute_speed import SlowComputeWarning, dtype_speed, fast_alternative, slow_dtype_line
@@ -230,10 +230,8 @@ def speculates(cfg: Config, work_tier: Tier, units: list[FlatUnit], dtype: torch
 def speculation_room(cfg: Config, units: list[FlatUnit], dtype: torch.dtype) -> int:
     """Host bytes a speculative step needs beside the backward: 2 x (the largest sub-group's master and moments as
     the state format stores them, its fp32 gradient, and the largest parameter shard)."""
-    zo = cfg.zero_optimization
     largest = max((u.shard_numel for u in units), default=0)
-    sub_group = min(largest, zo.sub_group_size or largest)
-    return 2 * (cfg.state_format.state_bytes(sub_group) + 4 * sub_group + dtype.itemsize * largest)
+    return 2 * (largest_window(cfg, dtype, units, master=True) + dtype.itemsize * largest)
 
 
 def waits_for_update(overlap: OverlappedStep | None, speculation: SpeculativeStep | None):

@@ -68,10 +68,12 @@ def compact_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     (None: the calling thread); else `torch_compact_step`."""
     kernel = _kernel()[0]
     if kernel is None or not hasattr(kernel, "compact_step"):
-        return torch_compact_step(master, grad, exp_avg, exp_avg_sq, codecs=codecs, numel=numel, out=out, key=key,
-                                  index=index, hyper=hyper)
-    pieces = kernel_pieces(kernel, master, grad, exp_avg, exp_avg_sq, codecs=codecs, numel=numel, out=out, key=key,
-                           index=index, hyper=hyper)
+        for args, run_codecs, n, at in runs(master, grad, exp_avg, exp_avg_sq, out, codecs, numel):
+            torch_compact_step(*args, codecs=run_codecs, numel=n, key=key, index=index + at, hyper=hyper)
+        return
+    pieces = [piece for args, run_codecs, n, at in runs(master, grad, exp_avg, exp_avg_sq, out, codecs, numel)
+              for piece in kernel_pieces(kernel, *args, codecs=run_codecs, numel=n, key=key, index=index + at,
+                                         hyper=hyper)]
     if threads is None:
         for piece in pieces:
             piece()
@@ -79,8 +81,18 @@ def compact_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
         threads.run(pieces)
 
 
-def kernel_pieces(kernel, master, grad, exp_avg, exp_avg_sq, *, codecs: SubGroupCodecs, numel: int,
-                  out: torch.Tensor | None, key: int, index: int, hyper: dict) -> list[Callable[[], None]]:
+def runs(master, grad, exp_avg, exp_avg_sq, out, codecs: SubGroupCodecs, numel: int):
+    """((master, grad, exp_avg, exp_avg_sq, out), codecs, numel, start) of each run of the sub-group stored in
+    one codec per part (SubGroupCodecs.runs): the views a step of that run takes."""
+    for start, n, run_codecs, m_tile, v_tile in codecs.runs(numel):
+        yield ((master.narrow(0, start, n), grad.narrow(0, start, n),
+                exp_avg if m_tile is None else m_tile.view(exp_avg),
+                exp_avg_sq if v_tile is None else v_tile.view(exp_avg_sq),
+                None if out is None else out.narrow(0, start, n)), run_codecs, n, start)
+
+
+def kernel_pieces(kernel, master, grad, exp_avg, exp_avg_sq, out: torch.Tensor | None, *, codecs: SubGroupCodecs,
+                  numel: int, key: int, index: int, hyper: dict) -> list[Callable[[], None]]:
     """The C kernel's calls for the step, one per PIECE elements, to run on any threads in any order."""
     maps = _maps()
     call = functools.partial(
@@ -98,9 +110,10 @@ def _maps() -> tuple[torch.Tensor, ...]:
                  for name in ("values", "midpoints", "buckets"))
 
 
-def torch_compact_step(master, grad, exp_avg, exp_avg_sq, *, codecs: SubGroupCodecs, numel: int,
-                       out: torch.Tensor | None, key: int, index: int, hyper: dict) -> None:
-    """`compact_step` with torch ops, CHUNK elements at a time (scratch of three chunks, fp32)."""
+def torch_compact_step(master, grad, exp_avg, exp_avg_sq, out: torch.Tensor | None, *, codecs: SubGroupCodecs,
+                       numel: int, key: int, index: int, hyper: dict) -> None:
+    """`compact_step` of one run (one codec per part) with torch ops, CHUNK elements at a time (scratch of three
+    chunks, fp32)."""
     scratch = torch.empty(3, min(CHUNK, numel), dtype=torch.float32)
     for lo in range(0, numel, CHUNK):
         n = min(CHUNK, numel - lo)

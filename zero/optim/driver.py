@@ -74,17 +74,18 @@ class AdamDriver:
         self.threads = AdamThreads()  # the step on as many threads as torch uses (see adam_step)
 
     def add_unit(self, unit: int, name: str, master: torch.Tensor, group: int, chunk: int,
-                 master_in: str | None = None, start: int = 0) -> list[SubGroup]:
+                 master_in: str | None = None, start: int = 0, extents=None) -> list[SubGroup]:
         """Register `master` (this rank's fp32 range of unit `unit`, flat, starting at element `start` of the
-        unit's flat buffer) as sub-groups `<name>/<k>` of at most `chunk` elements (0: one), stepped with param
-        group `group`; moments and gradient start at zero. With `master_in`, the segment that already holds the
-        master in the master's format (see SubGroup.master_in)."""
+        unit's flat buffer, whose parameters lie at `extents`: FlatUnit.extents) as sub-groups `<name>/<k>` of at
+        most `chunk` elements (0: one), stepped with param group `group`; moments and gradient start at zero.
+        With `master_in`, the segment that already holds the master in the master's format (see
+        SubGroup.master_in)."""
         chunk = chunk or master.numel()
         sub_groups = []
         for k, offset in enumerate(range(0, master.numel(), chunk)):
             numel = min(chunk, master.numel() - offset)
-            sg = SubGroup(f"{name}/{k}", numel, group, unit, offset, self.state_format.codecs(numel),
-                          index=start + offset, master_in=None if master_in is None else (master_in, offset))
+            sg = SubGroup(f"{name}/{k}", numel, group, unit, offset,
+                          self.state_format.codecs(numel, start + offset, extents), index=start + offset, master_in=None if master_in is None else (master_in, offset))
             sub_groups.append(self._add(sg, master.narrow(0, offset, numel)))
         return sub_groups
 

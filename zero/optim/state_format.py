@@ -9,8 +9,10 @@ branches on a format.
 
 Block-wise int8 (Dettmers et al., "8-bit Optimizers via Block-wise Quantization"): blocks of 256 elements, each
 with its fp32 absmax; an element is the nearest of 256 codes of a dynamic map times its block's absmax, signed for
-the first moment, unsigned for the second. A sub-group under 4096 elements keeps fp32 moments (the quantization
-error of a tiny tensor, a bias or a norm, is not worth its bytes).
+the first moment, unsigned for the second. Blocks never straddle two parameters: a sub-group's moments are stored
+tensor by tensor (`Tiled`), each parameter's part quantized from its own first element, and parameters under 4096
+elements (biases, norms) keep fp32 moments, their quantization error not worth their bytes (as bitsandbytes and
+torchao do).
 """
 from __future__ import annotations
 
@@ -28,7 +30,9 @@ MASTERS: tuple[str, ...] = ("fp32", "bf16", "bf16-sr")
 QBLOCK = 256
 """Elements sharing one absmax in block-wise int8."""
 SMALLEST_INT8 = 4096
-"""Sub-groups with fewer elements keep fp32 moments."""
+"""Parameters with fewer elements keep fp32 moments."""
+TILE_ALIGN = 4
+"""Bytes each tile of a `Tiled` segment starts on a multiple of (an fp32 tile's alignment)."""
 TINY = 2.0 ** -100
 """A block whose absmax is below this is stored as zeros: every code times a larger absmax is a normal fp32
 number, so decoding and encoding again gives the same bytes (a checkpoint stores decoded values)."""
@@ -120,6 +124,79 @@ class Int8Blocks(Codec):
         codes_all.narrow(0, start, n).copy_(codes)
 
 
+@dataclass(frozen=True)
+class Tile:
+    """Elements [start, start + numel) of a sub-group, stored with `codec` from byte `offset` of a `Tiled` segment."""
+
+    start: int
+    numel: int
+    codec: Codec
+    offset: int
+
+    def view(self, stored: torch.Tensor) -> torch.Tensor:
+        """This tile's storage in a `Tiled` segment's bytes."""
+        return stored.narrow(0, self.offset, self.codec.nbytes(self.numel)).view(self.codec.dtype)
+
+
+class Tiled(Codec):
+    """A segment (uint8) holding consecutive runs of a sub-group each stored with its own codec: block-wise int8
+    for each large parameter's part (its blocks start at its own first element), fp32 for small parameters and
+    padding. Decoded and encoded whole; the step (compact_step.py) walks the tiles."""
+
+    dtype = torch.uint8
+
+    def __init__(self, runs: list[tuple[int, int, Codec]]):
+        tiles, offset = [], 0
+        for start, numel, codec in runs:
+            tiles.append(Tile(start, numel, codec, offset))
+            offset += -(-codec.nbytes(numel) // TILE_ALIGN) * TILE_ALIGN
+        self.tiles, self.total = tuple(tiles), offset
+        self.name = "+".join(sorted({c.name for _, _, c in runs}))
+
+    def storage_numel(self, numel: int) -> int:
+        return self.total
+
+    def decode(self, stored: torch.Tensor, numel: int, out: torch.Tensor, start: int = 0) -> None:
+        if start or out.numel() != numel:
+            raise ValueError("a tiled segment decodes whole: the step walks its tiles")
+        for tile in self.tiles:
+            tile.codec.decode(tile.view(stored), tile.numel, out.narrow(0, tile.start, tile.numel))
+
+    def encode(self, values: torch.Tensor, stored: torch.Tensor, numel: int, start: int = 0) -> None:
+        if start or values.numel() != numel:
+            raise ValueError("a tiled segment encodes whole: the step walks its tiles")
+        for tile in self.tiles:
+            tile.codec.encode(values.narrow(0, tile.start, tile.numel), tile.view(stored), tile.numel)
+
+
+def int8_runs(numel: int, index: int, tensors) -> list[tuple[int, int, bool]]:
+    """(start, numel, quantized) runs of a sub-group of `numel` elements starting at element `index` of its unit's
+    flat buffer, whose parameters lie at `tensors` ((offset, numel) in that buffer; None: the sub-group is one
+    tensor): a run per large parameter's part, quantized; small parameters and the padding between, fp32, merged."""
+    if tensors is None:
+        return [(0, numel, numel >= SMALLEST_INT8)]
+    runs: list[tuple[int, int, bool]] = []
+
+    def add(start: int, stop: int, quantized: bool) -> None:
+        if stop <= start:
+            return
+        if runs and not quantized and not runs[-1][2]:
+            runs[-1] = (runs[-1][0], stop - runs[-1][0], False)
+        else:
+            runs.append((start, stop - start, quantized))
+
+    at = 0
+    for offset, size in sorted(tensors):
+        lo, hi = max(offset - index, at), min(offset + size - index, numel)
+        if lo >= hi:
+            continue
+        add(at, lo, False)
+        add(lo, hi, size >= SMALLEST_INT8)
+        at = hi
+    add(at, numel, False)
+    return runs
+
+
 @functools.cache
 def dynamic_map(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(256 sorted fp32 code values in [-1, 1] (signed) or [0, 1], the 255 fp32 midpoints between neighbours).
@@ -189,19 +266,23 @@ class StateFormat:
     def master_dtype(self) -> torch.dtype:
         return torch.float32 if self.master == "fp32" else torch.bfloat16
 
-    def codecs(self, numel: int) -> SubGroupCodecs:
-        """The codecs of a sub-group of `numel` elements."""
-        if self.moments == "int8" and numel >= SMALLEST_INT8:
-            m, v = INT8_SIGNED, INT8_UNSIGNED
-        elif self.moments == "bf16":
-            m = v = BF16
-        else:
-            m = v = FP32
+    def codecs(self, numel: int, index: int = 0, tensors=None) -> SubGroupCodecs:
+        """The codecs of a sub-group of `numel` elements from element `index` of its unit's flat buffer, whose
+        parameters lie at `tensors` ((offset, numel) in that buffer; None: the sub-group is one tensor)."""
+        m = v = BF16 if self.moments == "bf16" else FP32
+        if self.moments == "int8":
+            runs = int8_runs(numel, index, tensors)
+            if len(runs) == 1:
+                m, v = (INT8_SIGNED, INT8_UNSIGNED) if runs[0][2] else (FP32, FP32)
+            else:
+                m, v = (Tiled([(start, n, signed if quantized else FP32) for start, n, quantized in runs])
+                        for signed in (INT8_SIGNED, INT8_UNSIGNED))
         return SubGroupCodecs(FP32 if self.master == "fp32" else BF16, m, v, self.master == "bf16-sr")
 
-    def state_bytes(self, numel: int, *, master: bool = True) -> int:
-        """Bytes of a sub-group's stored state (with its master, unless the master is the parameter shard)."""
-        codecs = self.codecs(numel)
+    def state_bytes(self, numel: int, *, master: bool = True, index: int = 0, tensors=None) -> int:
+        """Bytes of a sub-group's stored state (with its master, unless the master is the parameter shard);
+        `index`, `tensors`: as `codecs` takes them."""
+        codecs = self.codecs(numel, index, tensors)
         return (codecs.master.nbytes(numel) if master else 0) + codecs.exp_avg.nbytes(numel) \
             + codecs.exp_avg_sq.nbytes(numel)
 
@@ -225,3 +306,11 @@ class SubGroupCodecs:
 
     def of(self, part: str) -> Codec:
         return getattr(self, part)
+
+    def runs(self, numel: int) -> list[tuple[int, int, SubGroupCodecs, Tile | None, Tile | None]]:
+        """(start, numel, codecs, exp_avg tile, exp_avg_sq tile) of each run of a sub-group of `numel` elements
+        whose parts are stored in one codec each (the tiles None where the moments are not `Tiled`: one run)."""
+        if not isinstance(self.exp_avg, Tiled):
+            return [(0, numel, self, None, None)]
+        return [(m.start, m.numel, SubGroupCodecs(self.master, m.codec, v.codec, self.stochastic), m, v)
+                for m, v in zip(self.exp_avg.tiles, self.exp_avg_sq.tiles)]

@@ -48,6 +48,11 @@ class FlatUnit:
         for: its shard when the state is sharded (stages 1-3), the whole padded buffer when not (stage 0)."""
         return (self.shard_start, self.shard_numel) if sharded else (0, self.padded_numel)
 
+    @property
+    def extents(self) -> list[tuple[int, int]]:
+        """(offset, numel) of each parameter in the flat buffer: what a compact state format tiles by."""
+        return [(slot.offset, slot.numel) for slot in self.slots]
+
     def flatten(self, out: torch.Tensor) -> torch.Tensor:
         """Copy the parameters' current values into `out` (padded_numel elements; the padding zeroed)."""
         for slot in self.slots:

@@ -95,7 +95,7 @@ class PartitionedPlacement(Placement):
                           data=master.to(dtype)).wait()
             sub_groups = [] if driver is None else driver.add_unit(
                 index, flat.name or "root", master, flat.group, sub_group_size,
-                segment if masters_are_params else None, start=flat.shard_start)
+                segment if masters_are_params else None, start=flat.shard_start, extents=flat.extents)
             del values, master
             full = torch.empty(flat.padded_numel, dtype=dtype, device=device)
             placement._add(Unit(index, flat, module, full, sub_groups, segment,

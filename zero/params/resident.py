@@ -46,7 +46,7 @@ class ResidentPlacement(Placement):
             flat.bind(full)
             start, numel = flat.rank_range(sharded)
             sub_groups = driver.add_unit(index, flat.name or "root", master.narrow(0, start, numel).cpu(),
-                                         flat.group, sub_group_size, start=start)
+                                         flat.group, sub_group_size, start=start, extents=flat.extents)
             units.append(Unit(index, flat, module, full, sub_groups))
         return cls(units, dp=dp, gradients=gradients, sharded=sharded)
 

@@ -38,7 +38,7 @@ import torch
 
 from tiering.device_tier import device_charge
 
-from ..budgets import HOMES, device_minimum, grad_dtype, masters_are_params, sub_group_sizes, swap_config
+from ..budgets import HOMES, device_minimum, grad_dtype, masters_are_params, sub_groups, swap_config
 from ..comm import DataParallel
 from ..config import load_config
 from ..initialize import plan_units, speculates
@@ -297,7 +297,8 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
 
 def state_bytes(cfg, flats: list, *, master: bool) -> int:
     """Bytes of optimizer state (moments, and the masters where `master`) over every sub-group of `flats`."""
-    return sum(cfg.state_format.state_bytes(n, master=master) for flat in flats for n in sub_group_sizes(cfg, flat))
+    return sum(cfg.state_format.state_bytes(n, master=master, index=index, tensors=flat.extents)
+               for flat in flats for index, n in sub_groups(cfg, flat))
 
 
 def working_window_config(config: dict) -> dict:
