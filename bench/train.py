@@ -10,7 +10,8 @@ Per system: median step time over the measured steps (after warm-up), tokens/s, 
 measured step's time less its own stall), I/O seconds (the union of the nvme lanes' busy time), bytes moved per
 tier pair, and the bytes each process read from and wrote to storage (/proc/self/io: every system's own I/O).
 DeepSpeed's step is not split into compute and I/O (n/a); each of ours is compared with DeepSpeed's step on the
-same offload device, `-overlap` variants included.
+same offload device, `-overlap` variants (zero_tiering.overlap_step) and `-int8` / `-bf16` ones (compact moments)
+included.
 """
 from __future__ import annotations
 
@@ -108,7 +109,10 @@ def child(args: argparse.Namespace) -> dict:
         config.setdefault("zero_tiering", {})["device_budget"] = args.device_budget
         if args.host_budget:
             config["zero_tiering"]["host_budget"] = args.host_budget
-        config["zero_tiering"]["overlap_step"] = system.endswith("-overlap")
+        config["zero_tiering"]["overlap_step"] = "-overlap" in system
+        for moments in ("int8", "bf16"):  # a compact state format: ours-nvme-int8, ours-cpu-bf16
+            if f"-{moments}" in system:
+                config["zero_tiering"]["moments"] = moments
         engine, _, _, _ = zero.initialize(model=model, config=config)
         swap = engine.swap
 
@@ -188,7 +192,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--systems", default="torch,ours-cpu,ours-nvme,deepspeed-cpu,deepspeed-nvme",
-                        help="also ours-cpu-overlap, ours-nvme-overlap: ours with zero_tiering.overlap_step")
+                        help="also ours-cpu-overlap, ours-nvme-overlap: ours with zero_tiering.overlap_step; "
+                             "ours-nvme-int8, ours-cpu-bf16 (...): ours with that zero_tiering.moments")
     parser.add_argument("--device-budget", default=DEVICE_BUDGET, help="our device budget (below the model's size)")
     parser.add_argument("--host-budget", default=None,
                         help="our host budget (default: derived from the config); below the training state it streams")
