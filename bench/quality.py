@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import zero  # noqa: E402
-from zero.compute_speed import SlowComputeWarning  # noqa: E402
+from zero.services.compute_speed import SlowComputeWarning  # noqa: E402
 from zero.train.corpus import Batches, default_corpus, split_held_out  # noqa: E402
 from zero.train.gpt import GPT, PRESETS  # noqa: E402
 

@@ -15,7 +15,7 @@ import torch
 import zero
 from tiering import SwapConfig, SwapManager
 from tiering.errors import BudgetExceededError
-from zero.activations import ActivationOffload
+from zero.services.activations import ActivationOffload
 from zero.config import ConfigError, load_config
 from zero.train.gpt import GPTConfig
 
@@ -230,7 +230,7 @@ def test_deepspeeds_checkpointing_api_checkpoints_and_offloads(tmp_path):
     the engine offloads like torch.utils.checkpoint's; `configure` takes a config file and refuses what only the
     config may set."""
     import zero as deepspeed
-    from zero.unsupported import UnsupportedFeatureError
+    from zero.integrations.unsupported import UnsupportedFeatureError
 
     class Megatron(type(build("own"))):
         def run_block(self, block, x):

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from zero.compute_speed import dtype_speed, fast_alternative
+from zero.services.compute_speed import dtype_speed, fast_alternative
 from zero.plan.__main__ import main as plan_main
 from zero.report.__main__ import main as report_main
 from zero.train import main as train_main

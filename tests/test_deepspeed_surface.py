@@ -39,7 +39,7 @@ def engine_for(stage: int, dtype: str = "fp32", accumulation: int = 1):
     return zero.initialize(model=model, model_parameters=model.parameters(), config=config)[0], model
 
 
-@pytest.mark.filterwarnings("ignore::zero.compute_speed.SlowComputeWarning")
+@pytest.mark.filterwarnings("ignore::zero.services.compute_speed.SlowComputeWarning")
 def test_the_engine_answers_what_deepspeed_scripts_ask(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")
     engine, model = engine_for(3, "bf16")
@@ -177,7 +177,7 @@ class WithTable(nn.Module):
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-@pytest.mark.filterwarnings("ignore::zero.compute_speed.SlowComputeWarning")
+@pytest.mark.filterwarnings("ignore::zero.services.compute_speed.SlowComputeWarning")
 def test_floating_buffers_keep_their_dtype_under_bf16(stage):
     torch.manual_seed(0)
     model = WithTable()

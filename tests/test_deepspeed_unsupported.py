@@ -16,7 +16,7 @@ import zero
 from zero.ops.adam import DeepSpeedCPUAdam
 from zero.optim.adam_math import AdamInputError
 from zero.optim.cpu_adam import CPUAdam, UnsupportedOptionError
-from zero.unsupported import TOP_LEVEL_INSTEAD, UnsupportedFeatureError
+from zero.integrations.unsupported import TOP_LEVEL_INSTEAD, UnsupportedFeatureError
 
 OPTIMIZERS = [
     ("zero.ops.adam", "ZenFlowCPUAdam"),

@@ -13,7 +13,7 @@ import pytest
 import zero
 from tiering import NvmeSpaceError, NvmeStore, NvmeStoreConfig, check_room
 from tiering.nvme_room import bytes_per_file
-from zero.budgets import nvme_segments
+from zero.services.budgets import nvme_segments
 from zero.config import load_config
 
 from conftest import REPO_ROOT, child_env, mounted

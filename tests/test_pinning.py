@@ -11,7 +11,7 @@ import torch
 from tiering import DeviceOutOfMemoryError, HostBufferPool, HostPoolConfig
 from tiering.aligned import aligned_empty
 from tiering.device_tier import DeviceTier
-from zero.budgets import pin_memory
+from zero.services.budgets import pin_memory
 from zero.config import load_config
 
 

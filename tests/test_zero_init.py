@@ -17,7 +17,7 @@ from torch import nn
 
 import zero as deepspeed
 from zero.config import ConfigError
-from zero.unsupported import UnsupportedFeatureError
+from zero.integrations.unsupported import UnsupportedFeatureError
 
 NOT_AVAILABLE, AVAILABLE = deepspeed.zero.ZeroParamStatus.NOT_AVAILABLE, deepspeed.zero.ZeroParamStatus.AVAILABLE
 

@@ -16,12 +16,12 @@ what to use instead, when the script builds or calls it.
 """
 from . import accelerator, checkpointing, comm, compression, moe, ops, pipe, runtime, utils, zero
 from .accelerator import get_accelerator
-from .arguments import add_config_arguments
+from .cli.arguments import add_config_arguments
 from .comm import init_distributed
 from .inference import init_inference
 from .initialize import initialize
 from .optim.cpu_adam import CPUAdam
-from .unsupported import TOP_LEVEL_INSTEAD, stand_ins_getattr
+from .integrations.unsupported import TOP_LEVEL_INSTEAD, stand_ins_getattr
 
 __all__ = ["CPUAdam", "accelerator", "add_config_arguments", "checkpointing", "comm", "compression", "get_accelerator",
            "init_distributed", "init_inference", "initialize", "moe", "ops", "pipe", "runtime", "utils", "zero"]

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
-from .unsupported import UnsupportedFeatureError, stand_ins_getattr
+from .integrations.unsupported import UnsupportedFeatureError, stand_ins_getattr
 
 CONFIG_INSTEAD = ('the config\'s "activation_checkpointing" section (cpu_checkpointing, '
                   "synchronize_checkpoint_boundary) or zero_tiering.activation_offload, which the engine reads")

@@ -24,10 +24,10 @@ from torch import nn
 from tiering import SwapManager
 
 from . import checkpoint
-from .activations import ActivationOffload
+from .services.activations import ActivationOffload
 from .comm import DataParallel
 from .config import Config
-from .counters import StepCounters, ThroughputTimer
+from .services.counters import StepCounters, ThroughputTimer
 from .optim.driver import STATE_PARTS, AdamDriver
 from .optim.gradients import Gradients
 from .optim.loss_scaler import LossScaler
@@ -38,8 +38,8 @@ from .params.ds_param import OWNER, mark, set_owner
 from .params.full_values import FullValues
 from .params.placement import Placement
 from .params.unit import DS_STATUS, Unit
-from .preemption import SIGNALS, Preemption
-from .unsupported import UnsupportedFeatureError
+from .services.preemption import SIGNALS, Preemption
+from .integrations.unsupported import UnsupportedFeatureError
 
 
 class NonFiniteLossError(FloatingPointError):

@@ -19,13 +19,13 @@ from tiering import SwapManager, Tier, check_room
 from tiering.device_tier import device_charge
 from tiering.errors import fmt_bytes
 
-from .activations import HOMES as ACTIVATION_HOMES, ActivationOffload
-from .budgets import (HOMES, compute_dtype, device_minimum, grad_dtype, largest_sub_group, largest_window, masters_are_params, nvme_segments, reduce_dtype,
+from .services.activations import HOMES as ACTIVATION_HOMES, ActivationOffload
+from .services.budgets import (HOMES, compute_dtype, device_minimum, grad_dtype, largest_sub_group, largest_window, masters_are_params, nvme_segments, reduce_dtype,
                       swap_config)
 from .comm import DataParallel, local_device
-from .compute_speed import SlowComputeWarning, dtype_speed, fast_alternative, slow_dtype_line
+from .services.compute_speed import SlowComputeWarning, dtype_speed, fast_alternative, slow_dtype_line
 from .config import Config, ConfigError, load_config
-from .counters import StepCounters
+from .services.counters import StepCounters
 from .engine import ZeroEngine
 from .optim.driver import AdamDriver
 from .optim.gradient_copies import GradientCopies

@@ -1,5 +1,5 @@
 """Checkpoints of a ZeroEngine: `save.py` writes them, `load.py` reads them back, `format.py` is the layout on
-disk (shared with zero/export.py), `layout.py` what besides state tensors is recorded, `ranks.py` how ranks
+disk (shared with zero/export/), `layout.py` what besides state tensors is recorded, `ranks.py` how ranks
 agree. They read the engine through its public face only: `counters`, `units`, `state_tensors()`,
 `unapplied_gradients()`, `state_loaded()` and the objects it was built with (module, optimizer, scheduler,
 loss scaler, data-parallel group)."""

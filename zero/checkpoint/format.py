@@ -1,5 +1,5 @@
 """The on-disk format of a zero-tiering checkpoint: file names, typed errors, atomic writes, the manifest and
-its verification. save.py and load.py (the engine's save and load) and zero/export.py (the consolidated fp32
+its verification. save.py and load.py (the engine's save and load) and zero/export/ (the consolidated fp32
 export, which runs without an engine) both build on this file.
 
 A checkpoint, for `engine.save_checkpoint(save_dir, tag)` with N ranks:

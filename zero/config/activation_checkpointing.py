@@ -1,7 +1,7 @@
 """The `activation_checkpointing` section: DeepSpeed's switches for activation checkpoints, read as DeepSpeed reads
 them where zero-tiering implements them. The checkpoints themselves are the model's (torch.utils.checkpoint,
 a Hugging Face model's gradient_checkpointing_enable(), zero.checkpointing.checkpoint); this section says where
-their saved inputs rest between the forward and the backward (see zero/activations.py)."""
+their saved inputs rest between the forward and the backward (see zero/services/activations.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

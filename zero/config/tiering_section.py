@@ -24,7 +24,7 @@ class ZeroTieringSection(Section):
 
     host_budget: int | None = setting(None, convert=parse_size)
     """Bytes of host memory the swap manager may hold; null: what is homed on the host plus a working window
-    (see zero.budgets.swap_config)."""
+    (see zero.services.budgets.swap_config)."""
 
     nvme_budget: int | None = setting(None, convert=parse_size)
     """Bytes the nvme store file may grow to; null: what the filesystem gives."""

@@ -19,7 +19,7 @@ from torch import nn
 
 from tiering import SwapManager, check_room
 
-from ..budgets import HOMES, compute_dtype, nvme_segments, swap_config
+from ..services.budgets import HOMES, compute_dtype, nvme_segments, swap_config
 from ..comm import DataParallel, local_device
 from ..config import ConfigError, load_config
 from ..initialize import plan_units

@@ -68,7 +68,7 @@ from ..config import ConfigError, TrainingArgs, load_config
 from ..config.auto import resolve_auto
 from ..engine import ZeroEngine
 from ..initialize import initialize
-from ..preemption import Preemption
+from ..services.preemption import Preemption
 from .weights import save_safetensors
 
 logger = logging.get_logger(__name__)
@@ -387,7 +387,7 @@ class ZeroTrainer(Trainer):
 
 
 class SaveOnSignal(TrainerCallback):
-    """ZeroTrainingArguments(save_on_signal=True): a signal noted (zero/preemption.py) makes the step's end save
+    """ZeroTrainingArguments(save_on_signal=True): a signal noted (zero/services/preemption.py) makes the step's end save
     the Trainer's checkpoint-N (the engine's state in it, as any save) and stop training; every rank agrees on
     the step, as the engine's own save_on_signal does."""
 

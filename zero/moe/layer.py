@@ -1,4 +1,4 @@
 """DeepSpeed's `deepspeed.moe.layer`: `MoE` imports, and raises UnsupportedFeatureError when built."""
-from ..unsupported import MOE_INSTEAD, stand_ins_getattr
+from ..integrations.unsupported import MOE_INSTEAD, stand_ins_getattr
 
 __getattr__ = stand_ins_getattr(__name__, "deepspeed.moe.layer", {"MoE": MOE_INSTEAD})

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..unsupported import MOE_INSTEAD, UnsupportedFeatureError
+from ..integrations.unsupported import MOE_INSTEAD, UnsupportedFeatureError
 
 
 def is_moe_param(param: torch.Tensor) -> bool:

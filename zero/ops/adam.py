@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..optim.cpu_adam import CPUAdam, check_group
-from ..unsupported import ADAM_INSTEAD, UnsupportedFeatureError, stand_ins_getattr
+from ..integrations.unsupported import ADAM_INSTEAD, UnsupportedFeatureError, stand_ins_getattr
 
 __all__ = ["DeepSpeedCPUAdam", "FusedAdam"]
 

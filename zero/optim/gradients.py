@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ..comm import DataParallel
-from ..counters import StepCounters
+from ..services.counters import StepCounters
 from ..params.unit import Unit
 from .driver import AdamDriver, SubGroup
 from .gradient_copies import GradientCopies

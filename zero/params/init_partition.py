@@ -34,7 +34,7 @@ from tiering import NvmeStoreConfig, SwapConfig, SwapManager
 
 from ..comm import DataParallel, local_device
 from ..config import ConfigError, load_config
-from ..unsupported import UnsupportedFeatureError
+from ..integrations.unsupported import UnsupportedFeatureError
 from .ds_param import OWNER, ZeroParamStatus, mark, owner_of, set_status
 from .gathered import GatheredParameters
 from .materialize import host_empty, swap_keeping_attributes

@@ -22,7 +22,7 @@ from tiering.errors import fmt_bytes
 from ..report.bandwidth import DEFAULT_FIGURES, DiskFigures, load_figures
 from ..cli import add_common_flags, run_command
 from ..comm import local_device
-from ..compute_speed import dtype_speed, fast_alternative, slow_dtype_line
+from ..services.compute_speed import dtype_speed, fast_alternative, slow_dtype_line
 from ..optim.state_format import StateFormat
 from .machine import (Machine, adam_rate, compact_adam_rate, gpu_memory, host_ram, matmul_rate, memory_rates,
                       nvme_directory, parse_memory)

@@ -1,7 +1,7 @@
 """What a placement costs on a machine: bytes per tier, predicted peak host RSS and device peak, nvme bytes moved
 and step time, for one rank.
 
-The tiers' budgets come from the engine's own rules (zero/budgets.py) applied to the model's units (the wrap
+The tiers' budgets come from the engine's own rules (zero/services/budgets.py) applied to the model's units (the wrap
 policy on the meta model), so the plan and the engine agree on what each tier holds. The rest is a model of
 today's engine, with its terms measured on this machine or counted from the model:
 
@@ -38,7 +38,7 @@ import torch
 
 from tiering.device_tier import device_charge
 
-from ..budgets import HOMES, device_minimum, grad_dtype, masters_are_params, sub_groups, swap_config
+from ..services.budgets import HOMES, device_minimum, grad_dtype, masters_are_params, sub_groups, swap_config
 from ..comm import DataParallel
 from ..config import load_config
 from ..initialize import plan_units, speculates

@@ -17,7 +17,7 @@ from tiering import NvmeStore, NvmeStoreConfig, TieringError, aligned_empty
 from tiering.engines import load_libaio
 from tiering.errors import EngineUnavailableError, fmt_bytes
 from ..comm import local_device
-from ..compute_speed import dtype_speed
+from ..services.compute_speed import dtype_speed
 from ..optim.adam_math import kernel_choice
 
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")

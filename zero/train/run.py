@@ -30,7 +30,7 @@ from tiering.errors import fmt_bytes
 from ..checkpoint.format import CheckpointNotFoundError
 from ..cli import add_common_flags
 from ..comm import local_device
-from ..compute_speed import NAMES, SlowComputeWarning, dtype_speed, fast_alternative, slow_dtype_line
+from ..services.compute_speed import NAMES, SlowComputeWarning, dtype_speed, fast_alternative, slow_dtype_line
 from ..config import ConfigError
 from ..initialize import initialize
 from .corpus import Batches, default_corpus, split_held_out, text_files

@@ -4,15 +4,14 @@ torchrun, so a DeepSpeed job's command line runs with `deepspeed` replaced by `p
 The flags pick the GPUs (`--num_gpus`, `--include`, `--exclude`, a localhost-only `--hostfile`); without CUDA,
 `--num_gpus N` CPU processes (the script joins with gloo). torchrun (torch.distributed.run) starts and watches
 the processes and sets their environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); each runs
-`zero.launch_rank`, which passes `--local_rank=<i>` to the script as DeepSpeed's launcher does. Several nodes are
-torchrun's job: its own multi-node flags, with `-m zero.launch_rank` as the program.
+`zero.launch.rank`, which passes `--local_rank=<i>` to the script as DeepSpeed's launcher does. Several nodes are
+torchrun's job: its own multi-node flags, with `-m zero.launch.rank` as the program.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import re
-import sys
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -20,7 +19,7 @@ from torch.distributed.run import main as torchrun
 
 MULTI_NODE = ("zero.launch runs on this node only; for several nodes run torchrun on each with its multi-node "
               "flags (--nnodes, --node-rank, --master-addr, --master-port, --nproc-per-node) and "
-              "`-m zero.launch_rank script.py [args]` as the program")
+              "`-m zero.launch.rank script.py [args]` as the program")
 """What to do instead of a multi-node request."""
 
 HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)$")
@@ -163,8 +162,8 @@ def threads_per_process(processes: int) -> int:
 
 
 def torchrun_argv(args: argparse.Namespace, processes: int) -> list[str]:
-    """torchrun's arguments: one node, `processes` workers, each running zero.launch_rank on the script."""
-    child = ["-m", "zero.launch_rank", *(["--module"] if args.module else []),
+    """torchrun's arguments: one node, `processes` workers, each running zero.launch.rank on the script."""
+    child = ["-m", "zero.launch.rank", *(["--module"] if args.module else []),
              *(["--no_local_rank"] if args.no_local_rank else []), *args.command]
     return ["--nnodes", "1", "--nproc-per-node", str(processes), "--master-addr", args.master_addr,
             "--master-port", str(args.master_port), *child]
@@ -197,7 +196,3 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as e:  # torchrun has logged which rank failed and how
         return exit_status(e.get_first_failure()[1].exitcode)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,8 +12,8 @@ from typing import TypeVar
 
 from tiering import TieringError
 
-from .checkpoint.format import CheckpointError
-from .config import ConfigError
+from ..checkpoint.format import CheckpointError
+from ..config import ConfigError
 
 T = TypeVar("T")
 USER_ERRORS = (TieringError, ConfigError, CheckpointError, json.JSONDecodeError, OSError)

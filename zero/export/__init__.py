@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 
-from .checkpoint.st_format import ALIASES_KEY, SAFETENSORS, header_bytes
-from .cli import add_common_flags, run_command
-from .checkpoint.format import (
+from ..checkpoint.st_format import ALIASES_KEY, SAFETENSORS, header_bytes
+from ..cli import add_common_flags
+from ..checkpoint.format import (
     AtomicFile,
     RecordReader,
     dtype_of,
@@ -128,7 +127,3 @@ def main(argv: list[str] | None = None) -> str:
     extra = " and config.json" if os.path.exists(os.path.join(args.out_dir, "config.json")) else ""
     print(f"wrote {path} ({os.path.getsize(path)} bytes){extra}")
     return path
-
-
-if __name__ == "__main__":
-    sys.exit(0 if run_command("zero.export", main) else 1)

@@ -16,7 +16,7 @@ from types import FrameType
 
 import torch
 
-from .comm import DataParallel
+from ..comm import DataParallel
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

@@ -1,9 +1,9 @@
-"""What each process of `zero.launch` runs (torchrun starts it with `-m zero.launch_rank`): the user's script, or
+"""What each process of `zero.launch` runs (torchrun starts it with `-m zero.launch.rank`): the user's script, or
 module, with `--local_rank=<LOCAL_RANK>` first among its arguments, as DeepSpeed's launcher passes it (torchrun
 only sets the environment variable), and its `deepspeed` imports resolving to `zero`
 (zero/integrations/deepspeed_alias.py), so a script written for DeepSpeed runs with no line changed. Run under
 torchrun directly for jobs over several nodes:
-`torchrun --nnodes ... -m zero.launch_rank [--module] [--no_local_rank] script.py [args ...]`.
+`torchrun --nnodes ... -m zero.launch.rank [--module] [--no_local_rank] script.py [args ...]`.
 """
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import os
 import runpy
 import sys
 
-from .integrations import deepspeed_alias
+from ..integrations import deepspeed_alias
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m zero.launch_rank", allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="python -m zero.launch.rank", allow_abbrev=False)
     parser.add_argument("--module", action="store_true", help="run the target as a module, as `python -m`")
     parser.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank=<i>")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="script.py [args ...]")

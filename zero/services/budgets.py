@@ -30,10 +30,10 @@ from torch import nn
 
 from tiering import NvmeStoreConfig, SwapConfig, Tier
 
-from .config import Config, ConfigError
-from .optim.gradient_copies import SLOTS
-from .optim.gradients import COMM_DTYPES
-from .params.flat_unit import FlatUnit
+from ..config import Config, ConfigError
+from ..optim.gradient_copies import SLOTS
+from ..optim.gradients import COMM_DTYPES
+from ..params.flat_unit import FlatUnit
 
 HOMES: dict[str, Tier] = {"none": "device", "cpu": "host", "nvme": "nvme"}
 """The tier an offload device setting ("none", "cpu", "nvme") rests a segment in."""
