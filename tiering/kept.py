@@ -11,28 +11,11 @@ budget's free room.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
-
 from .errors import IllegalTransitionError
-from .extents import Extent
 from .handle import Handle
 from .aligned import align_up
-from .device_tier import DeviceBuffer
-from .host_pool import HostBuffer
-from .residency import Residency, Tier
-
-if TYPE_CHECKING:
-    from .segment import Segment
-
-
-class Kept(NamedTuple):
-    """What `keep` preserved: the nvme extent (and the checksum of its bytes), or a buffer in `tier` holding
-    them."""
-
-    extent: Extent | None
-    checksum: int | None
-    buffer: HostBuffer | DeviceBuffer | None
-    tier: Tier | None
+from .residency import Residency
+from .segment import Kept, Segment
 
 
 class Keeping:

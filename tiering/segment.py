@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -9,8 +10,17 @@ from .device_tier import DeviceBuffer
 from .extents import Extent
 from .handle import Handle
 from .host_pool import HostBuffer
-from .kept import Kept
 from .residency import Residency, Tier
+
+
+class Kept(NamedTuple):
+    """What `SwapManager.keep` preserved (tiering/kept.py): the nvme extent (and the checksum of its bytes), or a
+    buffer in `tier` holding them."""
+
+    extent: Extent | None
+    checksum: int | None
+    buffer: HostBuffer | DeviceBuffer | None
+    tier: Tier | None
 
 
 @dataclass(eq=False)
