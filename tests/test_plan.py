@@ -189,3 +189,19 @@ def test_where_exact_state_fits_nowhere_a_compact_format_is_proposed(tmp_path):
     assert "Exact fp32 state fits nowhere" in result["explanation"] and "price in loss" in result["explanation"]
     assert result["config"]["zero_tiering"]["moments"] == "int8"
     load_config(result["config"])
+
+
+def test_speculation_counts_the_room_its_kept_extents_need():
+    """A sub-group steps early only where its previous state fits a fresh extent (tiering/kept.py): the share of a
+    step's nvme writes the nvme budget, or the disk's free space less its reserve, holds beside what is stored."""
+    from zero.plan.predict import speculated_share
+    from tiering.nvme_store import RESERVE_MAX
+
+    budgeted = load_config({"train_micro_batch_size_per_gpu": 1, "zero_tiering": {"nvme_budget": 100 << 20}})
+    assert speculated_share(budgeted, 60 << 20, 80 << 20, None) == 0.5
+    assert speculated_share(budgeted, 100 << 20, 80 << 20, None) == 0.0
+    plain = load_config({"train_micro_batch_size_per_gpu": 1})
+    free = 100 << 30
+    assert speculated_share(plain, 60 << 30, 76 << 30, free) == ((40 << 30) - RESERVE_MAX) / (76 << 30)
+    assert speculated_share(plain, 1 << 30, 2 << 30, free) == 1.0
+    assert speculated_share(plain, 1 << 30, 2 << 30, None) == 1.0

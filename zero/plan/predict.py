@@ -20,7 +20,10 @@ today's engine, with its terms measured on this machine or counted from the mode
   With the speculative step (zero_tiering.speculative_step, where it is served) the optimizer phase runs
   inside the backward: the step is then the larger of the compute plus CPU-Adam's share of the last unit and
   the forward plus all of the step's I/O, and the boundary's gradients are stepped while in host memory (not
-  written and read back);
+  written and read back). With state on nvme, a sub-group steps early only where the previous state can be kept
+  in a fresh extent (tiering/kept.py: within the nvme budget, or without one the disk's free space less its
+  reserve): the share of the step's nvme writes that room holds speculates, the rest steps at the boundary
+  (its gradients written and read back, its I/O after the backward);
 - device peak = what is homed there, the engine's least device budget (budgets.device_minimum: stage 3's gathered
   units and their gradients until reduced, the reduction's scratch), the activations kept (see activation_bytes)
   and the head's logits (one chunk's where the model computes its loss in chunks: ModelShape.loss_rows);
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tiering.device_tier import device_charge
+from tiering.nvme_store import RESERVE_MAX, RESERVE_SHARE
 
 from ..services.budgets import HOMES, device_minimum, grad_dtype, masters_are_params, sub_groups, swap_config
 from ..comm import DataParallel
@@ -251,11 +255,12 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     adam = n / machine.adam_rate(cfg.state_format)
     speculative = speculates(cfg, "host" if state_home != "device" else "device", flats, dtype, budgets.host_budget)
     read_fb = 2 * params if param_home == "nvme" else 0
-    # Speculating, the boundary's gradient is stepped while still in host memory: no write, no read back.
-    write_bwd = (accumulation - speculative) * grads if grad_home == "nvme" else 0
-    read_opt = ((state + (0 if speculative else grads) if state_home == "nvme" else 0)
-                + (params if shared and param_home == "nvme" else 0))
     write_opt = (state if state_home == "nvme" else 0) + (params if param_home == "nvme" else 0)
+    share = speculated_share(cfg, tiers["nvme"], write_opt, nvme_free) if speculative else 0.0
+    # Speculating, the boundary's gradient is stepped while still in host memory: no write, no read back.
+    write_bwd = (accumulation - share) * grads if grad_home == "nvme" else 0
+    read_opt = ((state + (1 - share) * grads if state_home == "nvme" else 0)
+                + (params if shared and param_home == "nvme" else 0))
     moved = 1.0 - kept_share
     # Activations spilled to nvme: written in the forward, read back ahead of the backward.
     reads = int(moved * (read_fb + read_opt)) + accumulation * spilled
@@ -271,7 +276,7 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     optimizer = max(adam, opt_io)
     step = compute + fb_io - hidden + optimizer
     if speculative:  # the optimizer phase inside the backward (a third of the compute is the forward)
-        step = max(compute + adam * largest / n, compute / 3 + fb_io + opt_io)
+        step = max(compute + adam * largest / n, compute / 3 + fb_io + share * opt_io) + (1 - share) * optimizer
 
     prediction = Prediction(placement, config, tiers, peak_rss, device_peak, reads, writes, compute, optimizer,
                             fb_io + opt_io, step, host_budget)
@@ -293,6 +298,23 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
         prediction.why_not.append(f"{tiers['nvme'] / 2**30:.1f} GiB on nvme > {nvme_free / 2**30:.1f} GiB free")
     prediction.fits = not prediction.why_not
     return prediction
+
+
+def speculated_share(cfg, on_nvme: int, kept: float, nvme_free: int | None) -> float:
+    """The share of a step's sub-groups that can step early: those whose previous state (`kept` bytes a step, the
+    nvme writes of the optimizer phase) fits beside the `on_nvme` bytes stored, within the nvme budget, or
+    without one within the disk's free space less the store's reserve (tiering/nvme_store.py; the filesystem's
+    size taken as its free space)."""
+    if not kept:
+        return 1.0
+    budget = cfg.zero_tiering.nvme_budget
+    if budget is not None:
+        room = budget - on_nvme
+    elif nvme_free is not None:
+        room = nvme_free - on_nvme - min(RESERVE_MAX, RESERVE_SHARE * nvme_free)
+    else:
+        return 1.0
+    return min(1.0, max(0.0, room / kept))
 
 
 def state_bytes(cfg, flats: list, *, master: bool) -> int:
