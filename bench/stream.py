@@ -43,6 +43,8 @@ def train(args: argparse.Namespace, config: dict, summary: str, *, offloaded: bo
                "--steps", str(args.steps), "--summary-json", summary, "--seq-len", str(args.seq_len)]
     if args.layers:
         command += ["--layers", str(args.layers)]
+    if args.dtype:
+        command += ["--dtype", args.dtype]
     if offloaded:
         command += ["--nvme-path", args.dir, "--host-budget", args.host_budget]
         if args.device_budget:
@@ -103,6 +105,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device-budget", help="default: the config's (1536MiB in the scale config)")
     parser.add_argument("--fio-size", default=str(2 * GiB), help="bytes fio reads and writes, per measurement")
     parser.add_argument("--dir", default=None, help="nvme_path (default: a temporary directory)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                        help="the compute dtype, kept even where it is slow (zero.train --dtype; default: the "
+                             "config's, or a fast one in its place)")
     parser.add_argument("--formats", default="fp32/fp32",
                         help="state formats to run, comma-separated MOMENTS/MASTER (zero_tiering.moments and .master), "
                              "e.g. fp32/fp32,int8/fp32,int8/bf16-sr")
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     mixed = (mixed_before + mixed_after) / 2
     compute = statistics.median(s["step_s"] for s in memory["steps"][args.warmup:])
     result = {
-        "model": {"preset": args.preset, "layers": args.layers, "seq_len": args.seq_len},
+        "model": {"preset": args.preset, "layers": args.layers, "seq_len": args.seq_len, "dtype": args.dtype},
         "config": os.path.relpath(args.config, ROOT), "host_budget": args.host_budget,
         "fio_mixed_gbps": {"before": mixed_before / 1e9, "after": mixed_after / 1e9},
         "in_memory_step_s": compute, "in_memory_peak_rss_bytes": memory_rss,
