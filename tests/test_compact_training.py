@@ -192,6 +192,8 @@ def test_exact_and_compact_checkpoints_convert_both_ways(tmp_path):
                                          r"moments int8, master fp32: converted on load"):
         compact.load_checkpoint(str(tmp_path / "exact"))
     cparam = layer_weight(compact)
+    tiles = {tile.codec.name for sg in compact.driver.sub_groups for tile in getattr(sg.codecs.exp_avg, "tiles", ())}
+    assert tiles == {"fp32", "int8"}  # a layer's sub-group: its MLP weights int8, its norms and projections fp32
     assert torch.equal(compact.full_state(cparam, "master"), master)
     quantized = compact.full_state(cparam, "exp_avg")
     assert not torch.equal(quantized, moment)
