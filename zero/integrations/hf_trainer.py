@@ -132,6 +132,8 @@ class ZeroTrainer(Trainer):
                 "TrainingArguments(deepspeed=...) hands the config to DeepSpeed through accelerate; to train with "
                 "zero-tiering use zero.integrations.ZeroTrainingArguments(deepspeed=...) (the same arguments), "
                 "or TrainingArguments without deepspeed= and ZeroTrainer(..., zero_config=...)")
+        if zero_config is None and zero_weights is None:  # a zero_trainer(cls) class keeps them past cls's __init__
+            zero_config, zero_weights = getattr(self, "_zero_arguments", (None, None))
         from_args = getattr(args, "zero_config", None)
         if zero_config is not None and from_args is not None:
             raise ValueError("ZeroTrainer: the config is given twice (zero_config= and args.zero_config): keep one")
@@ -210,7 +212,7 @@ class ZeroTrainer(Trainer):
         if "optimizer" in config:  # the config's Adam, over the plain Trainer's decay / no-decay groups
             groups = self._param_groups(model)
         elif optimizer is None:  # the Trainer's own (args.optim), its hyperparameters taken over
-            optimizer = Trainer.create_optimizer(self)
+            optimizer = super().create_optimizer()
         if "scheduler" in config:
             if scheduler is not None:
                 raise ConfigError("scheduler", "both the config and the Trainer's optimizers= give an LR scheduler: "
@@ -250,7 +252,7 @@ class ZeroTrainer(Trainer):
         saved = self.lr_scheduler
         self.lr_scheduler = None
         try:
-            return Trainer.create_scheduler(self, num_training_steps=num_training_steps, optimizer=optimizer)
+            return super().create_scheduler(num_training_steps=num_training_steps, optimizer=optimizer)
         finally:
             self.lr_scheduler = saved
             self._created_lr_scheduler = False
@@ -384,6 +386,28 @@ class ZeroTrainer(Trainer):
     def end(self) -> None:
         self.close()
         super().end()
+
+
+def zero_trainer(cls: type[Trainer]) -> type[Trainer]:
+    """`cls` (a subclass of transformers' Trainer: TRL's SFTTrainer, DPOTrainer, a user's own) training with our
+    engine: a subclass of both whose methods resolve cls's own overrides first, then ZeroTrainer's, then Trainer's
+    (`ZeroSFTTrainer.__mro__`: ZeroSFTTrainer, SFTTrainer, ..., ZeroTrainer, Trainer), so that what cls adds
+    around the Trainer's steps (TRL's training_step context, its loss, its logs and model card) runs and reaches
+    the engine through ZeroTrainer. It takes cls's arguments plus `zero_config=` and `zero_weights=` as
+    ZeroTrainer does (cls's own TrainingArguments subclass, e.g. SFTConfig, with `zero_config=` beside it)."""
+    if issubclass(cls, ZeroTrainer):
+        return cls
+    if not issubclass(cls, Trainer):
+        raise TypeError(f"zero_trainer({cls.__name__}): a subclass of transformers.Trainer")
+
+    def __init__(self, *args: Any, zero_config: str | os.PathLike | Mapping | None = None,
+                 zero_weights: str | os.PathLike | None = None, **kwargs: Any) -> None:
+        self._zero_arguments = (zero_config, zero_weights)  # cls's __init__ calls Trainer's without them
+        cls.__init__(self, *args, **kwargs)
+
+    return type(f"Zero{cls.__name__}", (cls, ZeroTrainer),
+                {"__init__": __init__, "__module__": __name__, "__doc__": f"{cls.__name__} on zero-tiering's engine "
+                 "(zero.integrations.zero_trainer)."})
 
 
 class SaveOnSignal(TrainerCallback):

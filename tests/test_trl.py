@@ -1,0 +1,108 @@
+"""TRL's trainers on our engine (zero.integrations.zero_trainer): SFTTrainer through it trains a tiny Llama with
+ZeRO-3, parameters and optimizer state on nvme, fp32, to the losses plain SFTTrainer gives on the same data; TRL's
+own overrides run (its loss and metrics, its training_step context), and save_model writes what from_pretrained
+loads. Local and small: a word-level tokenizer built here, sentences of its words, a 2-layer Llama."""
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+
+from zero.integrations import ZeroTrainer, zero_trainer  # noqa: E402
+
+from test_config import HF_ZERO3  # noqa: E402  (the Hugging Face docs' ZeRO-3 ds_config)
+
+WORDS = ("the of and to in is was for on that with as by at from his her it an were are which this be or has had "
+         "one first new two their after its who but also they she been other more time over most can into").split()
+STEPS = 6
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {token: i for i, token in enumerate(["<unk>", "<pad>", "</s>", *WORDS])}
+    word_level = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="<unk>", pad_token="<pad>", eos_token="</s>")
+
+
+def dataset(n: int = 48):
+    """Sentences of 6 to 20 words (padding in every batch)."""
+    rng = random.Random(0)
+    return datasets.Dataset.from_dict({"text": [" ".join(rng.choices(WORDS, k=rng.randint(6, 20))) for _ in range(n)]})
+
+
+def llama(vocab: int) -> LlamaForCausalLM:
+    """MLP weights of 64 x 128 elements: over 4096, so a compact format would quantize them."""
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        pad_token_id=1, eos_token_id=2, bos_token_id=None))
+
+
+def sft_config(out, **overrides):
+    base = dict(output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                learning_rate=3e-3, weight_decay=0.01, max_grad_norm=0.5, warmup_steps=2, logging_steps=1,
+                save_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0, seed=1234,
+                disable_tqdm=True, max_length=32, bf16=False)
+    base.update(overrides)
+    return trl.SFTConfig(**base)
+
+
+def zero3_nvme(nvme) -> dict:
+    """The docs' ZeRO-3 config (every value "auto"), parameters and optimizer state on nvme, without optimizer and
+    scheduler sections: the Trainer's AdamW and schedule, as plain SFTTrainer has them."""
+    nvme.mkdir(parents=True, exist_ok=True)
+    config = copy.deepcopy(HF_ZERO3)
+    for section in ("offload_optimizer", "offload_param"):
+        config["zero_optimization"][section] = {"device": "nvme", "nvme_path": str(nvme)}
+    del config["optimizer"], config["scheduler"]
+    return config
+
+
+def losses(trainer) -> list[float]:
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+
+def test_sft_trainer_through_zero_trainer_matches_plain_sft(tmp_path):
+    tok = tokenizer()
+    data = dataset()
+    plain = trl.SFTTrainer(model=llama(len(tok)), args=sft_config(tmp_path / "plain"), train_dataset=data,
+                           processing_class=tok)
+    plain.train()
+
+    ZeroSFTTrainer = zero_trainer(trl.SFTTrainer)
+    mro = ZeroSFTTrainer.__mro__
+    assert mro.index(trl.SFTTrainer) < mro.index(ZeroTrainer) < mro.index(trl.SFTTrainer.__mro__[-2])
+    ours = ZeroSFTTrainer(model=llama(len(tok)), args=sft_config(tmp_path / "ours"), train_dataset=data,
+                          processing_class=tok, zero_config=zero3_nvme(tmp_path / "nvme"))
+    try:
+        ours.train()
+        assert ours.engine is not None and ours.engine.stage == 3
+        assert len(losses(ours)) == STEPS
+        assert losses(ours) == pytest.approx(losses(plain), rel=1e-6, abs=1e-6)
+        # TRL's compute_loss ran through the engine: its token metrics are logged beside the loss
+        assert all("mean_token_accuracy" in e and "entropy" in e for e in ours.state.log_history if "loss" in e)
+
+        ours.save_model(str(tmp_path / "saved"))
+        loaded = LlamaForCausalLM.from_pretrained(str(tmp_path / "saved"))
+        theirs = dict(plain.model.named_parameters())
+        for name, param in loaded.named_parameters():
+            torch.testing.assert_close(param, theirs[name], rtol=0, atol=1e-6, msg=name)
+    finally:
+        ours.close()
+
+
+def test_zero_trainer_takes_trainer_subclasses_only():
+    with pytest.raises(TypeError, match="a subclass of transformers.Trainer"):
+        zero_trainer(dict)
+    assert zero_trainer(ZeroTrainer) is ZeroTrainer
