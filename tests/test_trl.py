@@ -1,7 +1,9 @@
 """TRL's trainers on our engine (zero.integrations.zero_trainer): SFTTrainer through it trains a tiny Llama with
 ZeRO-3, parameters and optimizer state on nvme, fp32, to the losses plain SFTTrainer gives on the same data; TRL's
 own overrides run (its loss and metrics, its training_step context), and save_model writes what from_pretrained
-loads. Local and small: a word-level tokenizer built here, sentences of its words, a 2-layer Llama."""
+loads. DPOTrainer through it, its reference model partitioned into the tiers (no weights outside its forward, no
+optimizer), gives plain DPOTrainer's losses. Local and small: a word-level tokenizer built here, sentences of its
+words, a 2-layer Llama."""
 from __future__ import annotations
 
 import copy
@@ -100,6 +102,53 @@ def test_sft_trainer_through_zero_trainer_matches_plain_sft(tmp_path):
             torch.testing.assert_close(param, theirs[name], rtol=0, atol=1e-6, msg=name)
     finally:
         ours.close()
+
+
+def preferences(n: int = 24):
+    rng = random.Random(1)
+
+    def sentence(k: int) -> str:
+        return " ".join(rng.choices(WORDS, k=k))
+
+    return datasets.Dataset.from_dict({"prompt": [sentence(5) for _ in range(n)],
+                                       "chosen": [sentence(6) for _ in range(n)],
+                                       "rejected": [sentence(7) for _ in range(n)]})
+
+
+def dpo_config(out, **overrides):
+    base = dict(output_dir=str(out), max_steps=4, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                dataloader_num_workers=0, seed=1234, disable_tqdm=True, max_length=32, bf16=False)
+    base.update(overrides)
+    return trl.DPOConfig(**base)
+
+
+def test_dpo_trainer_runs_its_reference_model_through_the_tiers(tmp_path):
+    tok = tokenizer()
+    data = preferences()
+    plain = trl.DPOTrainer(model=llama(len(tok)), ref_model=llama(len(tok)), args=dpo_config(tmp_path / "plain"),
+                           train_dataset=data, processing_class=tok)
+    plain.train()
+    ours = zero_trainer(trl.DPOTrainer)(model=llama(len(tok)), ref_model=llama(len(tok)),
+                                        args=dpo_config(tmp_path / "ours"), train_dataset=data, processing_class=tok,
+                                        zero_config=zero3_nvme(tmp_path / "nvme"))
+    try:
+        assert sum(p.numel() for p in ours.ref_model.parameters()) == 0  # partitioned: gathered for its forward only
+        ours.train()
+        assert sum(p.numel() for p in ours.ref_model.parameters()) == 0
+        assert not any(p.requires_grad for p in ours.ref_model.parameters())
+        assert losses(ours) == pytest.approx(losses(plain), rel=1e-5, abs=1e-5)
+        assert any(e.get("rewards/margins") for e in ours.state.log_history)  # the reference's log-probs differ
+    finally:
+        ours.close()
+
+
+def test_a_synced_reference_model_is_refused(tmp_path):
+    tok = tokenizer()
+    with pytest.raises(ValueError, match="sync_ref_model=True .* not supported"):
+        zero_trainer(trl.DPOTrainer)(model=llama(len(tok)), ref_model=llama(len(tok)),
+                                     args=dpo_config(tmp_path, sync_ref_model=True), train_dataset=preferences(),
+                                     processing_class=tok, zero_config=zero3_nvme(tmp_path / "nvme"))
 
 
 def test_zero_trainer_takes_trainer_subclasses_only():

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import json
 import os
 import random
@@ -67,6 +68,7 @@ from ..checkpoint.format import LATEST
 from ..config import ConfigError, TrainingArgs, load_config
 from ..config.auto import resolve_auto
 from ..engine import ZeroEngine
+from ..inference import init_inference
 from ..initialize import initialize
 from ..services.preemption import Preemption
 from .weights import save_safetensors
@@ -376,7 +378,12 @@ class ZeroTrainer(Trainer):
     # -- the end ----------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Free the engine's buffers and nvme files. Under stage 3 the model holds no weights afterwards."""
+        """Free the engine's buffers and nvme files (and a reference model's, zero_trainer's). Under stage 3 the
+        model holds no weights afterwards."""
+        reference = getattr(self, "reference_engine", None)
+        if reference is not None:
+            self.reference_engine = None
+            reference.close()
         if self.engine is not None:
             engine, self.engine = self.engine, None
             self.optimizer = self.lr_scheduler = None
@@ -403,6 +410,14 @@ def zero_trainer(cls: type[Trainer]) -> type[Trainer]:
     def __init__(self, *args: Any, zero_config: str | os.PathLike | Mapping | None = None,
                  zero_weights: str | os.PathLike | None = None, **kwargs: Any) -> None:
         self._zero_arguments = (zero_config, zero_weights)  # cls's __init__ calls Trainer's without them
+        given = inspect.signature(cls.__init__).bind_partial(self, *args, **kwargs).arguments
+        reference = given.get("ref_model")
+        if isinstance(reference, nn.Module):  # partitioned before cls prepares it: never whole on the device
+            if getattr(given.get("args"), "sync_ref_model", False):
+                raise ValueError(f"{cls.__name__}: sync_ref_model=True writes the policy's weights into the "
+                                 "reference model, whose weights zero-tiering keeps partitioned: not supported")
+            source = zero_config if zero_config is not None else getattr(given.get("args"), "zero_config", None)
+            self.reference_engine = init_inference(reference, reference_config(source, given.get("args")))
         cls.__init__(self, *args, **kwargs)
 
     return type(f"Zero{cls.__name__}", (cls, ZeroTrainer),
@@ -504,6 +519,24 @@ class EngineScheduler:
 
     def __repr__(self) -> str:
         return f"EngineScheduler({self.scheduler!r})"
+
+
+def reference_config(source: str | os.PathLike | Mapping | None, args: TrainingArguments | None) -> dict:
+    """The inference config of a reference model (a DPO trainer's): stage 3, its weights where the training config
+    puts parameters (`offload_param`, in host memory without one), the arguments' compute dtype, the config's aio."""
+    if source is None:
+        raise ValueError("zero_trainer needs a DeepSpeed-format config: zero_config='ds_config.json'")
+    raw = _read_json(json.loads(source) if isinstance(source, str) and source.lstrip().startswith("{") else source)
+    offload = dict(raw.get("zero_optimization", {}).get("offload_param") or {"device": "cpu"})
+    if offload.get("device") in (None, "none"):
+        offload["device"] = "cpu"
+    config = {"train_micro_batch_size_per_gpu": 1,
+              "zero_optimization": {"stage": 3, "offload_param": offload, "stage3_param_persistence_threshold": 0},
+              "bf16": {"enabled": bool(getattr(args, "bf16", False))},
+              "fp16": {"enabled": bool(getattr(args, "fp16", False))}}
+    if "aio" in raw:
+        config["aio"] = raw["aio"]
+    return config
 
 
 def hidden_size(model: nn.Module | None) -> int | None:
