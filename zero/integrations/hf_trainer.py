@@ -39,6 +39,10 @@ DeepSpeed wrappers):
   unit: `zero.integrations.weights`), plus the model's config.json (and generation_config.json), the
   tokenizer and training_args.bin, as `save_pretrained` does.
 
+Trainers built on the Trainer (TRL's SFTTrainer, DPOTrainer) train the same way through `zero_trainer(cls)`, which
+puts ZeroTrainer between cls and Trainer in the method order; a `ref_model` it is given is partitioned into the
+tiers (`zero.init_inference`) before cls prepares it.
+
 Trainer internals this relies on (private names, as in transformers 5.x): `_wrap_model` (the engine is the
 wrapped model, so accelerate never prepares it), `_move_model_to_device` (the engine places the parameters),
 `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler` / `_load_from_checkpoint` /
