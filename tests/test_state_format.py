@@ -195,7 +195,7 @@ def test_tiled_moments_store_each_run_in_its_codec():
     assert [t.codec for t in tiles] == [FP32, INT8_SIGNED, FP32, INT8_SIGNED, INT8_SIGNED, FP32]
     assert all(t.offset % 4 == 0 for t in tiles)
     assert codecs.exp_avg.storage_numel(19000) == sum(-(-t.codec.nbytes(t.numel) // 4) * 4 for t in tiles)
-    assert fmt.state_bytes(19000, index=50, tensors=TENSORS) == 4 * 19000 + 2 * codecs.exp_avg.storage_numel(19000)
+    assert fmt.state_bytes(19000, index=50, extents=TENSORS) == 4 * 19000 + 2 * codecs.exp_avg.storage_numel(19000)
     values = torch.randn(19000, generator=torch.Generator().manual_seed(5))
     stored = encoded(codecs.exp_avg, values)
     out = decoded(codecs.exp_avg, stored, 19000)

@@ -85,7 +85,8 @@ class AdamDriver:
         for k, offset in enumerate(range(0, master.numel(), chunk)):
             numel = min(chunk, master.numel() - offset)
             sg = SubGroup(f"{name}/{k}", numel, group, unit, offset,
-                          self.state_format.codecs(numel, start + offset, extents), index=start + offset, master_in=None if master_in is None else (master_in, offset))
+                          self.state_format.codecs(numel, start + offset, extents), index=start + offset,
+                          master_in=None if master_in is None else (master_in, offset))
             sub_groups.append(self._add(sg, master.narrow(0, offset, numel)))
         return sub_groups
 

@@ -169,11 +169,12 @@ class Tiled(Codec):
             tile.codec.encode(values.narrow(0, tile.start, tile.numel), tile.view(stored), tile.numel)
 
 
-def int8_runs(numel: int, index: int, tensors) -> list[tuple[int, int, bool]]:
+def int8_runs(numel: int, index: int, extents) -> list[tuple[int, int, bool]]:
     """(start, numel, quantized) runs of a sub-group of `numel` elements starting at element `index` of its unit's
-    flat buffer, whose parameters lie at `tensors` ((offset, numel) in that buffer; None: the sub-group is one
-    tensor): a run per large parameter's part, quantized; small parameters and the padding between, fp32, merged."""
-    if tensors is None:
+    flat buffer, whose parameters lie at `extents` ((offset, numel) in that buffer: FlatUnit.extents; None: the
+    sub-group is one tensor): a run per large parameter's part, quantized; small parameters and the padding
+    between, fp32, merged."""
+    if extents is None:
         return [(0, numel, numel >= SMALLEST_INT8)]
     runs: list[tuple[int, int, bool]] = []
 
@@ -186,7 +187,7 @@ def int8_runs(numel: int, index: int, tensors) -> list[tuple[int, int, bool]]:
             runs.append((start, stop - start, quantized))
 
     at = 0
-    for offset, size in sorted(tensors):
+    for offset, size in sorted(extents):
         lo, hi = max(offset - index, at), min(offset + size - index, numel)
         if lo >= hi:
             continue
@@ -266,12 +267,12 @@ class StateFormat:
     def master_dtype(self) -> torch.dtype:
         return torch.float32 if self.master == "fp32" else torch.bfloat16
 
-    def codecs(self, numel: int, index: int = 0, tensors=None) -> SubGroupCodecs:
+    def codecs(self, numel: int, index: int = 0, extents=None) -> SubGroupCodecs:
         """The codecs of a sub-group of `numel` elements from element `index` of its unit's flat buffer, whose
-        parameters lie at `tensors` ((offset, numel) in that buffer; None: the sub-group is one tensor)."""
+        parameters lie at `extents` ((offset, numel) in that buffer; None: the sub-group is one tensor)."""
         m = v = BF16 if self.moments == "bf16" else FP32
         if self.moments == "int8":
-            runs = int8_runs(numel, index, tensors)
+            runs = int8_runs(numel, index, extents)
             if len(runs) == 1:
                 m, v = (INT8_SIGNED, INT8_UNSIGNED) if runs[0][2] else (FP32, FP32)
             else:
@@ -279,10 +280,10 @@ class StateFormat:
                         for signed in (INT8_SIGNED, INT8_UNSIGNED))
         return SubGroupCodecs(FP32 if self.master == "fp32" else BF16, m, v, self.master == "bf16-sr")
 
-    def state_bytes(self, numel: int, *, master: bool = True, index: int = 0, tensors=None) -> int:
+    def state_bytes(self, numel: int, *, master: bool = True, index: int = 0, extents=None) -> int:
         """Bytes of a sub-group's stored state (with its master, unless the master is the parameter shard);
-        `index`, `tensors`: as `codecs` takes them."""
-        codecs = self.codecs(numel, index, tensors)
+        `index`, `extents`: as `codecs` takes them."""
+        codecs = self.codecs(numel, index, extents)
         return (codecs.master.nbytes(numel) if master else 0) + codecs.exp_avg.nbytes(numel) \
             + codecs.exp_avg_sq.nbytes(numel)
 

@@ -324,7 +324,7 @@ def speculated_share(cfg, on_nvme: int, kept: float, nvme_free: int | None) -> f
 
 def state_bytes(cfg, flats: list, *, master: bool) -> int:
     """Bytes of optimizer state (moments, and the masters where `master`) over every sub-group of `flats`."""
-    return sum(cfg.state_format.state_bytes(n, master=master, index=index, tensors=flat.extents)
+    return sum(cfg.state_format.state_bytes(n, master=master, index=index, extents=flat.extents)
                for flat in flats for index, n in sub_groups(cfg, flat))
 
 

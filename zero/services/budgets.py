@@ -58,7 +58,7 @@ def window_bytes(cfg: Config, dtype: torch.dtype, unit: FlatUnit, *, master: boo
     """Host bytes each of `unit`'s sub-groups takes for a step: its state as the state format stores it (the
     master unless it is the parameter shard, or as `master` says) and its gradient, counted at 4 bytes."""
     master = not masters_are_params(cfg, dtype) if master is None else master
-    return [cfg.state_format.state_bytes(n, master=master, index=index, tensors=unit.extents) + 4 * n
+    return [cfg.state_format.state_bytes(n, master=master, index=index, extents=unit.extents) + 4 * n
             for index, n in sub_groups(cfg, unit)]
 
 
