@@ -20,8 +20,9 @@ from tiering.device_tier import device_charge
 from tiering.errors import fmt_bytes
 
 from .services.activations import HOMES as ACTIVATION_HOMES, ActivationOffload
-from .services.budgets import (HOMES, compute_dtype, device_minimum, grad_dtype, largest_sub_group, largest_window, masters_are_params, nvme_segments, reduce_dtype,
-                      swap_config)
+from .services.budgets import (
+    HOMES, compute_dtype, device_minimum, grad_dtype, largest_sub_group, largest_window, masters_are_params,
+    nvme_segments, reduce_dtype, swap_config)
 from .comm import DataParallel, local_device
 from .services.compute_speed import SlowComputeWarning, dtype_speed, fast_alternative, slow_dtype_line
 from .config import Config, ConfigError, load_config

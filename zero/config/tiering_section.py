@@ -51,8 +51,8 @@ class ZeroTieringSection(Section):
 
     moments: Literal["fp32", "bf16", "int8"] | None = None
     """How the Adam moments are stored: "fp32" (exact, torch AdamW bit for bit), "bf16", or "int8" (block-wise: 256
-    elements share an fp32 absmax; each parameter on its own, those under 4096 elements fp32); null: bf16 with DeepSpeed's
-    bf16.bf16_optimizer_states, else fp32. Compact moments move fewer bytes a step at a measured price in loss
+    elements share an fp32 absmax; each parameter on its own, those under 4096 elements fp32); null: bf16 with
+    DeepSpeed's bf16.bf16_optimizer_states, else fp32. Compact moments move fewer bytes a step at a measured price in loss
     (bench/RESULTS.md)."""
 
     master: Literal["fp32", "bf16", "bf16-sr"] | None = None

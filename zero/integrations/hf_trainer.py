@@ -430,8 +430,8 @@ def zero_trainer(cls: type[Trainer]) -> type[Trainer]:
 
 
 class SaveOnSignal(TrainerCallback):
-    """ZeroTrainingArguments(save_on_signal=True): a signal noted (zero/services/preemption.py) makes the step's end save
-    the Trainer's checkpoint-N (the engine's state in it, as any save) and stop training; every rank agrees on
+    """ZeroTrainingArguments(save_on_signal=True): a signal noted (zero/services/preemption.py) makes the step's end
+    save the Trainer's checkpoint-N (the engine's state in it, as any save) and stop training; every rank agrees on
     the step, as the engine's own save_on_signal does."""
 
     def __init__(self, trainer: ZeroTrainer):

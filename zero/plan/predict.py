@@ -20,8 +20,8 @@ today's engine, with its terms measured on this machine or counted from the mode
   With the speculative step (zero_tiering.speculative_step, where it is served) the optimizer phase runs
   inside the backward: the step is then the larger of the compute plus what runs beside it on the same cores
   (with a GPU, CPU-Adam's share of the last unit; on a CPU device, all of the early steps' CPU-Adam and a copy
-  pass over each byte the I/O moves) and the forward plus all of the step's I/O, and the boundary's gradients are stepped while in host memory (not
-  written and read back). With state on nvme, a sub-group steps early only where the previous state can be kept
+  pass over each byte the I/O moves) and the forward plus all of the step's I/O, and the boundary's gradients
+  are stepped while in host memory (not written and read back). With state on nvme, a sub-group steps early only where the previous state can be kept
   in a fresh extent (tiering/kept.py: within the nvme budget, or without one the disk's free space less its
   reserve): the share of the step's nvme writes that room holds speculates, the rest steps at the boundary
   (its gradients written and read back, its I/O after the backward);
