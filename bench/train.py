@@ -3,7 +3,7 @@ offload, and DeepSpeed with the same ds_config when deepspeed is installed (a co
 dependency). Same model (zero.train.gpt), same data, same batches; each system runs in its own process so its peak
 RSS is its own.
 
-    python bench/train.py [--quick] [--preset 124m] [--steps 5] [--json PATH] [--png PATH]
+    python bench/train.py [--quick] [--preset 124m] [--layers N] [--steps 5] [--json PATH] [--png PATH]
 
 Per system: median step time over the measured steps (after warm-up), tokens/s, peak RSS, peak device memory
 (the device tier's accounting; torch.cuda.max_memory_allocated under CUDA), compute seconds per step (each
@@ -80,6 +80,8 @@ def child(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     gpt = replace(PRESETS[args.preset], seq_len=args.seq_len)
+    if args.layers:
+        gpt = replace(gpt, n_layer=args.layers)
     batches = Batches(default_corpus(8 << 20), args.micro_batch, gpt.seq_len, seed=0)
     config = json.loads(args.config_json)
     system = args.child
@@ -186,6 +188,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny model, two steps, no DeepSpeed")
     parser.add_argument("--preset", default="124m")
+    parser.add_argument("--layers", type=int, default=0, help="the preset's blocks (0: the preset's own)")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
@@ -234,7 +237,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def run_child(args: argparse.Namespace, system: str, config: dict) -> dict | None:
     command = [sys.executable, os.path.abspath(__file__), "--child", system, "--config-json", json.dumps(config),
-               "--preset", args.preset, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
+               "--preset", args.preset, "--layers", str(args.layers), "--seq-len", str(args.seq_len),
+               "--micro-batch", str(args.micro_batch),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
                "--device-budget", args.device_budget] + (["--host-budget", args.host_budget] if args.host_budget else [])
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
