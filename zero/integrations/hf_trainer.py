@@ -422,7 +422,12 @@ def zero_trainer(cls: type[Trainer]) -> type[Trainer]:
                                  "reference model, whose weights zero-tiering keeps partitioned: not supported")
             source = zero_config if zero_config is not None else getattr(given.get("args"), "zero_config", None)
             self.reference_engine = init_inference(reference, reference_config(source, given.get("args")))
-        cls.__init__(self, *args, **kwargs)
+        try:
+            cls.__init__(self, *args, **kwargs)
+        except BaseException:
+            if getattr(self, "reference_engine", None) is not None:  # its buffers and nvme file go with the error
+                self.reference_engine.close()
+            raise
 
     return type(f"Zero{cls.__name__}", (cls, ZeroTrainer),
                 {"__init__": __init__, "__module__": __name__, "__doc__": f"{cls.__name__} on zero-tiering's engine "
