@@ -15,7 +15,7 @@ import contextlib
 import os
 import signal
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ContextManager, NamedTuple
 
 import torch
@@ -24,6 +24,7 @@ from torch import nn
 from tiering import SwapManager
 
 from . import checkpoint
+from .accumulation.unit_major import UnitMajor
 from .services.activations import ActivationOffload
 from .comm import DataParallel
 from .config import Config
@@ -71,7 +72,7 @@ class ZeroEngine(FullValues, nn.Module):
                  dp: DataParallel, swap: SwapManager, loss_scaler: LossScaler | None, compute_dtype: torch.dtype,
                  device: torch.device, overlap: OverlappedStep | None = None,
                  speculation: SpeculativeStep | None = None, activations: ActivationOffload | None = None,
-                 device_minimum: dict[str, int] | None = None):
+                 device_minimum: dict[str, int] | None = None, unit_major: UnitMajor | None = None):
         super().__init__()
         self.module = module
         self.config = config
@@ -95,6 +96,10 @@ class ZeroEngine(FullValues, nn.Module):
         """Where the forward's saved activations rest until the backward (activation_offload), or None."""
         self.tput_timer = ThroughputTimer(config.train_batch_size)
         """Samples a second of the optimizer steps (DeepSpeed's), timed from each forward to its step()."""
+        self.unit_major = unit_major
+        """Runs a step's micro-batches through each unit at once (train_batch), where the model allows."""
+        self.schedule = "micro-batch"
+        """How the last step's forwards and backwards ran: "unit-major" or "micro-batch"."""
         self.device_minimum = device_minimum or {}
         """The least device budget this engine runs in, by part (budgets.device_minimum); activations come on top."""
         self._bet = True
@@ -181,11 +186,17 @@ class ZeroEngine(FullValues, nn.Module):
             self.tput_timer.start()
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
+        if self.unit_major is not None:
+            self.unit_major.forward_started()
         if self.activations is None or not torch.is_grad_enabled():
-            return self.module(*args, **kwargs)
-        micro_batch = self.counters.micro_steps % self.counters.gradient_accumulation_steps
-        with self.activations.saving(micro_batch):
-            return self.module(*args, **kwargs)
+            out = self.module(*args, **kwargs)
+        else:
+            micro_batch = self.counters.micro_steps % self.counters.gradient_accumulation_steps
+            with self.activations.saving(micro_batch):
+                out = self.module(*args, **kwargs)
+        if self.unit_major is not None:
+            self.unit_major.forward_ended()
+        return out
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.counters.at_boundary()
@@ -193,11 +204,14 @@ class ZeroEngine(FullValues, nn.Module):
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of `loss` averaged over the accumulation steps (and scaled for fp16), then each unit's
         gradient reduced across ranks and accumulated in fp32 into this rank's range."""
+        return self._backward(loss, self.counters.gradient_accumulation_steps)
+
+    def _backward(self, loss: torch.Tensor, divisor: int) -> torch.Tensor:
         self._finish_step()  # the gradients it accumulates into are the running step's to drop first
         if self.speculation is not None and self._bet and self.counters.at_boundary():
             self.speculation.begin(self.optimizer.param_groups, self.optimizer.step_count + 1, 1.0 / self.cur_scale)
         self._last_loss = loss.detach()
-        scaled = loss.float() / self.counters.gradient_accumulation_steps
+        scaled = loss.float() / divisor
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
         scaled.backward()
@@ -205,6 +219,59 @@ class ZeroEngine(FullValues, nn.Module):
         if self.activations is not None:
             self.activations.collect()  # the graph is freed: its activations' segments go
         return loss
+
+    def train_batch(self, data_iter: Iterable | None = None, *,
+                    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> torch.Tensor:
+        """One optimizer step over gradient_accumulation_steps micro-batches drawn from `data_iter` (DeepSpeed's
+        pipeline engine's call). A micro-batch is the model's input: a dict of keyword arguments, a tuple or list
+        of positional ones, or one tensor. The loss is `loss_fn(output, batch)`, else the model's own (its output
+        when a tensor, else its `loss`).
+
+        Where the model allows (partitioned units, each called once a forward, micro-batches that stack), the
+        step runs unit-major (zero.accumulation.unit_major): its micro-batches as one batch, each unit gathered
+        once for all of their forwards and once for all of their backwards; the loss is then the model's on the
+        whole step's batch (the micro-batches' mean where each holds as many counted tokens). Otherwise, and for
+        the first step (which counts each unit's calls), they run one after another as the forward, backward and
+        step calls would, and the loss is the mean of theirs. `engine.schedule` says which ran."""
+        k = self.counters.gradient_accumulation_steps
+        if self.counters.micro_steps % k:
+            raise RuntimeError(f"train_batch runs a whole optimizer step, but {self.counters.micro_steps % k} of "
+                               f"this step's {k} micro-batches already went through backward and step: finish it")
+        if data_iter is None:
+            raise ValueError("train_batch needs data_iter: an iterable of micro-batches")
+        it = iter(data_iter)
+        micro_batches = []
+        for _ in range(k):
+            try:
+                micro_batches.append(next(it))
+            except StopIteration:
+                raise ValueError(f"train_batch needs {k} micro-batches (gradient_accumulation_steps) and data_iter "
+                                 f"gave {len(micro_batches)}") from None
+        stacked = self.unit_major.plan(micro_batches) if self.unit_major is not None and k > 1 else None
+        if stacked is None:
+            self.schedule = "micro-batch"
+            losses = []
+            for batch in micro_batches:
+                loss = _loss_of(self._call(batch), batch, loss_fn)
+                self.backward(loss)
+                losses.append(loss.detach().float())
+                self.step()
+            return torch.stack(losses).mean()
+        self.schedule = "unit-major"
+        self.counters.micro_steps += k - 1  # the step's one backward completes it: it is the boundary's
+        with self.unit_major.sliced(k, stacked.rows):
+            output = self._call(stacked.batch)
+        loss = _loss_of(output, stacked.batch, loss_fn)
+        self._backward(loss, 1)  # the whole step's loss: already the mean over its micro-batches
+        self.step()
+        return loss.detach()
+
+    def _call(self, batch: Any) -> Any:
+        if isinstance(batch, Mapping):
+            return self(**batch)
+        if isinstance(batch, (tuple, list)):
+            return self(*batch)
+        return self(batch)
 
     def step(self) -> None:
         """Called every micro-batch; the optimizer runs at the accumulation boundary."""
@@ -401,6 +468,8 @@ class ZeroEngine(FullValues, nn.Module):
                 if self.overlap is not None:
                     self.overlap.close()
         finally:
+            if self.unit_major is not None:
+                self.unit_major.close()
             self.placement.close()
             if self.activations is not None:
                 self.activations.close()
@@ -466,6 +535,24 @@ class ZeroEngine(FullValues, nn.Module):
         return checkpoint.load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                           load_lr_scheduler_states=load_lr_scheduler_states,
                                           load_rng_states=load_rng_states)
+
+
+def _loss_of(output: Any, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> torch.Tensor:
+    """The loss of a forward's `output` on `batch`: `loss_fn`'s, else the model's own."""
+    if loss_fn is not None:
+        return loss_fn(output, batch)
+    if isinstance(output, torch.Tensor):
+        loss = output
+    elif isinstance(output, Mapping):
+        loss = output.get("loss")
+    elif isinstance(output, (tuple, list)) and output:
+        loss = output[0]
+    else:
+        loss = getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(f"train_batch found no loss in the model's output ({type(output).__name__}): give the "
+                         "model its labels, or pass loss_fn(output, batch)")
+    return loss
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:

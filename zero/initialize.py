@@ -19,6 +19,7 @@ from tiering import SwapManager, Tier, check_room
 from tiering.device_tier import device_charge
 from tiering.errors import fmt_bytes
 
+from .accumulation.unit_major import UnitMajor
 from .services.activations import HOMES as ACTIVATION_HOMES, ActivationOffload
 from .services.budgets import (
     HOMES, compute_dtype, device_minimum, grad_dtype, largest_sub_group, largest_window, masters_are_params,
@@ -124,10 +125,13 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
         if cfg.activation_offload != "none":
             activations = ActivationOffload(swap, ACTIVATION_HOMES[cfg.activation_offload],
                                             synchronize=cfg.activation_checkpointing.synchronize_checkpoint_boundary)
+        unit_major = UnitMajor(model=model, units=placement.units, counters=counters, dp=dp,
+                               placement=placement if isinstance(placement, PartitionedPlacement) else None)
         engine = ZeroEngine(module=model, config=cfg, placement=placement, driver=driver, gradients=gradients,
                             counters=counters, optimizer=zero_opt, lr_scheduler=lr_scheduler, dp=dp, swap=swap,
                             loss_scaler=loss_scaler(cfg), compute_dtype=dtype, device=device, overlap=overlap,
-                            speculation=speculation, activations=activations, device_minimum=device_need)
+                            speculation=speculation, activations=activations, device_minimum=device_need,
+                            unit_major=unit_major)
     except BaseException:
         if speculation is not None:
             speculation.close()

@@ -406,6 +406,17 @@ class PartitionedPlacement(Placement):
             unit.backward_refs -= 1
             self.release(unit)
 
+    def backward_again(self, unit: Unit) -> None:
+        """The unit's backward runs once more while it stays gathered (the unit-major schedule's next micro-batch
+        slice): its gradients are awaited, and counted, again."""
+        self._arm(unit)
+
+    def finish_unit_backward(self, unit: Unit) -> None:
+        """The unit's backward is over (the unit-major schedule's slice): reduce its gradients now, where some
+        parameter got none (unused in it)."""
+        if unit.state is UnitState.BACKWARD:
+            self._finish_backward(unit)
+
     def finish_backward(self) -> None:
         """Reduce units some of whose parameters got no gradient (unused in this forward), drop every
         reference backward still holds, and a prefetched unit backward did not gather."""

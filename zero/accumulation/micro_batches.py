@@ -1,0 +1,60 @@
+"""A step's micro-batches as one batch, and that batch's tensors cut back into micro-batch slices.
+
+The unit-major schedule runs the model once on the step's batch: every tensor of a micro-batch whose first
+dimension is the micro-batch's rows (those of its first tensor with a dimension, e.g. input_ids) is concatenated
+along it; every other value (a scalar tensor, a flag, a mask shared by all rows) must be the same in every
+micro-batch, since one forward sees it once. What cannot be stacked says why, and the step runs micro-batch by
+micro-batch instead.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+class Stacked(NamedTuple):
+    batch: Any
+    """The micro-batches' structure with their batch tensors concatenated."""
+    rows: int
+    """Rows of one micro-batch (the slices' size)."""
+
+
+def stack(micro_batches: list[Any]) -> Stacked | str:
+    """The micro-batches as one batch, or why they cannot be one (a sentence)."""
+    flat = [tree_flatten(mb) for mb in micro_batches]
+    spec = flat[0][1]
+    if any(s != spec for _, s in flat[1:]):
+        return "the micro-batches differ in structure (their keys or nesting)"
+    leaves = [values for values, _ in flat]
+    rows = next((t.shape[0] for t in leaves[0] if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
+    if rows is None:
+        return "a micro-batch holds no tensor with a batch dimension"
+    joined = []
+    for place, first in enumerate(leaves[0]):
+        column = [values[place] for values in leaves]
+        if isinstance(first, torch.Tensor) and first.dim() >= 1 and first.shape[0] == rows:
+            if any(not isinstance(t, torch.Tensor) or t.shape != first.shape or t.dtype != first.dtype
+                   for t in column):
+                shapes = sorted({tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in column})
+                return f"input {place} differs in shape between micro-batches ({', '.join(map(str, shapes))})"
+            joined.append(torch.cat(column))
+        elif isinstance(first, torch.Tensor):
+            if any(not isinstance(t, torch.Tensor) or not torch.equal(t, first) for t in column):
+                return (f"input {place} (shape {tuple(first.shape)}) has no batch dimension of {rows} rows and "
+                        "differs between micro-batches")
+            joined.append(first)
+        else:
+            if any(v != first for v in column):
+                return f"input {place} ({type(first).__name__}) differs between micro-batches"
+            joined.append(first)
+    return Stacked(tree_unflatten(joined, spec), rows)
+
+
+def cut(value: torch.Tensor, rows: int, count: int, index: int) -> torch.Tensor:
+    """Micro-batch `index`'s slice of a tensor of the whole step (`count` slices of `rows`); any other tensor as
+    it is (it has no batch dimension: every slice sees all of it)."""
+    if value.dim() >= 1 and value.shape[0] == rows * count:
+        return value.narrow(0, index * rows, rows)
+    return value
