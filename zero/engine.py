@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ContextManager, NamedTuple
@@ -100,6 +101,8 @@ class ZeroEngine(FullValues, nn.Module):
         """Runs a step's micro-batches through each unit at once (train_batch), where the model allows."""
         self.schedule = "micro-batch"
         """How the last step's forwards and backwards ran: "unit-major" or "micro-batch"."""
+        self.optimizer_seconds = 0.0
+        """What the last boundary's step() took on the calling thread (train_batch's callers time their parts)."""
         self.device_minimum = device_minimum or {}
         """The least device budget this engine runs in, by part (budgets.device_minimum); activations come on top."""
         self._bet = True
@@ -280,10 +283,12 @@ class ZeroEngine(FullValues, nn.Module):
         if not boundary:
             self.tput_timer.stop()
             return
+        start = time.perf_counter()
         try:
             self._optimizer_step()
         finally:
-            self.swap.end_step()  # the trace of this step drives prefetch and eviction in the next
+            self.swap.end_step()
+            self.optimizer_seconds = time.perf_counter() - start  # the trace of this step drives prefetch and eviction in the next
         self.tput_timer.stop(global_step=True)
         if self.preemption is not None and self.preemption.saved is None and self.preemption.requested(self.dp):
             self._save_for_exit()

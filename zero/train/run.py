@@ -79,6 +79,8 @@ class StepReport:
     (zero_tiering.speculative_step); None where the step is serial."""
     params: int = 0
     """The model's parameters: what bytes_per_param divides by."""
+    schedule: str | None = None
+    """How the step's micro-batches ran (engine.schedule: "unit-major" or "micro-batch"); None for one."""
 
     @property
     def bytes_per_param(self) -> float:
@@ -352,25 +354,29 @@ def train_step(engine, batches: Batches, step: int, params: int) -> StepReport:
     bets0 = None if engine.speculation is None else asdict(engine.speculation.stats)
     saved0 = None if engine.activations is None else (engine.activations.saved, engine.activations.saved_bytes)
     start = time.perf_counter()
-    losses = []
-    for _ in range(engine.gradient_accumulation_steps()):
+    accumulation = engine.gradient_accumulation_steps()
+    if accumulation > 1:  # the step's micro-batches through each unit at once, where the engine can
+        micro_batches = [tuple(t.to(engine.device) for t in batches.next()) for _ in range(accumulation)]
+        with swap.compute(f"step {step}"):
+            loss = engine.train_batch(micro_batches).item()
+        end = time.perf_counter()
+        middle = end - engine.optimizer_seconds
+    else:
         inputs, targets = batches.next()
         with swap.compute(f"forward {step}"):
-            loss = engine(inputs.to(engine.device), targets.to(engine.device))
+            out = engine(inputs.to(engine.device), targets.to(engine.device))
         with swap.compute(f"backward {step}"):
-            engine.backward(loss)
-        losses.append(loss.item())
-        if not engine.is_gradient_accumulation_boundary():
+            engine.backward(out)
+        loss = out.item()
+        middle = time.perf_counter()
+        with swap.compute(f"optimizer {step}"):
             engine.step()
-    middle = time.perf_counter()
-    with swap.compute(f"optimizer {step}"):
-        engine.step()
-    end = time.perf_counter()
+        end = time.perf_counter()
     io = swap.timeline.busy_seconds("nvme->host", "host->nvme", since=start)  # the disk busy, either way
     moved = {pair: n - moved0.get(pair, 0) for pair, n in swap.stats.bytes_moved.items()}
     bets = None if bets0 is None else {key: n - bets0[key]
                                        for key, n in asdict(engine.speculation.stats).items()}
-    return StepReport(step=step, params=params, loss=sum(losses) / len(losses), step_s=end - start,
+    return StepReport(step=step, params=params, loss=loss, step_s=end - start, schedule=engine.schedule if accumulation > 1 else None,
                       forward_backward_s=middle - start, optimizer_s=end - middle,
                       stall_s=swap.stats.stall_seconds - stall0, io_s=io, bytes_moved=moved, speculation=bets,
                       activations=None if saved0 is None else {
@@ -380,7 +386,8 @@ def train_step(engine, batches: Batches, step: int, params: int) -> StepReport:
 
 def summary_line(r: StepReport) -> str:
     moved = ", ".join(f"{pair} {fmt_bytes(n)}" for pair, n in sorted(r.bytes_moved.items()) if n)
-    return (f"step {r.step}: loss {r.loss:.4f} | {r.step_s:.2f} s (fwd+bwd {r.forward_backward_s:.2f}, "
+    schedule = "" if r.schedule is None else f" {r.schedule}"
+    return (f"step {r.step}: loss {r.loss:.4f} | {r.step_s:.2f} s (fwd+bwd{schedule} {r.forward_backward_s:.2f}, "
             f"optimizer {r.optimizer_s:.2f}) | compute {r.compute_s:.2f} s, I/O {r.io_s:.2f} s, "
             f"stall {r.stall_s:.2f} s, overlap {100 * r.overlap:.0f}% | {moved}"
             + (f" ({r.bytes_per_param:.1f} B/param)" if r.bytes_per_param else "") + (

@@ -1,0 +1,234 @@
+"""engine.train_batch: a step's micro-batches through each unit at once (the unit-major schedule) trains as the
+forward/backward/step loop over the same micro-batches does.
+
+Equal within 1e-6, not bitwise, and this is why: the units' gradients are the same adds in the same order (each
+micro-batch slice's gradient reduced and accumulated in fp32 as its micro-batch's), but what runs outside the
+units (embeddings, the head, the loss) runs once on the whole step's batch, so its matrix products and the tied
+embedding's gradient sum in another order. The first step runs micro-batch by micro-batch (it counts each unit's
+calls); the others unit-major. Exception: an attention layer's key bias has a gradient that is all rounding
+(softmax ignores a constant added to every key's score), and Adam turns any change in that rounding into a step
+of up to lr: those tensors (GPT-2's c_attn.bias, our GPT's attn.bias) are held to Adam's own bound instead.
+"""
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import zero
+from zero.accumulation.unit_major import UnitMajorWarning
+from zero.train.gpt import GPT
+
+from stage3_models import (LR, OWN_CONFIG, TwiceGPT, batches, engine_train, free_port, full_state, is_hf, one_thread,
+                           stage3_config, tiny_gpt2, tiny_llama)
+
+pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+
+STEPS, ACCUM, CLIP = 3, 4, 1.0
+RTOL = 1e-6
+KEY_BIAS = ("attn.bias", "c_attn.bias")
+
+
+def main_job_gpt(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(OWN_CONFIG)
+
+
+MODELS = {"gpt": main_job_gpt, "llama": tiny_llama, "gpt2": tiny_gpt2}
+
+
+def micro_batch(model, ids: torch.Tensor):
+    """The model's input for one micro-batch: keyword arguments for transformers, (inputs, targets) for ours."""
+    return dict(input_ids=ids, labels=ids) if is_hf(model) else (ids[:, :-1], ids[:, 1:])
+
+
+def train(model, config: dict, data: list[torch.Tensor], *, unit_major: bool, accum: int = ACCUM):
+    """(per-step losses, final state, schedules) of `data` trained by train_batch or by the per-micro-batch loop."""
+    engine, *_ = zero.initialize(model=model, config=config)
+    try:
+        if unit_major:
+            losses, schedules = [], []
+            for step in range(len(data) // accum):
+                group = data[step * accum:(step + 1) * accum]
+                losses.append(engine.train_batch([micro_batch(model, ids) for ids in group]).item())
+                schedules.append(engine.schedule)
+        else:
+            per_micro = engine_train(engine, data)
+            losses = [sum(per_micro[i:i + accum]) / accum for i in range(0, len(per_micro), accum)]
+            schedules = None
+        return losses, full_state(engine), schedules
+    finally:
+        engine.close()
+
+
+def assert_close(actual: dict, expected: dict, *, rtol: float = RTOL, unit_major_steps: int = STEPS - 1) -> None:
+    """Each tensor within `rtol` of its largest element; key-bias tensors within Adam's bound (lr a step)."""
+    assert actual.keys() == expected.keys()
+    bad = []
+    for name, value in expected.items():
+        diff = (actual[name].double() - value.double()).abs().max().item()
+        bound = 2 * LR * unit_major_steps if name.endswith(KEY_BIAS) else rtol * value.double().abs().max().item()
+        if diff > bound:
+            bad.append(f"{name}: {diff:.3g} > {bound:.3g}")
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("activations", [None, "nvme"])
+def test_train_batch_matches_the_micro_batch_loop(name, activations, tmp_path):
+    """ZeRO-3 on nvme, accumulation 4, clipping 1.0; activation checkpointing with the checkpoints offloaded to
+    nvme, or none: losses and final weights within 1e-6 of the loop's, and the steps after the first unit-major."""
+    tiering = {} if activations is None else {"activation_offload": activations}
+    config = stage3_config("nvme", "nvme", nvme_path=tmp_path, accum=ACCUM, clip=CLIP, zero_tiering=tiering)
+    data = batches(STEPS * ACCUM)
+    runs = []
+    with one_thread():
+        for unit_major in (False, True):
+            model = MODELS[name](0)
+            if activations is not None:
+                model.gradient_checkpointing_enable()
+            runs.append(train(model, config, data, unit_major=unit_major))
+    (loop_losses, loop_state, _), (losses, state, schedules) = runs
+    assert schedules == ["micro-batch"] + ["unit-major"] * (STEPS - 1)
+    assert losses[0] == pytest.approx(loop_losses[0], rel=1e-7)  # the first step ran the loop's way
+    assert losses == pytest.approx(loop_losses, rel=RTOL)
+    assert_close(state, loop_state)
+
+
+def test_each_unit_is_gathered_once_a_step_each_way(tmp_path):
+    """Unit-major: every block's shard is copied into its full buffer twice a step (forward, backward), where the
+    loop copies it twice per micro-batch."""
+    config = stage3_config("nvme", "nvme", nvme_path=tmp_path, accum=ACCUM)
+    data = batches(2 * ACCUM)
+    fills = {}
+    with one_thread():
+        model = tiny_llama(0)
+        engine, *_ = zero.initialize(model=model, config=config)
+        try:
+            placement = engine.placement
+            start_fill = placement._start_fill
+
+            def counting(unit):
+                fills[unit.name] = fills.get(unit.name, 0) + 1
+                return start_fill(unit)
+
+            placement._start_fill = counting
+            engine.train_batch([micro_batch(model, ids) for ids in data[:ACCUM]])  # the first: micro-batch by micro-batch
+            loop_fills, fills = fills, {}
+            engine.train_batch([micro_batch(model, ids) for ids in data[ACCUM:]])
+            assert engine.schedule == "unit-major"
+        finally:
+            engine.close()
+    blocks = [name for name in fills if name.startswith("model.layers.")]
+    assert len(blocks) == 2
+    assert {name: fills[name] for name in blocks} == {name: 2 for name in blocks}
+    assert {name: loop_fills[name] for name in blocks} == {name: 2 * ACCUM for name in blocks}
+
+
+def test_a_unit_called_twice_runs_micro_batch_by_micro_batch(tmp_path):
+    """TwiceGPT calls block 0 twice a forward: train_batch says so once and runs the loop's schedule, bit for bit."""
+    config = stage3_config("nvme", "nvme", nvme_path=tmp_path, accum=2, clip=CLIP)
+    data = batches(3 * 2)
+    with one_thread():
+        torch.manual_seed(0)
+        loop = train(TwiceGPT(), config, data, unit_major=False, accum=2)
+        torch.manual_seed(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batched = train(TwiceGPT(), config, data, unit_major=True, accum=2)
+    said = [str(w.message) for w in caught if issubclass(w.category, UnitMajorWarning)]
+    assert said == ["train_batch runs micro-batch by micro-batch: unit 'blocks.0' is called 2 times in one forward "
+                    "(its gradient is complete only after every call's backward)"]
+    assert batched[2] == ["micro-batch"] * 3
+    assert batched[0] == pytest.approx(loop[0], rel=1e-7)  # the mean of the same losses, in fp32
+    assert all(torch.equal(batched[1][k], v) for k, v in loop[1].items())
+
+
+def test_micro_batches_of_different_shapes_run_one_after_another(tmp_path):
+    config = stage3_config("cpu", "cpu", accum=2)
+    with one_thread():
+        model = tiny_llama(0)
+        engine, *_ = zero.initialize(model=model, config=config)
+        try:
+            data = batches(4)
+            engine.train_batch([micro_batch(model, ids) for ids in data[:2]])
+            with pytest.warns(UnitMajorWarning, match=r"input 0 differs in shape between micro-batches "
+                                                      r"\(\(2, 12\), \(2, 16\)\)"):
+                engine.train_batch([micro_batch(model, data[2][:, :12]), micro_batch(model, data[3])])
+            assert engine.schedule == "micro-batch" and engine.global_steps == 2
+            engine.train_batch([micro_batch(model, ids) for ids in data[:2]])
+            assert engine.schedule == "unit-major" and engine.global_steps == 3
+        finally:
+            engine.close()
+
+
+def test_train_batch_refuses_a_started_step_and_too_few_micro_batches(tmp_path):
+    config = stage3_config("cpu", "cpu", accum=2)
+    with one_thread():
+        model = tiny_llama(0)
+        engine, *_ = zero.initialize(model=model, config=config)
+        try:
+            ids = batches(1)[0]
+            with pytest.raises(ValueError, match=r"needs 2 micro-batches \(gradient_accumulation_steps\) and "
+                                                 r"data_iter gave 1"):
+                engine.train_batch([micro_batch(model, ids)])
+            engine.backward(engine(**micro_batch(model, ids)).loss)
+            engine.step()
+            with pytest.raises(RuntimeError, match="1 of this step's 2 micro-batches already went through"):
+                engine.train_batch([micro_batch(model, ids)] * 2)
+        finally:
+            engine.close()
+
+
+# -- two ranks ---------------------------------------------------------------------------------------------------
+
+WORLD = 2
+
+
+def _worker(rank: int, port: int, root: str) -> None:
+    os.environ.update(WORLD_SIZE=str(WORLD), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    data = [ids[rank:rank + 1] for ids in batches(STEPS * ACCUM)]  # each rank its own row of every batch
+    results = {}
+    for activations in (None, "nvme"):
+        for unit_major in (False, True):
+            model = tiny_llama(0)
+            tiering = {}
+            if activations is not None:
+                model.gradient_checkpointing_enable()
+                tiering = {"activation_offload": activations}
+            path = os.path.join(root, f"rank{rank}")
+            os.makedirs(path, exist_ok=True)
+            config = stage3_config("nvme", "nvme", nvme_path=path, accum=ACCUM, clip=CLIP, micro=1, zero_tiering=tiering)
+            results[activations, unit_major] = train(model, config, data, unit_major=unit_major)
+    torch.save(results, os.path.join(root, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_two_ranks_train_batch_matches_their_loop(tmp_path):
+    """Two ranks (gloo), each its own rows, Llama on nvme, accumulation 4, clipping: a reduction per micro-batch
+    slice on both ranks in the same order; both ranks agree bit for bit, and with their loop within 1e-6."""
+    root = str(tmp_path)
+    context = mp.start_processes(_worker, args=(free_port(), root), nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + 240
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise TimeoutError("two-rank train_batch did not finish in 240 s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    ranks = [torch.load(os.path.join(root, f"rank{rank}.pt")) for rank in range(WORLD)]
+    for activations in (None, "nvme"):
+        loop, batched = ranks[0][activations, False], ranks[0][activations, True]
+        assert batched[2] == ["micro-batch"] + ["unit-major"] * (STEPS - 1)
+        assert batched[1].keys() == ranks[1][activations, True][1].keys()
+        assert all(torch.equal(v, ranks[1][activations, True][1][k]) for k, v in batched[1].items())
+        assert batched[0] == pytest.approx(loop[0], rel=RTOL)
+        assert_close(batched[1], loop[1])
