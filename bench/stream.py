@@ -35,7 +35,8 @@ from fio import FioFile, fio_binary  # noqa: E402  (bench/ is the script's direc
 GiB = 1 << 30
 
 
-def train(args: argparse.Namespace, config: dict, summary: str, *, offloaded: bool) -> tuple[dict, int]:
+def train(args: argparse.Namespace, config: dict, summary: str, *, offloaded: bool,
+          schedule: str | None = None) -> tuple[dict, int]:
     """Run `python -m zero.train` with `config` in a child process: its summary and its peak RSS in bytes."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(config, f)
@@ -45,6 +46,8 @@ def train(args: argparse.Namespace, config: dict, summary: str, *, offloaded: bo
         command += ["--layers", str(args.layers)]
     if args.dtype:
         command += ["--dtype", args.dtype]
+    if schedule:
+        command += ["--accumulation", schedule]
     if offloaded:
         command += ["--nvme-path", args.dir, "--host-budget", args.host_budget]
         if args.device_budget:
@@ -111,8 +114,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--formats", default="fp32/fp32",
                         help="state formats to run, comma-separated MOMENTS/MASTER (zero_tiering.moments and .master), "
                              "e.g. fp32/fp32,int8/fp32,int8/bf16-sr")
+    parser.add_argument("--schedules", default="unit-major",
+                        help="accumulation schedules to run each format with, comma-separated (zero.train "
+                             "--accumulation): unit-major,micro-batch; they differ only with gradient accumulation")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    schedules = args.schedules.split(",")
+    if any(s not in ("unit-major", "micro-batch") for s in schedules):
+        parser.error(f"--schedules {args.schedules!r}: unit-major and/or micro-batch, comma-separated")
     formats = [tuple(f.split("/")) for f in args.formats.split(",")]
     if any(len(f) != 2 for f in formats):
         parser.error(f"--formats {args.formats!r}: MOMENTS/MASTER pairs, comma-separated (e.g. fp32/fp32,int8/fp32)")
@@ -134,7 +143,9 @@ def main(argv: list[str] | None = None) -> dict:
         for moments, master in formats:
             formatted = json.loads(json.dumps(config))
             formatted.setdefault("zero_tiering", {}).update(moments=moments, master=master)
-            runs[f"{moments}/{master}"] = train(args, formatted, summary, offloaded=True)
+            for schedule in schedules:
+                name = f"{moments}/{master}" + (f" {schedule}" if len(schedules) > 1 else "")
+                runs[name] = train(args, formatted, summary, offloaded=True, schedule=schedule)
         mixed_after = fio_mixed(directory, int(args.fio_size))
     mixed = (mixed_before + mixed_after) / 2
     compute = statistics.median(s["step_s"] for s in memory["steps"][args.warmup:])
@@ -173,7 +184,7 @@ def print_result(r: dict) -> None:
     first = None
     for name, run in r["formats"].items():
         first = first or run
-        print(f"state format {name} (moments/master): peak RSS {run['peak_rss_bytes'] / GiB:.2f} GiB, "
+        print(f"state format {name} (moments/master{' schedule' if ' ' in name else ''}): peak RSS {run['peak_rss_bytes'] / GiB:.2f} GiB, "
               f"{run['bytes_per_param']:.1f} bytes per parameter per step, median step "
               f"{run['median']['step_s'] / first['median']['step_s']:.2f}x the first format's")
         print(f"{'step':>4} {'s':>7} {'read GB':>8} {'write GB':>8} {'GB/s':>6} {'of fio':>7} {'idle':>6} "

@@ -65,13 +65,17 @@ def gpt2() -> GPT2LMHeadModel:
                                       bos_token_id=0, eos_token_id=0))
 
 
-def hf_docs_zero3(nvme: Path, *, optimizer: bool = True, scheduler: bool = True) -> dict:
+def hf_docs_zero3(nvme: Path, *, optimizer: bool = True, scheduler: bool = True,
+                  accumulation: str | None = None) -> dict:
     """The Hugging Face docs' ZeRO-3 ds_config.json, offloading to nvme; without the optimizer or scheduler
-    section the Trainer's own are used."""
+    section the Trainer's own are used. `accumulation` "micro-batch": a step's micro-batches one after another,
+    so dropout draws its masks in the plain Trainer's order (unit-major draws them a unit at a time)."""
     nvme.mkdir(parents=True, exist_ok=True)
     config = copy.deepcopy(HF_ZERO3)
     for section in ("offload_optimizer", "offload_param"):
         config["zero_optimization"][section] = {"device": "nvme", "nvme_path": str(nvme), "pin_memory": True}
+    if accumulation is not None:
+        config["zero_tiering"] = {"accumulation": accumulation}
     if not optimizer:
         del config["optimizer"]
     if not scheduler:
@@ -169,6 +173,7 @@ def test_llama_zero3_nvme_from_ds_config_json_trains_like_the_plain_trainer(tmp_
         assert (zo.offload_param.device, zo.offload_optimizer.device) == ("nvme", "nvme")
         assert (engine.config.gradient_accumulation_steps, engine.config.gradient_clipping) == (2, 0.5)
         assert engine.global_steps == STEPS and engine.micro_steps == 2 * STEPS
+        assert engine.schedule == "unit-major"  # the 2 micro-batches of a step through each layer at once
         ours, theirs = losses(trainer), losses(reference)
         assert list(ours) == list(range(1, STEPS + 1))
         assert list(ours.values()) == pytest.approx(list(theirs.values()), rel=1e-5)
@@ -196,7 +201,7 @@ def gpt2_runs(tmp_path_factory):
     engine's optimizer), given as ZeroTrainer(zero_config=...) beside plain TrainingArguments."""
     tmp = tmp_path_factory.mktemp("gpt2")
     data = dataset()
-    config = hf_docs_zero3(tmp / "nvme", optimizer=False, scheduler=False)
+    config = hf_docs_zero3(tmp / "nvme", optimizer=False, scheduler=False, accumulation="micro-batch")  # dropout
     reference = Trainer(model=gpt2(), args=training_args(TrainingArguments, tmp / "plain"), train_dataset=data)
     reference.train()
     runs = {"reference": reference}
@@ -239,7 +244,8 @@ def test_pretrained_weights_go_straight_into_the_tiers_and_train_like_the_model_
         model = GPT2LMHeadModel(GPT2Config.from_pretrained(tmp_path / "pretrained"))
     trainer = ZeroTrainer(model=model, train_dataset=data, zero_weights=tmp_path / "pretrained",
                           args=training_args(ZeroTrainingArguments, tmp_path / "zero", max_steps=4,
-                                             deepspeed=hf_docs_zero3(tmp_path / "nvme")))
+                                             deepspeed=hf_docs_zero3(tmp_path / "nvme",
+                                                                     accumulation="micro-batch")))  # dropout
     try:
         trainer.train()
         assert list(losses(trainer).values()) == pytest.approx(list(losses(reference).values()), rel=1e-5)
@@ -332,7 +338,9 @@ def test_lora_with_gradient_checkpointing_under_stage3_offload(tmp_path):
         trainer.train()
         engine = trainer.engine
         assert list(losses(trainer).values()) == pytest.approx(list(losses(reference).values()), rel=1e-5)
-        assert len(calls) == 2 * 2 * steps  # forward and recomputation, 2 micro-batches a step
+        # Forward and recomputation, 2 micro-batches a step, unit-major (the model's own checkpointing off: each
+        # unit recomputes itself), and the probe's one forward in eval mode at the first step.
+        assert calls.count(True) == 2 * 2 * steps and calls.count(False) == 1
         # Only the LoRA parameters are in units, so only they have optimizer state and gradients.
         slots = [slot for unit in engine.units for slot in unit.flat.slots]
         assert slots and all(slot.param.requires_grad and ".lora_" in slot.name for slot in slots)

@@ -4,10 +4,11 @@ forward/backward/step loop over the same micro-batches does.
 Equal within 1e-6, not bitwise, and this is why: the units' gradients are the same adds in the same order (each
 micro-batch slice's gradient reduced and accumulated in fp32 as its micro-batch's), but what runs outside the
 units (embeddings, the head, the loss) runs once on the whole step's batch, so its matrix products and the tied
-embedding's gradient sum in another order. The first step runs micro-batch by micro-batch (it counts each unit's
-calls); the others unit-major. Exception: an attention layer's key bias has a gradient that is all rounding
+embedding's gradient sum in another order. Every step runs unit-major. Exception: an attention layer's key bias has a gradient that is all rounding
 (softmax ignores a constant added to every key's score), and Adam turns any change in that rounding into a step
-of up to lr: those tensors (GPT-2's c_attn.bias, our GPT's attn.bias) are held to Adam's own bound instead.
+of up to lr: those tensors (GPT-2's c_attn.bias, our GPT's attn.bias) are held to Adam's own bound instead, and
+in the main job's GPT (narrow, tied, its key bias moved by lr a step) that noise reaches the other weights at
+up to 4e-6 of their largest element after 3 steps: it is held to 1e-5 (the Llama and GPT-2 to 1e-6).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def main_job_gpt(seed: int = 0) -> GPT:
 
 
 MODELS = {"gpt": main_job_gpt, "llama": tiny_llama, "gpt2": tiny_gpt2}
+TOLERANCE = {"gpt": 1e-5, "llama": RTOL, "gpt2": RTOL}
 
 
 def micro_batch(model, ids: torch.Tensor):
@@ -65,7 +67,7 @@ def train(model, config: dict, data: list[torch.Tensor], *, unit_major: bool, ac
         engine.close()
 
 
-def assert_close(actual: dict, expected: dict, *, rtol: float = RTOL, unit_major_steps: int = STEPS - 1) -> None:
+def assert_close(actual: dict, expected: dict, *, rtol: float = RTOL, unit_major_steps: int = STEPS) -> None:
     """Each tensor within `rtol` of its largest element; key-bias tensors within Adam's bound (lr a step)."""
     assert actual.keys() == expected.keys()
     bad = []
@@ -81,7 +83,7 @@ def assert_close(actual: dict, expected: dict, *, rtol: float = RTOL, unit_major
 @pytest.mark.parametrize("activations", [None, "nvme"])
 def test_train_batch_matches_the_micro_batch_loop(name, activations, tmp_path):
     """ZeRO-3 on nvme, accumulation 4, clipping 1.0; activation checkpointing with the checkpoints offloaded to
-    nvme, or none: losses and final weights within 1e-6 of the loop's, and the steps after the first unit-major."""
+    nvme, or none: losses and final weights within 1e-6 of the loop's, every step unit-major."""
     tiering = {} if activations is None else {"activation_offload": activations}
     config = stage3_config("nvme", "nvme", nvme_path=tmp_path, accum=ACCUM, clip=CLIP, zero_tiering=tiering)
     data = batches(STEPS * ACCUM)
@@ -93,18 +95,17 @@ def test_train_batch_matches_the_micro_batch_loop(name, activations, tmp_path):
                 model.gradient_checkpointing_enable()
             runs.append(train(model, config, data, unit_major=unit_major))
     (loop_losses, loop_state, _), (losses, state, schedules) = runs
-    assert schedules == ["micro-batch"] + ["unit-major"] * (STEPS - 1)
-    assert losses[0] == pytest.approx(loop_losses[0], rel=1e-7)  # the first step ran the loop's way
+    assert schedules == ["unit-major"] * STEPS
     assert losses == pytest.approx(loop_losses, rel=RTOL)
-    assert_close(state, loop_state)
+    assert_close(state, loop_state, rtol=TOLERANCE[name])
 
 
 def test_each_unit_is_gathered_once_a_step_each_way(tmp_path):
     """Unit-major: every block's shard is copied into its full buffer twice a step (forward, backward), where the
     loop copies it twice per micro-batch."""
     config = stage3_config("nvme", "nvme", nvme_path=tmp_path, accum=ACCUM)
-    data = batches(2 * ACCUM)
-    fills = {}
+    data = batches(ACCUM)
+    fills: dict[str, int] = {}
     with one_thread():
         model = tiny_llama(0)
         engine, *_ = zero.initialize(model=model, config=config)
@@ -117,16 +118,19 @@ def test_each_unit_is_gathered_once_a_step_each_way(tmp_path):
                 return start_fill(unit)
 
             placement._start_fill = counting
-            engine.train_batch([micro_batch(model, ids) for ids in data[:ACCUM]])  # the first: micro-batch by micro-batch
-            loop_fills, fills = fills, {}
-            engine.train_batch([micro_batch(model, ids) for ids in data[ACCUM:]])
+            engine.train_batch([micro_batch(model, ids) for ids in data])  # the first also probes the model
+            fills.clear()
+            engine.train_batch([micro_batch(model, ids) for ids in data])
             assert engine.schedule == "unit-major"
+            unit_major = dict(fills)
+            fills.clear()
+            engine_train(engine, data)
         finally:
             engine.close()
-    blocks = [name for name in fills if name.startswith("model.layers.")]
+    blocks = sorted(name for name in unit_major if name.startswith("model.layers."))
     assert len(blocks) == 2
-    assert {name: fills[name] for name in blocks} == {name: 2 for name in blocks}
-    assert {name: loop_fills[name] for name in blocks} == {name: 2 * ACCUM for name in blocks}
+    assert {name: unit_major[name] for name in blocks} == {name: 2 for name in blocks}
+    assert {name: fills[name] for name in blocks} == {name: 2 * ACCUM for name in blocks}
 
 
 def test_a_unit_called_twice_runs_micro_batch_by_micro_batch(tmp_path):
@@ -156,6 +160,7 @@ def test_micro_batches_of_different_shapes_run_one_after_another(tmp_path):
         try:
             data = batches(4)
             engine.train_batch([micro_batch(model, ids) for ids in data[:2]])
+            assert engine.schedule == "unit-major"
             with pytest.warns(UnitMajorWarning, match=r"input 0 differs in shape between micro-batches "
                                                       r"\(\(2, 12\), \(2, 16\)\)"):
                 engine.train_batch([micro_batch(model, data[2][:, :12]), micro_batch(model, data[3])])
@@ -227,7 +232,7 @@ def test_two_ranks_train_batch_matches_their_loop(tmp_path):
     ranks = [torch.load(os.path.join(root, f"rank{rank}.pt")) for rank in range(WORLD)]
     for activations in (None, "nvme"):
         loop, batched = ranks[0][activations, False], ranks[0][activations, True]
-        assert batched[2] == ["micro-batch"] + ["unit-major"] * (STEPS - 1)
+        assert batched[2] == ["unit-major"] * STEPS
         assert batched[1].keys() == ranks[1][activations, True][1].keys()
         assert all(torch.equal(v, ranks[1][activations, True][1][k]) for k, v in batched[1].items())
         assert batched[0] == pytest.approx(loop[0], rel=RTOL)

@@ -189,17 +189,11 @@ class ZeroEngine(FullValues, nn.Module):
             self.tput_timer.start()
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
-        if self.unit_major is not None:
-            self.unit_major.forward_started()
         if self.activations is None or not torch.is_grad_enabled():
-            out = self.module(*args, **kwargs)
-        else:
-            micro_batch = self.counters.micro_steps % self.counters.gradient_accumulation_steps
-            with self.activations.saving(micro_batch):
-                out = self.module(*args, **kwargs)
-        if self.unit_major is not None:
-            self.unit_major.forward_ended()
-        return out
+            return self.module(*args, **kwargs)
+        micro_batch = self.counters.micro_steps % self.counters.gradient_accumulation_steps
+        with self.activations.saving(micro_batch):
+            return self.module(*args, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.counters.at_boundary()
@@ -233,9 +227,9 @@ class ZeroEngine(FullValues, nn.Module):
         Where the model allows (partitioned units, each called once a forward, micro-batches that stack), the
         step runs unit-major (zero.accumulation.unit_major): its micro-batches as one batch, each unit gathered
         once for all of their forwards and once for all of their backwards; the loss is then the model's on the
-        whole step's batch (the micro-batches' mean where each holds as many counted tokens). Otherwise, and for
-        the first step (which counts each unit's calls), they run one after another as the forward, backward and
-        step calls would, and the loss is the mean of theirs. `engine.schedule` says which ran."""
+        whole step's batch (the micro-batches' mean where each holds as many counted tokens). Otherwise they run
+        one after another as the forward, backward and step calls would, and the loss is the mean of theirs.
+        `engine.schedule` says which ran."""
         k = self.counters.gradient_accumulation_steps
         if self.counters.micro_steps % k:
             raise RuntimeError(f"train_batch runs a whole optimizer step, but {self.counters.micro_steps % k} of "
@@ -250,22 +244,32 @@ class ZeroEngine(FullValues, nn.Module):
             except StopIteration:
                 raise ValueError(f"train_batch needs {k} micro-batches (gradient_accumulation_steps) and data_iter "
                                  f"gave {len(micro_batches)}") from None
-        stacked = self.unit_major.plan(micro_batches) if self.unit_major is not None and k > 1 else None
+        loss = self.unit_major_step(micro_batches, lambda batch: _loss_of(self._call(batch), batch, loss_fn))
+        if loss is not None:
+            return loss
+        losses = []
+        for batch in micro_batches:
+            loss = _loss_of(self._call(batch), batch, loss_fn)
+            self.backward(loss)
+            losses.append(loss.detach().float())
+            self.step()
+        return torch.stack(losses).mean()
+
+    def unit_major_step(self, micro_batches: list[Any], batch_loss: Callable[[Any], torch.Tensor]) -> torch.Tensor | None:
+        """One optimizer step over `micro_batches` (gradient_accumulation_steps of them) run unit-major, where
+        `batch_loss(batch)` calls the engine on the stacked batch and returns the whole step's loss (a mean over
+        it, not a share of it); the loss, detached. None where the schedule cannot run this step (nothing ran: the
+        caller runs the micro-batches one after another); `schedule` says which. The first call probes the model
+        with one forward of `batch_loss` on a micro-batch, without autograd (zero.accumulation.probe)."""
+        k = self.counters.gradient_accumulation_steps
+        stacked = None if self.unit_major is None or k == 1 else self.unit_major.plan(micro_batches, batch_loss)
+        self.schedule = "micro-batch" if stacked is None else "unit-major"
         if stacked is None:
-            self.schedule = "micro-batch"
-            losses = []
-            for batch in micro_batches:
-                loss = _loss_of(self._call(batch), batch, loss_fn)
-                self.backward(loss)
-                losses.append(loss.detach().float())
-                self.step()
-            return torch.stack(losses).mean()
-        self.schedule = "unit-major"
+            return None
         self.counters.micro_steps += k - 1  # the step's one backward completes it: it is the boundary's
-        with self.unit_major.sliced(k, stacked.rows):
-            output = self._call(stacked.batch)
-        loss = _loss_of(output, stacked.batch, loss_fn)
-        self._backward(loss, 1)  # the whole step's loss: already the mean over its micro-batches
+        with self.unit_major.sliced(k, stacked.rows):  # through the backward: the units recompute themselves
+            loss = batch_loss(stacked.batch)
+            self._backward(loss, 1)  # the whole step's loss: already the mean over its micro-batches
         self.step()
         return loss.detach()
 
@@ -473,8 +477,6 @@ class ZeroEngine(FullValues, nn.Module):
                 if self.overlap is not None:
                     self.overlap.close()
         finally:
-            if self.unit_major is not None:
-                self.unit_major.close()
             self.placement.close()
             if self.activations is not None:
                 self.activations.close()

@@ -12,9 +12,9 @@ its sub-groups' accumulated gradient move once a step instead of once a micro-ba
 one slice's inside a unit; the units' inputs for the whole step are kept (or offloaded by activation_offload).
 What runs outside the units (embeddings, the head, the loss) runs on the whole batch at once.
 
-The schedule runs where units are partitioned (stage 3: gathering is what it saves), and only for a model whose
-every unit is called at most once per forward (counted on each forward; a unit called twice would be reduced
-before its second call's gradient is in): otherwise the step runs micro-batch by micro-batch, as it says once.
+The schedule runs where units are partitioned (stage 3: gathering is what it saves), for a model whose units
+are each called once a forward and read no parameter of the root unit (probe.py, once): otherwise, or where a
+step's micro-batches do not stack, the step runs micro-batch by micro-batch, as a warning says once.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from ..comm import DataParallel
 from ..params.partitioned import PartitionedPlacement
 from ..params.unit import Unit
 from ..services.counters import StepCounters
+from . import probe
 from .micro_batches import Stacked, cut, stack
 
 PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
@@ -50,39 +51,22 @@ class UnitMajor:
         self.refusal: str | None = None if self.units else \
             "parameters are not partitioned into units here (stage 3 gathers them; others keep them resident)"
         """Why the schedule cannot run for this model, once known."""
-        self._calls: dict[int, int] = {}
-        self._counted = False
+        self.root = [u for u in units if u.module is model]
+        self._probed = False
         self._said: set[str] = set()
         self._first = 0
-        self._hooks = [u.module.register_forward_pre_hook(lambda m, a, unit=u: self._count(unit))
-                       for u in self.units]
 
     # -- whether a step can run unit-major ---------------------------------------------------------------------
 
-    def _count(self, unit: Unit) -> None:
-        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:  # not a recomputation
-            self._calls[unit.index] = self._calls.get(unit.index, 0) + 1
-
-    def forward_started(self) -> None:
-        self._calls.clear()
-
-    def forward_ended(self) -> None:
-        """After a forward with autograd: a unit called more than once refuses the schedule for good."""
-        if not torch.is_grad_enabled():
-            return
-        self._counted = True
-        twice = [u for u in self.units if self._calls.get(u.index, 0) > 1]
-        if twice and self.refusal is None:
-            self.refusal = (f"unit {twice[0].name!r} is called {self._calls[twice[0].index]} times in one forward "
-                            "(its gradient is complete only after every call's backward)")
-
-    def plan(self, micro_batches: list[Any]) -> Stacked | None:
+    def plan(self, micro_batches: list[Any], forward: Callable[[Any], Any]) -> Stacked | None:
         """The step's batch when every rank can run it unit-major, else None (every rank then runs micro-batch by
-        micro-batch, and the first rank says why, once per reason). The first step always runs micro-batch by
-        micro-batch: its forwards count how often each unit is called."""
-        stacked = self.refusal or ("the first step counts each unit's calls" if not self._counted else None)
-        if stacked is None:
-            stacked = stack(micro_batches)
+        micro-batch, and the first rank says why, once per reason). `forward(batch)`: one forward through the
+        engine, which the first call runs on a micro-batch to probe the model (probe.py), on every rank."""
+        if self.refusal is None and not self._probed:
+            self._probed = True
+            self.refusal = probe.refusal(self.model, self.units, self.root, lambda: forward(micro_batches[0]),
+                                         self.units[0].full.device)
+        stacked = self.refusal or stack(micro_batches)
         able = not isinstance(stacked, str)
         if self.dp.world_size > 1:  # every rank the same schedule: a reduction per slice is a collective
             flag = torch.tensor([1.0 if able else 0.0])
@@ -91,7 +75,7 @@ class UnitMajor:
                 able, stacked = False, "another rank's micro-batches cannot be stacked"
         if able:
             return stacked._replace(batch=_without_cache(self.model, stacked.batch))
-        if stacked not in self._said and self._counted and self.dp.rank == 0:
+        if stacked not in self._said and self.dp.rank == 0:
             self._said.add(stacked)
             warnings.warn(f"train_batch runs micro-batch by micro-batch: {stacked}", UnitMajorWarning, stacklevel=3)
         return None
@@ -100,8 +84,8 @@ class UnitMajor:
 
     @contextlib.contextmanager
     def sliced(self, count: int, rows: int) -> Iterator[None]:
-        """Within: the step's forward, its units run `count` slices of `rows` rows each. The model's own
-        activation checkpointing is off meanwhile (a module's `gradient_checkpointing` flag, as Hugging Face
+        """Within: the step's forward and backward, its units run `count` slices of `rows` rows each. The model's
+        own activation checkpointing is off meanwhile (a module's `gradient_checkpointing` flag, as Hugging Face
         and the main job's GPT keep it): the units recompute themselves."""
         self._first = self.counters.micro_steps - (count - 1)
         restore: list[Callable[[], None]] = []
@@ -110,20 +94,23 @@ class UnitMajor:
                 if getattr(module, "gradient_checkpointing", None) is True:
                     module.gradient_checkpointing = False
                     restore.append(lambda m=module: setattr(m, "gradient_checkpointing", True))
-            for unit in self.units:
-                restore.append(self._install(unit, count, rows))
+            by_module: dict[nn.Module, list[Unit]] = {}
+            for unit in self.units:  # a module's parameters may make several units (one per parameter group)
+                by_module.setdefault(unit.module, []).append(unit)
+            for units in by_module.values():
+                restore.append(self._install(units, count, rows))
             yield
         finally:
             for undo in reversed(restore):
                 undo()
 
-    def _install(self, unit: Unit, count: int, rows: int) -> Callable[[], None]:
-        module = unit.module
+    def _install(self, units: list[Unit], count: int, rows: int) -> Callable[[], None]:
+        module = units[0].module
         own = module.__dict__.get("forward")  # an instance's own forward (a library's hook): put back after
         original = module.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            return _SliceCall(self, unit, original, count, rows).run(args, kwargs)
+            return _SliceCall(self, units, original, count, rows).run(args, kwargs)
 
         module.forward = forward
 
@@ -135,23 +122,20 @@ class UnitMajor:
         return undo
 
     @contextlib.contextmanager
-    def micro_batch(self, index: int, unit: Unit, *, again: bool) -> Iterator[None]:
+    def micro_batch(self, index: int, units: list[Unit], *, again: bool) -> Iterator[None]:
         """Around one slice's backward: the counters name the micro-batch whose gradient the reduction gets (the
-        last one completes the step's), and the unit awaits its gradients again (`again`)."""
+        last one completes the step's), and the units await their gradients again (`again`)."""
         boundary = self.counters.micro_steps
         self.counters.micro_steps = self._first + index
         try:
             if again:
-                self.placement.backward_again(unit)
+                for unit in units:
+                    self.placement.backward_again(unit)
             yield
-            self.placement.finish_unit_backward(unit)
+            for unit in units:
+                self.placement.finish_unit_backward(unit)
         finally:
             self.counters.micro_steps = boundary
-
-    def close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
 
 
 def _without_cache(model: nn.Module, batch: Any) -> Any:
@@ -168,10 +152,12 @@ class UnitMajorWarning(UserWarning):
 
 
 class _SliceCall:
-    """One call of a unit's module on the step's batch: its arguments flattened, and what it returned rebuilt."""
+    """One call of a module on the step's batch (its units: one per parameter group): its arguments flattened,
+    and what it returned rebuilt."""
 
-    def __init__(self, schedule: UnitMajor, unit: Unit, forward: Callable, count: int, rows: int):
-        self.schedule, self.unit, self.forward, self.count, self.rows = schedule, unit, forward, count, rows
+    def __init__(self, schedule: UnitMajor, units: list[Unit], forward: Callable, count: int, rows: int):
+        self.schedule, self.units, self.forward, self.count, self.rows = schedule, units, forward, count, rows
+        self.name = units[0].name.split("#")[0]
         self.out_spec = None
         self.out_leaves: list[Any] = []
         self.out_places: list[int] = []
@@ -181,7 +167,7 @@ class _SliceCall:
         for value in leaves:
             if not isinstance(value, (torch.Tensor, *PLAIN)):
                 raise TypeError(
-                    f"train_batch runs unit {self.unit.name!r} one micro-batch slice at a time, and its module was "
+                    f"train_batch runs unit {self.name!r} one micro-batch slice at a time, and its module was "
                     f"called with a {type(value).__name__}, which every slice would share (a cache the slices would "
                     "each write): call the model without it (use_cache=False), or step micro-batch by micro-batch")
         self.leaves = leaves
@@ -204,7 +190,7 @@ class _SliceCall:
         if self.out_spec is None:
             self.out_spec = spec
         elif spec != self.out_spec:
-            raise TypeError(f"unit {self.unit.name!r} returned differently structured outputs for two micro-batch "
+            raise TypeError(f"unit {self.name!r} returned differently structured outputs for two micro-batch "
                             "slices: train_batch cannot join them")
         return out
 
@@ -218,13 +204,13 @@ class _SliceCall:
             if isinstance(first, torch.Tensor):
                 if first.dim() == 0 or first.shape[0] != self.rows:
                     raise TypeError(
-                        f"unit {self.unit.name!r} returned a tensor of shape {tuple(first.shape)} without the "
+                        f"unit {self.name!r} returned a tensor of shape {tuple(first.shape)} without the "
                         f"micro-batch's {self.rows} rows first: train_batch cannot join its slices; step micro-batch "
                         "by micro-batch")
                 joined.append(torch.cat([s[place] for s in slices]))
                 self.out_places.append(place)
             elif any(s[place] != first for s in slices[1:]):
-                raise TypeError(f"unit {self.unit.name!r} returned a {type(first).__name__} that differs between "
+                raise TypeError(f"unit {self.name!r} returned a {type(first).__name__} that differs between "
                                 "micro-batch slices: train_batch cannot join them")
         return joined
 
@@ -239,7 +225,7 @@ class SlicedUnit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call: _SliceCall, anchor: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        device = call.unit.full.device
+        device = call.units[0].full.device
         ctx.call = call
         ctx.rng = []
         ctx.autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
@@ -255,15 +241,16 @@ class SlicedUnit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         call: _SliceCall = ctx.call
-        unit, schedule = call.unit, call.schedule
+        units, schedule = call.units, call.schedule
         tensors = ctx.saved_tensors
-        device = unit.full.device
+        device = units[0].full.device
         needs = [t.requires_grad and t.is_floating_point() for t in tensors]
         inputs_grad: list[torch.Tensor | None] = [None] * len(tensors)
-        schedule.placement.gather(unit)  # held across the slices: gathered once for all of them
+        for unit in units:  # held across the slices: gathered once for all of them
+            schedule.placement.gather(unit)
         try:
             for index in range(call.count):
-                with schedule.micro_batch(index, unit, again=index > 0):
+                with schedule.micro_batch(index, units, again=index > 0):
                     inputs = [cut(t, call.rows, call.count, index).detach().requires_grad_(need)
                               for t, need in zip(tensors, needs)]
                     cpu_state, cuda_state = ctx.rng[index]
@@ -281,7 +268,8 @@ class SlicedUnit(torch.autograd.Function):
                         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 _gather_input_grads(inputs_grad, tensors, inputs, call, index)
         finally:
-            schedule.placement.release(unit)
+            for unit in units:
+                schedule.placement.release(unit)
         return (None, None, *inputs_grad)
 
 

@@ -40,6 +40,12 @@ class ZeroTieringSection(Section):
     runs, each unit's forward waiting for that unit's update (results are unchanged, bit for bit). The host
     budget must then hold the step's working set and the forward's at once."""
 
+    accumulation: Literal["unit-major", "micro-batch"] = "unit-major"
+    """How engine.train_batch (and the main job, and ZeroTrainer, with gradient_accumulation_steps above 1) runs a
+    step's micro-batches. unit-major: as one batch through each unit a micro-batch slice at a time, each unit
+    gathered once a step each way (stage 3; equal to micro-batch within rounding, but dropout draws its masks in
+    another order); micro-batch: one after another, forward, backward and step each, as a loop over them would."""
+
     speculative_step: bool | None = None
     """Step each sub-group during the backward, as soon as its gradient is final, betting that the step will not
     clip or overflow; validated at the accumulation boundary and rolled back (then stepped with the clipped

@@ -26,8 +26,11 @@ DeepSpeed wrappers):
   scheduler is the config's, else the Trainer's own (`lr_scheduler_type`, or `optimizers=`) built on the
   engine's optimizer; the engine steps it after each optimizer step.
 - `training_step` runs the forward through the engine, then `engine.backward` and `engine.step` every
-  micro-batch: gradient accumulation and clipping are the engine's (its config's, filled from the
-  arguments), and the Trainer's `optimizer` / `lr_scheduler` are views whose `step()` does nothing, as
+  micro-batch; with gradient accumulation it keeps a step's micro-batches and runs them together at the last,
+  unit-major (`engine.unit_major_step`: each unit gathered once a step each way), where the loss is the Trainer's
+  own `compute_loss` (the model's, a sum over the batch's rows: a subclass's own loss, such as DPO's pairing of
+  a batch's rows, runs micro-batch by micro-batch). Gradient accumulation and clipping are the engine's (its
+  config's, filled from the arguments), and the Trainer's `optimizer` / `lr_scheduler` are views whose `step()` does nothing, as
   accelerate's DeepSpeedOptimizerWrapper / DeepSpeedSchedulerWrapper are. Logged `grad_norm` is the
   engine's (before clipping) and `learning_rate` the one the step used.
 - Checkpoints: each `checkpoint-N/` holds the engine's checkpoint (`global_stepN/`, `latest`: parameters,
@@ -152,6 +155,8 @@ class ZeroTrainer(Trainer):
         self.zero_config = source
         self.zero_weights = zero_weights
         self.engine: ZeroEngine | None = None
+        self._micro_batches: list[dict[str, Any]] = []
+        """This optimizer step's micro-batches so far, with accumulation: they run together at its last one."""
         super().__init__(model, args, *rest, **kwargs)
         if getattr(self.args, "save_on_signal", False):
             self.add_callback(SaveOnSignal(self))
@@ -275,13 +280,50 @@ class ZeroTrainer(Trainer):
     # -- one micro-batch ------------------------------------------------------------------------------------
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        """Forward through the engine, engine.backward, engine.step (the optimizer runs at the accumulation
+        """With gradient accumulation, the step's micro-batches are kept until its last one and then run through
+        each unit at once (engine.unit_major_step: the loss is `compute_loss` on the step's batch, returned at
+        the last micro-batch, 0 at the others); where the schedule cannot run them, and without accumulation,
+        each is a forward through the engine, engine.backward and engine.step (the optimizer runs at the
         boundary, with the engine's clipping). Returns the loss as the Trainer logs it."""
         engine = self.engine
         if engine is None:
             raise RuntimeError("ZeroTrainer.training_step runs inside train(), once the engine is built")
         model.train()
         inputs = self._prepare_inputs(inputs)
+        accumulation = engine.gradient_accumulation_steps()
+        if accumulation == 1 or not self.is_in_train or not self._rows_loss():
+            return self._micro_batch_step(model, inputs, num_items_in_batch, check_boundary=self.is_in_train)
+        pending = self._micro_batches
+        pending.append(inputs)
+        del inputs
+        boundary = len(pending) == accumulation
+        if boundary != self.accelerator.gradient_state.sync_gradients:
+            self._micro_batches = []
+            raise self._boundary_error(boundary)
+        if not boundary:
+            return torch.zeros((), device=engine.device)
+        self._micro_batches = []
+        if isinstance(self.lr_scheduler, EngineScheduler):
+            self.lr_scheduler.last_lrs = engine.get_lr()  # what this step runs at, for the log
+
+        def step_loss(batch: dict[str, Any]) -> torch.Tensor:
+            with self.compute_loss_context_manager():
+                return self.compute_loss(model, batch, num_items_in_batch=num_items_in_batch)
+
+        loss = engine.unit_major_step(pending, step_loss)
+        if loss is not None:
+            return loss
+        return sum(self._micro_batch_step(model, batch, num_items_in_batch, check_boundary=False) for batch in pending)
+
+    def _rows_loss(self) -> bool:
+        """Whether the loss is the Trainer's own (the model's, or its label smoothing: a sum over the batch's rows),
+        which the step's micro-batches stacked into one batch keep; a subclass's compute_loss may pair or weigh
+        a batch's rows (TRL's DPO halves it into chosen and rejected) and a compute_loss_func is the user's."""
+        return type(self).compute_loss is Trainer.compute_loss and getattr(self, "compute_loss_func", None) is None
+
+    def _micro_batch_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any, *,
+                          check_boundary: bool) -> torch.Tensor:
+        engine = self.engine
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         del inputs
@@ -291,12 +333,8 @@ class ZeroTrainer(Trainer):
                              ) or getattr(self, "compute_loss_func", None) is not None
         accumulation = engine.gradient_accumulation_steps()
         boundary = engine.is_gradient_accumulation_boundary()
-        if self.is_in_train and boundary != self.accelerator.gradient_state.sync_gradients:
-            raise RuntimeError(
-                f"the Trainer {'ends' if not boundary else 'does not end'} an optimizer step at this micro-batch "
-                f"but the engine (gradient_accumulation_steps {accumulation}, micro step {engine.micro_steps}) "
-                f"{'does' if boundary else 'does not'}: an epoch's batches must be a multiple of "
-                "gradient_accumulation_steps (set max_steps, dataloader_drop_last or the dataset size)")
+        if check_boundary and boundary != self.accelerator.gradient_state.sync_gradients:
+            raise self._boundary_error(boundary)
         if scaled_for_ga:
             # Already a share of the accumulated batch (DeepSpeed's scale_wrt_gas=False): the engine divides
             # by the accumulation steps, so it gets the loss times them.
@@ -309,6 +347,15 @@ class ZeroTrainer(Trainer):
             self.lr_scheduler.last_lrs = engine.get_lr()  # what this step runs at, for the log
         engine.step()
         return reported.detach()
+
+    def _boundary_error(self, boundary: bool) -> RuntimeError:
+        engine = self.engine
+        return RuntimeError(
+            f"the Trainer {'ends' if not boundary else 'does not end'} an optimizer step at this micro-batch "
+            f"but the engine (gradient_accumulation_steps {engine.gradient_accumulation_steps()}, micro step "
+            f"{engine.micro_steps + len(self._micro_batches)}) {'does' if boundary else 'does not'}: an epoch's "
+            "batches must be a multiple of gradient_accumulation_steps (set max_steps, dataloader_drop_last or the "
+            "dataset size)")
 
     def _clip_grad_norm(self, model: nn.Module):
         """The engine clipped in its step: the norm before clipping, as clip_grad_norm_ returns it."""

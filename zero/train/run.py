@@ -142,6 +142,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="where the activations autograd keeps rest until the backward (zero_tiering."
                              "activation_offload; 'device' keeps them there, counted in the device budget); cpu, "
                              "nvme and device turn --activation-checkpointing on")
+    parser.add_argument("--accumulation", choices=["unit-major", "micro-batch"],
+                        help="with gradient_accumulation_steps above 1 (zero_tiering.accumulation; default "
+                             "unit-major): unit-major runs a step's micro-batches through each block at once (each "
+                             "block gathered once a step each way), micro-batch one after another")
     parser.add_argument("--moments", choices=["fp32", "bf16", "int8"],
                         help="how the Adam moments are stored (zero_tiering.moments): fp32 is exact; bf16 and int8 "
                              "(block-wise) move fewer bytes a step at a measured price in loss")
@@ -194,7 +198,7 @@ def load_ds_config(args: argparse.Namespace) -> dict:
         tiering["trace_path"] = args.trace
     if args.activation_offload:
         tiering["activation_offload"] = args.activation_offload
-    for flag in ("moments", "master"):
+    for flag in ("moments", "master", "accumulation"):
         if getattr(args, flag):
             tiering[flag] = getattr(args, flag)
     if args.dtype:
@@ -355,23 +359,12 @@ def train_step(engine, batches: Batches, step: int, params: int) -> StepReport:
     saved0 = None if engine.activations is None else (engine.activations.saved, engine.activations.saved_bytes)
     start = time.perf_counter()
     accumulation = engine.gradient_accumulation_steps()
-    if accumulation > 1:  # the step's micro-batches through each unit at once, where the engine can
-        micro_batches = [tuple(t.to(engine.device) for t in batches.next()) for _ in range(accumulation)]
-        with swap.compute(f"step {step}"):
-            loss = engine.train_batch(micro_batches).item()
-        end = time.perf_counter()
-        middle = end - engine.optimizer_seconds
-    else:
-        inputs, targets = batches.next()
-        with swap.compute(f"forward {step}"):
-            out = engine(inputs.to(engine.device), targets.to(engine.device))
-        with swap.compute(f"backward {step}"):
-            engine.backward(out)
-        loss = out.item()
-        middle = time.perf_counter()
-        with swap.compute(f"optimizer {step}"):
-            engine.step()
-        end = time.perf_counter()
+    # One call for the step: its micro-batches through each block at once where the engine can (train_batch).
+    micro_batches = [tuple(t.to(engine.device) for t in batches.next()) for _ in range(accumulation)]
+    with swap.compute(f"step {step}"):
+        loss = engine.train_batch(micro_batches).item()
+    end = time.perf_counter()
+    middle = end - engine.optimizer_seconds
     io = swap.timeline.busy_seconds("nvme->host", "host->nvme", since=start)  # the disk busy, either way
     moved = {pair: n - moved0.get(pair, 0) for pair, n in swap.stats.bytes_moved.items()}
     bets = None if bets0 is None else {key: n - bets0[key]

@@ -1,0 +1,86 @@
+"""Whether a model's forward can run unit-major, learned once from one forward of one micro-batch.
+
+Two things break the schedule, and neither shows in the model's structure: a unit whose module is called more
+than once in a forward (its gradient is complete only after every call's backward, but each call reduces it as
+its slices' backward ends), and a unit whose forward reads a parameter of the root unit (a closure, a shared
+gate: the root's gradient would be reduced once per slice, before the step's is complete). The probe runs the
+forward without autograd, with every module in eval mode and the random streams put back after, so it changes
+nothing a step would see (a resumed run probes again and trains bit for bit as the one it resumes); it counts the
+units' calls, and a torch function mode, active only inside a unit's forward, looks for the root's parameters
+among the arguments of every torch call there.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from ..params.unit import Unit
+
+
+def refusal(model: nn.Module, units: list[Unit], root: list[Unit], forward: Callable[[], Any],
+            device: torch.device) -> str | None:
+    """Why `model` cannot run unit-major (None: it can), from `forward()`: one forward of a micro-batch through
+    the engine. `units`: those run a slice at a time; `root`: the units whose parameters they must not read."""
+    calls: dict[int, int] = {}
+    inside: list[Unit] = []
+    reads = _RootReads({id(slot.param): slot for unit in root for slot in unit.flat.slots}, inside)
+
+    def enter(unit: Unit) -> None:
+        calls[unit.index] = calls.get(unit.index, 0) + 1
+        inside.append(unit)
+
+    hooks = []
+    for unit in units:
+        hooks.append(unit.module.register_forward_pre_hook(lambda m, a, unit=unit: enter(unit)))
+        hooks.append(unit.module.register_forward_hook(lambda m, a, o: inside.pop() and None))
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        with torch.no_grad(), _random_streams_kept(device), reads:
+            model.eval()
+            forward()
+    finally:
+        for module, training in modes:
+            module.training = training
+        for hook in hooks:
+            hook.remove()
+    twice = [u for u in units if calls.get(u.index, 0) > 1]
+    if twice:
+        return (f"unit {twice[0].name!r} is called {calls[twice[0].index]} times in one forward (its gradient is "
+                "complete only after every call's backward)")
+    if reads.found is not None:
+        unit, slot = reads.found
+        return (f"unit {unit.name!r} reads the root unit's parameter {slot.name!r} in its forward (the root's "
+                "gradient would be reduced before the step's is complete)")
+    return None
+
+
+@contextlib.contextmanager
+def _random_streams_kept(device: torch.device):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        yield
+
+
+class _RootReads(TorchFunctionMode):
+    """Notes the first torch call made inside a unit's forward with one of the root unit's parameters."""
+
+    def __init__(self, params: dict[int, Any], inside: list[Unit]):
+        super().__init__()
+        self.params = params
+        self.inside = inside
+        self.found: tuple[Unit, Any] | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.inside and self.found is None:
+            for value in tree_flatten((args, kwargs))[0]:
+                slot = self.params.get(id(value)) if isinstance(value, nn.Parameter) else None
+                if slot is not None:
+                    self.found = (self.inside[-1], slot)
+                    break
+        return func(*args, **kwargs)
