@@ -24,8 +24,8 @@ import zero
 from zero.accumulation.unit_major import UnitMajorWarning
 from zero.train.gpt import GPT
 
-from stage3_models import (LR, OWN_CONFIG, TwiceGPT, batches, engine_train, free_port, full_state, is_hf, one_thread,
-                           stage3_config, tiny_gpt2, tiny_llama)
+from stage3_models import (LR, OWN_CONFIG, TwiceGPT, batches, closure_model, engine_train, free_port, full_state,
+                           is_hf, one_thread, stage3_config, tiny_gpt2, tiny_llama)
 
 pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
 
@@ -237,3 +237,85 @@ def test_two_ranks_train_batch_matches_their_loop(tmp_path):
         assert all(torch.equal(v, ranks[1][activations, True][1][k]) for k, v in batched[1].items())
         assert batched[0] == pytest.approx(loop[0], rel=RTOL)
         assert_close(batched[1], loop[1])
+
+
+def test_a_unit_reading_a_root_parameter_runs_micro_batch_by_micro_batch(tmp_path):
+    """ClosureModel's blocks read the root's `gate`: the probe finds it, and the steps run as the loop, bit for bit."""
+    config = stage3_config("nvme", "nvme", nvme_path=tmp_path, accum=2, clip=CLIP)
+    data = [(ids[:, :-1], ids[:, 1:]) for ids in batches(3 * 2)]
+    runs = []
+    with one_thread(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for unit_major in (False, True):
+            engine, *_ = zero.initialize(model=closure_model(0), config=config)
+            try:
+                for step in range(3):
+                    group = data[2 * step:2 * step + 2]
+                    if unit_major:
+                        engine.train_batch(group)
+                        assert engine.schedule == "micro-batch"
+                    else:
+                        for inputs, targets in group:
+                            engine.backward(engine(inputs, targets))
+                            engine.step()
+                runs.append(full_state(engine))
+            finally:
+                engine.close()
+    said = [str(w.message) for w in caught if issubclass(w.category, UnitMajorWarning)]
+    assert said == ["train_batch runs micro-batch by micro-batch: unit 'blocks.0' reads the root unit's parameter "
+                    "'gate' in its forward (the root's gradient would be reduced before the step's is complete)"]
+    assert all(torch.equal(runs[1][k], v) for k, v in runs[0].items())
+
+
+def test_zero_tiering_accumulation_micro_batch_runs_the_loop_without_a_word(tmp_path):
+    config = stage3_config("cpu", "cpu", accum=2, zero_tiering={"accumulation": "micro-batch"})
+    with one_thread(), warnings.catch_warnings():
+        warnings.simplefilter("error", UnitMajorWarning)
+        model = tiny_llama(0)
+        engine, *_ = zero.initialize(model=model, config=config)
+        try:
+            engine.train_batch([micro_batch(model, ids) for ids in batches(2)])
+            assert engine.schedule == "micro-batch" and engine.global_steps == 1
+        finally:
+            engine.close()
+
+
+def test_a_resumed_unit_major_run_is_the_uninterrupted_one_with_dropout(tmp_path):
+    """GPT-2 with dropout, unit-major: saved after a step and resumed in a new engine (random streams restored; the
+    new engine probes the model again without drawing from them), the next two steps are bit for bit the
+    uninterrupted run's."""
+    config = stage3_config("nvme", "nvme", nvme_path=tmp_path / "nvme", accum=2, clip=CLIP)
+    (tmp_path / "nvme").mkdir()
+    groups = [[micro_batch(tiny_gpt2(0), ids) for ids in batches(6)[2 * s:2 * s + 2]] for s in range(3)]
+
+    def engine_of():
+        model = tiny_gpt2(0, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+        model.train()
+        return zero.initialize(model=model, config=config)[0]
+
+    with one_thread():
+        torch.manual_seed(7)
+        engine = engine_of()
+        try:
+            whole = [engine.train_batch(group).item() for group in groups]
+            assert engine.schedule == "unit-major"
+            expected = full_state(engine)
+        finally:
+            engine.close()
+        torch.manual_seed(7)
+        engine = engine_of()
+        try:
+            first = engine.train_batch(groups[0]).item()
+            engine.save_checkpoint(tmp_path / "ckpt")
+        finally:
+            engine.close()
+        torch.manual_seed(99)  # a fresh process's streams: the checkpoint's must replace them
+        engine = engine_of()
+        try:
+            engine.load_checkpoint(tmp_path / "ckpt", load_rng_states=True)
+            rest = [engine.train_batch(group).item() for group in groups[1:]]
+            resumed = full_state(engine)
+        finally:
+            engine.close()
+    assert [first, *rest] == whole
+    assert all(torch.equal(resumed[k], v) for k, v in expected.items())
