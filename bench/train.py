@@ -39,11 +39,11 @@ its training state. tests/test_shipped_budgets.py checks it."""
 QUICK_DEVICE_BUDGET = "1MiB"
 
 
-def ds_config(offload: str, nvme_path: str, micro_batch: int, lr: float = 1e-4) -> dict:
+def ds_config(offload: str, nvme_path: str, micro_batch: int, lr: float = 1e-4, accumulation: int = 1) -> dict:
     """The ds_config every system reads: ZeRO-3 with params and optimizer offloaded to `offload`."""
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": accumulation,
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
         "zero_optimization": {
@@ -93,13 +93,15 @@ def child(args: argparse.Namespace) -> dict:
     def next_batch():
         return tuple(t.to(device, non_blocking=True) for t in batches.next())
 
+    accumulation = config["gradient_accumulation_steps"]
     if system == "torch":
         model = GPT(gpt).to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
 
         def step() -> None:
-            inputs, targets = next_batch()
-            model(inputs, targets).backward()
+            for _ in range(accumulation):
+                inputs, targets = next_batch()
+                (model(inputs, targets) / accumulation).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -112,6 +114,8 @@ def child(args: argparse.Namespace) -> dict:
         if args.host_budget:
             config["zero_tiering"]["host_budget"] = args.host_budget
         config["zero_tiering"]["overlap_step"] = "-overlap" in system
+        if "-microbatch" in system:  # a step's micro-batches one after another, not unit-major
+            config["zero_tiering"]["accumulation"] = "micro-batch"
         for moments in ("int8", "bf16"):  # a compact state format: ours-nvme-int8, ours-cpu-bf16
             if f"-{moments}" in system:
                 config["zero_tiering"]["moments"] = moments
@@ -119,10 +123,9 @@ def child(args: argparse.Namespace) -> dict:
         swap = engine.swap
 
         def step() -> None:
-            inputs, targets = next_batch()
+            micro_batches = [next_batch() for _ in range(accumulation)]
             start = time.perf_counter()
-            engine.backward(engine(inputs, targets))
-            engine.step()
+            engine.train_batch(micro_batches)  # unit-major with accumulation, where the config has it so
             io_s.append(swap.timeline.busy_seconds("nvme->host", "host->nvme", since=start))
 
     else:
@@ -142,9 +145,10 @@ def child(args: argparse.Namespace) -> dict:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
         def step() -> None:
-            inputs, targets = next_batch()
-            engine.backward(engine(inputs, targets))
-            engine.step()
+            for _ in range(accumulation):
+                inputs, targets = next_batch()
+                engine.backward(engine(inputs, targets))
+                engine.step()
 
     def device_peak() -> int:
         if device.type == "cuda":
@@ -173,7 +177,7 @@ def child(args: argparse.Namespace) -> dict:
         "system": system,
         "params": gpt.params,
         "step_s": step_s,
-        "tokens_per_s": args.micro_batch * gpt.seq_len / step_s,
+        "tokens_per_s": accumulation * args.micro_batch * gpt.seq_len / step_s,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "peak_device_bytes": device_peak(),
         "compute_s": compute_s,
@@ -191,12 +195,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--layers", type=int, default=0, help="the preset's blocks (0: the preset's own)")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--accumulation", type=int, default=1,
+                        help="gradient_accumulation_steps: a step is this many micro-batches (ours: train_batch, "
+                             "unit-major; ours-...-microbatch: one after another)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--systems", default="torch,ours-cpu,ours-nvme,deepspeed-cpu,deepspeed-nvme",
                         help="also ours-cpu-overlap, ours-nvme-overlap: ours with zero_tiering.overlap_step; "
-                             "ours-nvme-int8, ours-cpu-bf16 (...): ours with that zero_tiering.moments")
+                             "ours-nvme-int8, ours-cpu-bf16 (...): ours with that zero_tiering.moments; "
+                             "ours-nvme-microbatch: with --accumulation, micro-batch by micro-batch")
     parser.add_argument("--device-budget", default=DEVICE_BUDGET, help="our device budget (below the model's size)")
     parser.add_argument("--host-budget", default=None,
                         help="our host budget (default: derived from the config); below the training state it streams")
@@ -221,7 +229,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 print(f"{system}: skipped (deepspeed is not installed)")
                 continue
             offload = "nvme" if "nvme" in system else "cpu"
-            config = ds_config(offload, nvme_path, args.micro_batch)
+            config = ds_config(offload, nvme_path, args.micro_batch, accumulation=args.accumulation)
             record = run_child(args, system, config)
             if record is not None:
                 records.append(record)

@@ -52,9 +52,13 @@ def stack(micro_batches: list[Any]) -> Stacked | str:
     return Stacked(tree_unflatten(joined, spec), rows)
 
 
-def cut(value: torch.Tensor, rows: int, count: int, index: int) -> torch.Tensor:
-    """Micro-batch `index`'s slice of a tensor of the whole step (`count` slices of `rows`); any other tensor as
-    it is (it has no batch dimension: every slice sees all of it)."""
-    if value.dim() >= 1 and value.shape[0] == rows * count:
-        return value.narrow(0, index * rows, rows)
-    return value
+def batch_major(value: torch.Tensor, rows: int, count: int) -> bool:
+    """Whether a unit's input tensor is cut into the micro-batches' slices: two or more dimensions, the first the
+    step's rows (`count` slices of `rows`). Any other tensor every slice sees whole: a 1-D one as long as the
+    step's batch may be positions (a cache_position), and cutting it would be silently wrong."""
+    return value.dim() >= 2 and value.shape[0] == rows * count
+
+
+def cut(value: torch.Tensor, rows: int, index: int) -> torch.Tensor:
+    """Slice `index` (of `rows` rows) of a tensor of the whole step."""
+    return value.narrow(0, index * rows, rows)

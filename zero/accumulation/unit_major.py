@@ -33,15 +33,15 @@ from ..params.partitioned import PartitionedPlacement
 from ..params.unit import Unit
 from ..services.counters import StepCounters
 from . import probe
-from .micro_batches import Stacked, cut, stack
+from .micro_batches import Stacked, batch_major, cut, stack
 
 PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 """Values a unit may be called with besides tensors: every slice sees them as they are."""
 
 
 class UnitMajor:
-    def __init__(self, *, model: nn.Module, units: list[Unit], placement: PartitionedPlacement | None, counters: StepCounters,
-                 dp: DataParallel):
+    def __init__(self, *, model: nn.Module, units: list[Unit], placement: PartitionedPlacement | None,
+                 counters: StepCounters, dp: DataParallel):
         self.model = model
         self.placement = placement
         self.counters = counters
@@ -180,11 +180,15 @@ class _SliceCall:
             out[place] = tensor
         return tree_unflatten(out, self.out_spec)
 
-    def slice_forward(self, tensors: list[torch.Tensor], index: int) -> list[Any]:
-        """Run micro-batch `index`'s slice; its output's leaves."""
+    def pieces(self, tensors: tuple[torch.Tensor, ...], index: int) -> list[torch.Tensor]:
+        """Micro-batch `index`'s inputs: the batch-major tensors' slices, the others whole."""
+        return [cut(t, self.rows, index) if batch_major(t, self.rows, self.count) else t for t in tensors]
+
+    def slice_forward(self, pieces: list[torch.Tensor]) -> list[Any]:
+        """Run the module on one slice's input tensors (`pieces`); its output's leaves."""
         leaves = list(self.leaves)
-        for place, tensor in zip(self.places, tensors):
-            leaves[place] = cut(tensor, self.rows, self.count, index)
+        for place, tensor in zip(self.places, pieces):
+            leaves[place] = tensor
         args, kwargs = tree_unflatten(leaves, self.spec)
         out, spec = tree_flatten(self.forward(*args, **kwargs))
         if self.out_spec is None:
@@ -232,7 +236,7 @@ class SlicedUnit(torch.autograd.Function):
         outputs = []
         for index in range(call.count):
             ctx.rng.append(_rng_state(device))
-            outputs.append(call.slice_forward(list(tensors), index))
+            outputs.append(call.slice_forward(call.pieces(tensors, index)))
         joined = call.join(outputs)
         ctx.save_for_backward(*tensors)
         ctx.mark_non_differentiable(*(t for t in joined if not t.is_floating_point()))
@@ -251,8 +255,7 @@ class SlicedUnit(torch.autograd.Function):
         try:
             for index in range(call.count):
                 with schedule.micro_batch(index, units, again=index > 0):
-                    inputs = [cut(t, call.rows, call.count, index).detach().requires_grad_(need)
-                              for t, need in zip(tensors, needs)]
+                    inputs = [t.detach().requires_grad_(need) for t, need in zip(call.pieces(tensors, index), needs)]
                     cpu_state, cuda_state = ctx.rng[index]
                     with torch.random.fork_rng(devices=[device] if cuda_state is not None else [],
                                                device_type=device.type), torch.enable_grad(), \
@@ -260,8 +263,8 @@ class SlicedUnit(torch.autograd.Function):
                         torch.set_rng_state(cpu_state)
                         if cuda_state is not None:
                             torch.cuda.set_rng_state(cuda_state, device)
-                        out = call.slice_forward(inputs, index)
-                    pairs = [(out[place], cut(grad, call.rows, call.count, index))
+                        out = call.slice_forward(inputs)
+                    pairs = [(out[place], cut(grad, call.rows, index))
                              for place, grad in zip(call.out_places, grads)
                              if grad is not None and out[place].requires_grad]
                     if pairs:
@@ -280,7 +283,7 @@ def _gather_input_grads(into: list[torch.Tensor | None], tensors: tuple[torch.Te
     for i, (whole, piece) in enumerate(zip(tensors, inputs)):
         if not piece.requires_grad or piece.grad is None:
             continue
-        if cut(whole, call.rows, call.count, index) is whole:
+        if not batch_major(whole, call.rows, call.count):
             into[i] = piece.grad if into[i] is None else into[i] + piece.grad
         else:
             if into[i] is None:

@@ -60,8 +60,9 @@ PIPELINE_INSTEAD = (
     "ZeRO-3 data parallelism with offload, which fits a model that pipeline parallelism would split across GPUs: "
     "build the layers as a plain nn.Module (e.g. torch.nn.Sequential of what the PipelineModule's LayerSpecs "
     'build), pass it to zero.initialize with zero_optimization.stage 3 and offload_param / offload_optimizer '
-    'device "cpu" or "nvme", and train with loss = engine(batch); engine.backward(loss); engine.step() in place '
-    "of engine.train_batch()"
+    'device "cpu" or "nvme", and train with loss = engine(batch); engine.backward(loss); engine.step(), or '
+    "engine.train_batch(micro_batches, loss_fn=...) (each micro-batch the module's input, loss_fn(output, batch) "
+    "its loss), in place of the pipeline engine's train_batch()"
 )
 """For deepspeed.pipe and the pipeline engine."""
 

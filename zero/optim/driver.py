@@ -240,6 +240,12 @@ class AdamDriver:
                     out.copy_(master)
             if keep_grad:  # most likely never read again (the step commits): not written behind
                 self.swap.expect_overwrite(sg.place("grad")[0])
+            if sg.master_in is not None:
+                name, offset = sg.master_in
+                if offset + sg.numel < self.swap.segments[name].shape.numel():
+                    # The unit's next sub-group writes the rest of the shard next: it is written behind once
+                    # whole, not once per sub-group (a far next use would start a write of all of it each time).
+                    self.swap.expect_fetch(name)
         if spend:
             self.spent(sg)
 

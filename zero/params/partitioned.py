@@ -331,6 +331,16 @@ class PartitionedPlacement(Placement):
             if unit.state is UnitState.GATHERED:
                 unit.to("stepped")
 
+    @contextlib.contextmanager
+    def step_output(self, sg: SubGroup) -> Iterator[torch.Tensor]:
+        unit = self.units[sg.unit]
+        with super().step_output(sg) as out:
+            yield out
+            if sg is not unit.sub_groups[-1]:
+                # The pass writes the rest of the shard next: written behind once it is whole, not once per
+                # sub-group (the trace says its next use is far: each release would start a write of all of it).
+                self.swap.expect_fetch(unit.segment)
+
     def step_segment(self, sg: SubGroup) -> str | None:
         unit = self.units[sg.unit]
         return None if sg.master_in is not None else unit.segment  # a master in the shard writes it as state

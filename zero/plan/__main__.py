@@ -207,6 +207,12 @@ def explain(predictions: list[Prediction], chosen: Prediction | None) -> str:
         quickest = min(faster, key=lambda p: p.step_s)
         lines.append(f"Faster but not fitting: {quickest.placement.name} ({quickest.step_s:.2f} s): "
                      f"{'; '.join(quickest.why_not)}.")
+    if chosen.schedule == "unit-major":
+        lines.append("Its micro-batches run unit-major (each block gathered once a step each way, recomputed a "
+                     "micro-batch at a time): the device peak holds every block's input for all of them.")
+    elif chosen.schedule == "micro-batch":
+        lines.append("Its micro-batches run one after another (zero_tiering.accumulation micro-batch, or below "
+                     "stage 3): every block is gathered, and its gradient moved, once per micro-batch.")
     if chosen.bytes_per_step:
         lines.append(f"It moves {fmt_bytes(chosen.bytes_per_step)} of nvme I/O a step "
                      f"(optimizer phase {chosen.optimizer_s:.2f} s).")

@@ -157,6 +157,8 @@ class Prediction:
     io_s: float
     step_s: float
     host_budget: int
+    schedule: str | None = None
+    """How a step's micro-batches run with gradient accumulation (zero_tiering.accumulation, stage 3)."""
     fits: bool = True
     why_not: list[str] = field(default_factory=list)
 
@@ -170,19 +172,22 @@ class Prediction:
                 "predicted_bytes_per_step": self.bytes_per_step, "predicted_read_bytes": self.read_bytes,
                 "predicted_write_bytes": self.write_bytes, "compute_s": self.compute_s,
                 "optimizer_s": self.optimizer_s, "io_s": self.io_s, "tier_bytes": self.tier_bytes,
-                "host_budget": self.host_budget, "fits": self.fits, "why_not": self.why_not,
+                "host_budget": self.host_budget, "schedule": self.schedule, "fits": self.fits, "why_not": self.why_not,
                 "config": self.config}
 
 
-def activation_bytes(shape: ModelShape, tokens: int, p: int, checkpointing: bool, offload: str) -> tuple[int, int]:
+def activation_bytes(shape: ModelShape, tokens: int, p: int, checkpointing: bool, offload: str,
+                     slices: int = 1) -> tuple[int, int]:
     """(kept where autograd made them at the backward's start, offloaded) bytes of a micro-batch's activations
     saved in the blocks: ACTIVATION_FACTOR x hidden x P a token and layer without checkpointing; with it each
     block's input (hidden x P a token) and one block's recomputation; offloaded (cpu or nvme), the inputs leave the
-    device but for the two the backward reads next."""
+    device but for the two the backward reads next. `slices`: the micro-batches run unit-major (their blocks'
+    inputs all kept, a block recomputed one micro-batch at a time)."""
     per_layer = tokens * shape.hidden * p
     if not checkpointing:
         return ACTIVATION_FACTOR * per_layer * shape.layers, 0
-    inputs = per_layer * shape.layers
+    inputs = per_layer * shape.layers * slices
+    per_layer *= slices if offload in ("cpu", "nvme") else 1  # the two inputs the backward reads next: whole
     if offload in ("cpu", "nvme"):
         return ACTIVATION_FACTOR * per_layer + 2 * per_layer, inputs
     return ACTIVATION_FACTOR * per_layer + inputs, 0
@@ -232,8 +237,15 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     micro, seq = cfg.train_micro_batch_size_per_gpu, shape.seq_len
     tokens = micro * seq
     autograd = 0 if zo.stage == 3 else p * n  # resident leaves' .grad until reduced (stage 3: counted above)
-    kept, offloaded = activation_bytes(shape, tokens, p, checkpointing, cfg.activation_offload)
-    rows = tokens if shape.loss_rows is None or tokens <= shape.loss_rows else shape.loss_rows
+    accumulation = cfg.gradient_accumulation_steps
+    # Unit-major (train_batch): a step's micro-batches through each block at once, every block recomputed a
+    # micro-batch at a time (checkpointed whether or not the model asks), the head on the whole step's batch.
+    unit_major = zo.stage == 3 and accumulation > 1 and cfg.zero_tiering.accumulation == "unit-major"
+    passes = 1 if unit_major else accumulation  # gathers of each unit, round trips of its accumulated gradient
+    kept, offloaded = activation_bytes(shape, tokens, p, checkpointing or unit_major, cfg.activation_offload,
+                                       slices=accumulation if unit_major else 1)
+    head_tokens = tokens * (accumulation if unit_major else 1)
+    rows = head_tokens if shape.loss_rows is None or head_tokens <= shape.loss_rows else shape.loss_rows
     activations = kept + rows * shape.vocab * (2 * p + 8)  # the head's logits, their fp32 copy and gradient
     device_peak += activations  # where the device is host memory, counted in the RSS with the device tier
     # Offloaded to nvme, what the host's room for activations cannot hold goes through the disk.
@@ -244,22 +256,25 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     peak_rss = int(base_rss + ALLOCATOR_SLACK * (on_host + unbudgeted))
 
     # Time.
-    flops = 3 * (2 * shape.matmul_params * tokens + 4 * shape.layers * micro * seq * seq * shape.hidden)
-    accumulation = cfg.gradient_accumulation_steps
-    # Per element and micro-batch: gathers copy the shard into the full buffer for forward and backward
-    # (stage 3); the gradient is read from autograd's leaves, written to the reduction's scratch, cast to fp32
-    # where the dtype is lower, added to the sub-group's gradient and read for its norm.
-    copied = (4 * p if zo.stage == 3 else 0) + 2 * p + (p + 4 if p != 4 else 0) + 12
+    passes_forward = 4 if unit_major and not checkpointing else 3  # forward, backward (2x), a recomputation
+    flops = passes_forward * (2 * shape.matmul_params * tokens + 4 * shape.layers * micro * seq * seq * shape.hidden)
+    # Per element and micro-batch: the gradient is read from autograd's leaves, written to the reduction's
+    # scratch, cast to fp32 where the dtype is lower, added to the sub-group's gradient and read for its norm;
+    # per gather (stage 3, forward and backward) the shard is copied into the full buffer.
+    copied = 2 * p + (p + 4 if p != 4 else 0) + 12
+    gathered = 4 * p if zo.stage == 3 else 0
     fresh = p * n + kept  # new gradients and saved activations
-    memory = accumulation * (copied * n / machine.copy_bytes + fresh / machine.fresh_bytes)
+    memory = ((accumulation * copied + passes * gathered) * n / machine.copy_bytes
+              + accumulation * fresh / machine.fresh_bytes)
     compute = accumulation * flops / machine.matmul_flops * COMPUTE_OVERHEAD + memory
     adam = n / machine.adam_rate(cfg.state_format)
     speculative = speculates(cfg, "host" if state_home != "device" else "device", flats, dtype, budgets.host_budget)
-    read_fb = 2 * params if param_home == "nvme" else 0
+    read_fb = 2 * passes * params if param_home == "nvme" else 0
     write_opt = (state if state_home == "nvme" else 0) + (params if param_home == "nvme" else 0)
     share = speculated_share(cfg, tiers["nvme"], write_opt, nvme_free) if speculative else 0.0
     # Speculating, the boundary's gradient is stepped while still in host memory: no write, no read back.
-    write_bwd = (accumulation - share) * grads if grad_home == "nvme" else 0
+    write_bwd = (passes - share) * grads if grad_home == "nvme" else 0
+    read_fb += (passes - 1) * grads if grad_home == "nvme" else 0  # the accumulated gradient, read to add to
     read_opt = ((state + (1 - share) * grads if state_home == "nvme" else 0)
                 + (params if shared and param_home == "nvme" else 0))
     moved = 1.0 - kept_share
@@ -272,7 +287,7 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     # Behind compute: the parameter reads prefetch covers (a unit's shard within the prefetch budget), and the
     # backward's gradient writes (write-behind starts them as each unit's gradient is released).
     ahead = sum(2 * p * flat.shard_numel for flat in flats if p * flat.shard_numel <= budgets.prefetch_bytes)
-    behind = moved * ((ahead if param_home == "nvme" else 0) + write_bwd) + 2 * accumulation * spilled
+    behind = moved * ((passes * ahead if param_home == "nvme" else 0) + write_bwd) + 2 * accumulation * spilled
     hidden = min(compute, behind / io_rate)
     optimizer = max(adam, opt_io)
     step = compute + fb_io - hidden + optimizer
@@ -284,7 +299,8 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
         step = max(compute + beside, compute / 3 + fb_io + share * opt_io) + (1 - share) * optimizer
 
     prediction = Prediction(placement, config, tiers, peak_rss, device_peak, reads, writes, compute, optimizer,
-                            fb_io + opt_io, step, host_budget)
+                            fb_io + opt_io, step, host_budget,
+                            schedule=None if accumulation == 1 else "unit-major" if unit_major else "micro-batch")
     if peak_rss > RAM_HEADROOM * machine.ram_bytes:
         prediction.why_not.append(f"peak RSS {peak_rss / 2**30:.1f} GiB > {RAM_HEADROOM:.0%} of "
                                   f"{machine.ram_bytes / 2**30:.1f} GiB RAM")
