@@ -205,3 +205,38 @@ def test_speculation_counts_the_room_its_kept_extents_need():
     assert speculated_share(plain, 60 << 30, 76 << 30, free) == ((40 << 30) - RESERVE_MAX) / (76 << 30)
     assert speculated_share(plain, 1 << 30, 2 << 30, free) == 1.0
     assert speculated_share(plain, 1 << 30, 2 << 30, None) == 1.0
+
+
+def test_unit_major_accumulation_moves_each_unit_once_and_keeps_every_micro_batchs_inputs(tmp_path):
+    """Accumulation 4, stage 3 on nvme, the host budget the engine derives (its working window: no cache):
+    unit-major reads each parameter twice a step and its gradient accumulator not at all, writing that once, where
+    micro-batch by micro-batch does so 4 times; its device peak holds every micro-batch's block inputs."""
+    from zero.comm import DataParallel
+    from zero.initialize import plan_units
+    from zero.optim.param_groups import param_groups_from
+    from zero.plan.__main__ import disk_figures
+    from zero.plan.machine import Machine
+    from zero.plan.predict import predict
+
+    shape = from_preset("tiny")
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    base = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": 3, "offload_param": nvme, "offload_optimizer": nvme},
+            "zero_tiering": {"speculative_step": False}}
+    args = parse_args(["--model", "tiny", "--nvme-path", str(tmp_path), *DISK])
+    machine = Machine(ram_bytes=64 << 30, gpu_bytes=0, disk=disk_figures(args), matmul_flops=1e11,
+                      adam_elements=1e8, copy_bytes=1e10, fresh_bytes=1e10, compact_adam={})
+    runs = {}
+    for schedule in ("unit-major", "micro-batch"):
+        config = json.loads(json.dumps(base))
+        config["zero_tiering"]["accumulation"] = schedule
+        runs[schedule] = predict(shape, machine, config, 0, None, checkpointing=True)
+    unit_major, micro = runs["unit-major"], runs["micro-batch"]
+    assert (unit_major.schedule, micro.schedule) == ("unit-major", "micro-batch")
+    assert unit_major.read_bytes < micro.read_bytes and unit_major.write_bytes < micro.write_bytes
+    groups = param_groups_from(shape.model, None, None, load_config(base))
+    params = 4 * sum(flat.padded_numel for flat, _ in plan_units(shape.model, groups, DataParallel()))  # fp32
+    assert micro.read_bytes - unit_major.read_bytes >= 3 * 2 * params  # 3 more gathers each way
+    inputs = shape.layers * 2 * shape.seq_len * shape.hidden * 4  # every block's input, one micro-batch, fp32
+    assert unit_major.device_peak_bytes - micro.device_peak_bytes >= 3 * inputs
+    assert "unit-major" in json.dumps(unit_major.to_json())

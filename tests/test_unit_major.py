@@ -4,12 +4,12 @@ forward/backward/step loop over the same micro-batches does.
 Equal within 1e-6, not bitwise, and this is why: the units' gradients are the same adds in the same order (each
 micro-batch slice's gradient reduced and accumulated in fp32 as its micro-batch's), but what runs outside the
 units (embeddings, the head, the loss) runs once on the whole step's batch, so its matrix products and the tied
-embedding's gradient sum in another order. Every step runs unit-major. Exception: an attention layer's key bias has a gradient that is all rounding
-(softmax ignores a constant added to every key's score), and Adam turns any change in that rounding into a step
-of up to lr: those tensors (GPT-2's c_attn.bias, our GPT's attn.bias) are held to Adam's own bound instead, and
-in the main job's GPT (narrow, tied, its key bias moved by lr a step) that noise reaches the other weights at
-up to 4e-6 of their largest element after 3 steps: it is held to 1e-5 (the Llama and GPT-2 to 1e-6).
-"""
+embedding's gradient sum in another order. Every step runs unit-major. Exception: an attention layer's key bias
+has a gradient that is all rounding (softmax ignores a constant added to every key's score), and Adam turns any
+change in that rounding into a step of up to lr: those tensors (GPT-2's c_attn.bias, our GPT's attn.bias) are
+held to Adam's own bound instead, and in the main job's GPT (narrow, tied, its key bias moved by lr a step) that
+noise reaches the other weights at up to 4e-6 of their largest element after 3 steps: it is held to 1e-5 (the
+Llama and GPT-2 to 1e-6)."""
 from __future__ import annotations
 
 import os
@@ -209,7 +209,8 @@ def _worker(rank: int, port: int, root: str) -> None:
                 tiering = {"activation_offload": activations}
             path = os.path.join(root, f"rank{rank}")
             os.makedirs(path, exist_ok=True)
-            config = stage3_config("nvme", "nvme", nvme_path=path, accum=ACCUM, clip=CLIP, micro=1, zero_tiering=tiering)
+            config = stage3_config("nvme", "nvme", nvme_path=path, accum=ACCUM, clip=CLIP, micro=1,
+                                   zero_tiering=tiering)
             results[activations, unit_major] = train(model, config, data, unit_major=unit_major)
     torch.save(results, os.path.join(root, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()

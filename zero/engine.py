@@ -255,7 +255,8 @@ class ZeroEngine(FullValues, nn.Module):
             self.step()
         return torch.stack(losses).mean()
 
-    def unit_major_step(self, micro_batches: list[Any], batch_loss: Callable[[Any], torch.Tensor]) -> torch.Tensor | None:
+    def unit_major_step(self, micro_batches: list[Any],
+                        batch_loss: Callable[[Any], torch.Tensor]) -> torch.Tensor | None:
         """One optimizer step over `micro_batches` (gradient_accumulation_steps of them) run unit-major, where
         `batch_loss(batch)` calls the engine on the stacked batch and returns the whole step's loss (a mean over
         it, not a share of it); the loss, detached. None where the schedule cannot run this step (nothing ran: the
@@ -291,8 +292,8 @@ class ZeroEngine(FullValues, nn.Module):
         try:
             self._optimizer_step()
         finally:
-            self.swap.end_step()
-            self.optimizer_seconds = time.perf_counter() - start  # the trace of this step drives prefetch and eviction in the next
+            self.swap.end_step()  # the trace of this step drives prefetch and eviction in the next
+            self.optimizer_seconds = time.perf_counter() - start
         self.tput_timer.stop(global_step=True)
         if self.preemption is not None and self.preemption.saved is None and self.preemption.requested(self.dp):
             self._save_for_exit()

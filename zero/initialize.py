@@ -125,9 +125,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
         if cfg.activation_offload != "none":
             activations = ActivationOffload(swap, ACTIVATION_HOMES[cfg.activation_offload],
                                             synchronize=cfg.activation_checkpointing.synchronize_checkpoint_boundary)
-        unit_major = None if cfg.zero_tiering.accumulation == "micro-batch" else UnitMajor(
-            model=model, units=placement.units, counters=counters, dp=dp,
-            placement=placement if isinstance(placement, PartitionedPlacement) else None)
+        unit_major = None  # resident parameters (stages 0-2) have no gathers to save: micro-batch by micro-batch
+        if isinstance(placement, PartitionedPlacement) and cfg.zero_tiering.accumulation == "unit-major":
+            unit_major = UnitMajor(model=model, units=placement.units, placement=placement, counters=counters, dp=dp)
         engine = ZeroEngine(module=model, config=cfg, placement=placement, driver=driver, gradients=gradients,
                             counters=counters, optimizer=zero_opt, lr_scheduler=lr_scheduler, dp=dp, swap=swap,
                             loss_scaler=loss_scaler(cfg), compute_dtype=dtype, device=device, overlap=overlap,

@@ -40,16 +40,15 @@ PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
 class UnitMajor:
-    def __init__(self, *, model: nn.Module, units: list[Unit], placement: PartitionedPlacement | None,
+    def __init__(self, *, model: nn.Module, units: list[Unit], placement: PartitionedPlacement,
                  counters: StepCounters, dp: DataParallel):
         self.model = model
         self.placement = placement
         self.counters = counters
         self.dp = dp
-        self.units = [u for u in units if placement is not None and u.module is not model]
-        """The units run a slice at a time: partitioned ones with a module of their own (not the root)."""
-        self.refusal: str | None = None if self.units else \
-            "parameters are not partitioned into units here (stage 3 gathers them; others keep them resident)"
+        self.units = [u for u in units if u.module is not model]
+        """The units run a slice at a time: those with a module of their own (not the root)."""
+        self.refusal: str | None = None if self.units else "the model has no units besides its root"
         """Why the schedule cannot run for this model, once known."""
         self.root = [u for u in units if u.module is model]
         self._probed = False

@@ -30,8 +30,8 @@ DeepSpeed wrappers):
   unit-major (`engine.unit_major_step`: each unit gathered once a step each way), where the loss is the Trainer's
   own `compute_loss` (the model's, a sum over the batch's rows: a subclass's own loss, such as DPO's pairing of
   a batch's rows, runs micro-batch by micro-batch). Gradient accumulation and clipping are the engine's (its
-  config's, filled from the arguments), and the Trainer's `optimizer` / `lr_scheduler` are views whose `step()` does nothing, as
-  accelerate's DeepSpeedOptimizerWrapper / DeepSpeedSchedulerWrapper are. Logged `grad_norm` is the
+  config's, filled from the arguments), and the Trainer's `optimizer` / `lr_scheduler` are views whose `step()`
+  does nothing, as accelerate's DeepSpeedOptimizerWrapper / DeepSpeedSchedulerWrapper are. Logged `grad_norm` is the
   engine's (before clipping) and `learning_rate` the one the step used.
 - Checkpoints: each `checkpoint-N/` holds the engine's checkpoint (`global_stepN/`, `latest`: parameters,
   fp32 masters and Adam moments wherever they live, scheduler, counters) beside what the Trainer writes

@@ -369,7 +369,8 @@ def train_step(engine, batches: Batches, step: int, params: int) -> StepReport:
     moved = {pair: n - moved0.get(pair, 0) for pair, n in swap.stats.bytes_moved.items()}
     bets = None if bets0 is None else {key: n - bets0[key]
                                        for key, n in asdict(engine.speculation.stats).items()}
-    return StepReport(step=step, params=params, loss=loss, step_s=end - start, schedule=engine.schedule if accumulation > 1 else None,
+    return StepReport(step=step, params=params, loss=loss, step_s=end - start,
+                      schedule=engine.schedule if accumulation > 1 else None,
                       forward_backward_s=middle - start, optimizer_s=end - middle,
                       stall_s=swap.stats.stall_seconds - stall0, io_s=io, bytes_moved=moved, speculation=bets,
                       activations=None if saved0 is None else {
