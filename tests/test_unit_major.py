@@ -24,7 +24,7 @@ import zero
 from zero.accumulation.unit_major import UnitMajorWarning
 from zero.train.gpt import GPT
 
-from stage3_models import (LR, OWN_CONFIG, TwiceGPT, batches, closure_model, engine_train, free_port, full_state,
+from stage3_models import (LR, OWN_CONFIG, VOCAB, TwiceGPT, batches, closure_model, engine_train, free_port, full_state,
                            is_hf, one_thread, stage3_config, tiny_gpt2, tiny_llama)
 
 pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
@@ -320,3 +320,41 @@ def test_a_resumed_unit_major_run_is_the_uninterrupted_one_with_dropout(tmp_path
             engine.close()
     assert [first, *rest] == whole
     assert all(torch.equal(resumed[k], v) for k, v in expected.items())
+
+
+class PositionBiasBlock(torch.nn.Module):
+    """Returns, beside its output, a tensor without the batch's rows first (as T5's blocks return a position bias)."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.fc = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x)), torch.tanh(self.fc.bias).unsqueeze(0)
+
+
+class PositionBiasModel(torch.nn.Module):
+    def __init__(self, dim: int = 32, layers: int = 2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, dim)
+        self.blocks = torch.nn.ModuleList(PositionBiasBlock(dim) for _ in range(layers))
+        self.head = torch.nn.Linear(dim, VOCAB)
+
+    def forward(self, idx, targets):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x, bias = block(x)
+        return torch.nn.functional.cross_entropy(self.head(x + bias).view(-1, VOCAB), targets.reshape(-1))
+
+
+def test_a_unit_returning_a_tensor_without_the_batchs_rows_runs_micro_batch_by_micro_batch(tmp_path):
+    config = stage3_config("cpu", "cpu", accum=2)
+    with one_thread(), pytest.warns(UnitMajorWarning, match=r"unit 'blocks.0' returns a tensor of shape \(1, 32\) "
+                                                            r"without the micro-batch's 2 rows first"):
+        torch.manual_seed(0)
+        engine, *_ = zero.initialize(model=PositionBiasModel(), config=config)
+        try:
+            engine.train_batch([(ids[:, :-1], ids[:, 1:]) for ids in batches(2)])
+            assert engine.schedule == "micro-batch" and engine.global_steps == 1
+        finally:
+            engine.close()

@@ -1,9 +1,11 @@
 """Whether a model's forward can run unit-major, learned once from one forward of one micro-batch.
 
-Two things break the schedule, and neither shows in the model's structure: a unit whose module is called more
-than once in a forward (its gradient is complete only after every call's backward, but each call reduces it as
-its slices' backward ends), and a unit whose forward reads a parameter of the root unit (a closure, a shared
-gate: the root's gradient would be reduced once per slice, before the step's is complete). The probe runs the
+What breaks the schedule does not show in the model's structure: a unit whose module is called more than once in
+a forward (its gradient is complete only after every call's backward, but each call reduces it as its slices'
+backward ends); a unit whose forward reads a parameter of the root unit (a closure, a shared gate: the root's
+gradient would be reduced once per slice, before the step's is complete); a unit called with an object every
+slice would share (a cache each would write), or returning a tensor without the micro-batch's rows first (a
+position bias computed once: its slices cannot be joined). The probe runs the
 forward without autograd, with every module in eval mode and the random streams put back after, so it changes
 nothing a step would see (a resumed run probes again and trains bit for bit as the one it resumes); it counts the
 units' calls, and a torch function mode, active only inside a unit's forward, looks for the root's parameters
@@ -22,23 +24,41 @@ from torch.utils._pytree import tree_flatten
 
 from ..params.unit import Unit
 
+PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+"""Values a unit may be called with besides tensors: every slice sees them as they are."""
 
-def refusal(model: nn.Module, units: list[Unit], root: list[Unit], forward: Callable[[], Any],
+
+def refusal(model: nn.Module, units: list[Unit], root: list[Unit], forward: Callable[[], Any], rows: int,
             device: torch.device) -> str | None:
-    """Why `model` cannot run unit-major (None: it can), from `forward()`: one forward of a micro-batch through
-    the engine. `units`: those run a slice at a time; `root`: the units whose parameters they must not read."""
+    """Why `model` cannot run unit-major (None: it can), from `forward()`: one forward of a micro-batch of `rows`
+    rows through the engine. `units`: those run a slice at a time; `root`: the units whose parameters they must
+    not read."""
     calls: dict[int, int] = {}
     inside: list[Unit] = []
+    found: list[str] = []
     reads = _RootReads({id(slot.param): slot for unit in root for slot in unit.flat.slots}, inside)
 
-    def enter(unit: Unit) -> None:
+    def enter(unit: Unit, args: tuple, kwargs: dict) -> None:
         calls[unit.index] = calls.get(unit.index, 0) + 1
         inside.append(unit)
+        shared = [v for v in tree_flatten((args, kwargs))[0] if not isinstance(v, (torch.Tensor, *PLAIN))]
+        if shared:
+            found.append(f"unit {unit.name!r} is called with a {type(shared[0]).__name__}, which every micro-batch "
+                         "slice would share")
+
+    def leave(unit: Unit, output: Any) -> None:
+        inside.pop()
+        for value in tree_flatten(output)[0]:
+            if isinstance(value, torch.Tensor) and (value.dim() == 0 or value.shape[0] != rows):
+                found.append(f"unit {unit.name!r} returns a tensor of shape {tuple(value.shape)} without the "
+                             f"micro-batch's {rows} rows first (its slices cannot be joined)")
+                return
 
     hooks = []
     for unit in units:
-        hooks.append(unit.module.register_forward_pre_hook(lambda m, a, unit=unit: enter(unit)))
-        hooks.append(unit.module.register_forward_hook(lambda m, a, o: inside.pop() and None))
+        hooks.append(unit.module.register_forward_pre_hook(
+            lambda m, args, kwargs, unit=unit: enter(unit, args, kwargs), with_kwargs=True))
+        hooks.append(unit.module.register_forward_hook(lambda m, args, out, unit=unit: leave(unit, out)))
     modes = [(m, m.training) for m in model.modules()]
     try:
         with torch.no_grad(), _random_streams_kept(device), reads:
@@ -57,7 +77,7 @@ def refusal(model: nn.Module, units: list[Unit], root: list[Unit], forward: Call
         unit, slot = reads.found
         return (f"unit {unit.name!r} reads the root unit's parameter {slot.name!r} in its forward (the root's "
                 "gradient would be reduced before the step's is complete)")
-    return None
+    return found[0] if found else None
 
 
 @contextlib.contextmanager

@@ -34,9 +34,7 @@ from ..params.unit import Unit
 from ..services.counters import StepCounters
 from . import probe
 from .micro_batches import Stacked, batch_major, cut, stack
-
-PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
-"""Values a unit may be called with besides tensors: every slice sees them as they are."""
+from .probe import PLAIN
 
 
 class UnitMajor:
@@ -61,11 +59,14 @@ class UnitMajor:
         """The step's batch when every rank can run it unit-major, else None (every rank then runs micro-batch by
         micro-batch, and the first rank says why, once per reason). `forward(batch)`: one forward through the
         engine, which the first call runs on a micro-batch to probe the model (probe.py), on every rank."""
+        stacked = stack(micro_batches)
         if self.refusal is None and not self._probed:
             self._probed = True
-            self.refusal = probe.refusal(self.model, self.units, self.root, lambda: forward(micro_batches[0]),
+            first = _without_cache(self.model, micro_batches[0])
+            rows = stacked.rows if isinstance(stacked, Stacked) else _rows(micro_batches[0])
+            self.refusal = probe.refusal(self.model, self.units, self.root, lambda: forward(first), rows,
                                          self.units[0].full.device)
-        stacked = self.refusal or stack(micro_batches)
+        stacked = self.refusal or stacked
         able = not isinstance(stacked, str)
         if self.dp.world_size > 1:  # every rank the same schedule: a reduction per slice is a collective
             flag = torch.tensor([1.0 if able else 0.0])
@@ -135,6 +136,11 @@ class UnitMajor:
                 self.placement.finish_unit_backward(unit)
         finally:
             self.counters.micro_steps = boundary
+
+
+def _rows(batch: Any) -> int:
+    """A micro-batch's rows: its first tensor's first dimension (as `stack` counts them)."""
+    return next((t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() >= 1), 0)
 
 
 def _without_cache(model: nn.Module, batch: Any) -> Any:
