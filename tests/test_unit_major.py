@@ -1,15 +1,16 @@
 """engine.train_batch: a step's micro-batches through each unit at once (the unit-major schedule) trains as the
 forward/backward/step loop over the same micro-batches does.
 
-Equal within 1e-6, not bitwise, and this is why: the units' gradients are the same adds in the same order (each
-micro-batch slice's gradient reduced and accumulated in fp32 as its micro-batch's), but what runs outside the
-units (embeddings, the head, the loss) runs once on the whole step's batch, so its matrix products and the tied
-embedding's gradient sum in another order. Every step runs unit-major. Exception: an attention layer's key bias
-has a gradient that is all rounding (softmax ignores a constant added to every key's score), and Adam turns any
-change in that rounding into a step of up to lr: those tensors (GPT-2's c_attn.bias, our GPT's attn.bias) are
-held to Adam's own bound instead, and in the main job's GPT (narrow, tied, its key bias moved by lr a step) that
-noise reaches the other weights at up to 4e-6 of their largest element after 3 steps: it is held to 1e-5 (the
-Llama and GPT-2 to 1e-6)."""
+Equal within rounding (1e-6 to 1e-5 of each tensor's largest element, below), not bitwise, and this is why: the
+units' gradients are the same adds in the same order (each micro-batch slice's gradient reduced and accumulated in
+fp32 as its micro-batch's), but what runs outside the units (embeddings, the head, the loss) runs once on the
+whole step's batch, so its matrix products and the tied embedding's gradient sum in another order. Every step runs
+unit-major. Exception: an attention layer's key bias has a gradient that is all rounding (softmax ignores a
+constant added to every key's score), and Adam turns any change in that rounding into a step of up to lr: those
+tensors (GPT-2's c_attn.bias, our GPT's attn.bias) are held to Adam's own bound instead, and in the main job's GPT
+(narrow, tied, its key bias moved by lr a step) that noise reaches the other weights at up to 4e-6 of their
+largest element after 3 steps: it is held to 1e-5; GPT-2 to 2e-6 (1.2e-6 seen on two ranks, where the reduction
+sums in another order too); the Llama to 1e-6."""
 from __future__ import annotations
 
 import os
@@ -40,7 +41,7 @@ def main_job_gpt(seed: int = 0) -> GPT:
 
 
 MODELS = {"gpt": main_job_gpt, "llama": tiny_llama, "gpt2": tiny_gpt2}
-TOLERANCE = {"gpt": 1e-5, "llama": RTOL, "gpt2": RTOL}
+TOLERANCE = {"gpt": 1e-5, "llama": RTOL, "gpt2": 2e-6}
 
 
 def micro_batch(model, ids: torch.Tensor):
@@ -192,6 +193,8 @@ def test_train_batch_refuses_a_started_step_and_too_few_micro_batches(tmp_path):
 # -- two ranks ---------------------------------------------------------------------------------------------------
 
 WORLD = 2
+TWO_RANK_CASES = [("llama", None), ("llama", "nvme"), ("gpt", None), ("gpt2", "nvme")]
+"""(model, activation offload): each model once, activation offload on and off."""
 
 
 def _worker(rank: int, port: int, root: str) -> None:
@@ -200,9 +203,9 @@ def _worker(rank: int, port: int, root: str) -> None:
     torch.set_num_threads(1)
     data = [ids[rank:rank + 1] for ids in batches(STEPS * ACCUM)]  # each rank its own row of every batch
     results = {}
-    for activations in (None, "nvme"):
+    for name, activations in TWO_RANK_CASES:
         for unit_major in (False, True):
-            model = tiny_llama(0)
+            model = MODELS[name](0)
             tiering = {}
             if activations is not None:
                 model.gradient_checkpointing_enable()
@@ -211,14 +214,15 @@ def _worker(rank: int, port: int, root: str) -> None:
             os.makedirs(path, exist_ok=True)
             config = stage3_config("nvme", "nvme", nvme_path=path, accum=ACCUM, clip=CLIP, micro=1,
                                    zero_tiering=tiering)
-            results[activations, unit_major] = train(model, config, data, unit_major=unit_major)
+            results[name, activations, unit_major] = train(model, config, data, unit_major=unit_major)
     torch.save(results, os.path.join(root, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
 
 
 def test_two_ranks_train_batch_matches_their_loop(tmp_path):
-    """Two ranks (gloo), each its own rows, Llama on nvme, accumulation 4, clipping: a reduction per micro-batch
-    slice on both ranks in the same order; both ranks agree bit for bit, and with their loop within 1e-6."""
+    """Two ranks (gloo), each its own rows, ZeRO-3 on nvme, accumulation 4, clipping: a reduction per micro-batch
+    slice on both ranks in the same order; both ranks agree bit for bit, and with their loop within the tolerances
+    above. The main job's GPT, Llama and GPT-2; activation offload to nvme and none."""
     root = str(tmp_path)
     context = mp.start_processes(_worker, args=(free_port(), root), nprocs=WORLD, join=False, start_method="spawn")
     deadline = time.monotonic() + 240
@@ -231,13 +235,14 @@ def test_two_ranks_train_batch_matches_their_loop(tmp_path):
             if process.is_alive():
                 process.kill()
     ranks = [torch.load(os.path.join(root, f"rank{rank}.pt")) for rank in range(WORLD)]
-    for activations in (None, "nvme"):
-        loop, batched = ranks[0][activations, False], ranks[0][activations, True]
+    for name, activations in TWO_RANK_CASES:
+        loop, batched = ranks[0][name, activations, False], ranks[0][name, activations, True]
+        other = ranks[1][name, activations, True]
         assert batched[2] == ["unit-major"] * STEPS
-        assert batched[1].keys() == ranks[1][activations, True][1].keys()
-        assert all(torch.equal(v, ranks[1][activations, True][1][k]) for k, v in batched[1].items())
+        assert batched[1].keys() == other[1].keys()
+        assert all(torch.equal(v, other[1][k]) for k, v in batched[1].items()), (name, activations)
         assert batched[0] == pytest.approx(loop[0], rel=RTOL)
-        assert_close(batched[1], loop[1])
+        assert_close(batched[1], loop[1], rtol=TOLERANCE[name])
 
 
 def test_a_unit_reading_a_root_parameter_runs_micro_batch_by_micro_batch(tmp_path):
