@@ -223,6 +223,33 @@ class BlockWeightAtRoot(nn.Module):
         return F.cross_entropy(self.head(x).view(-1, VOCAB), targets.reshape(-1))
 
 
+class BiasOutBlock(nn.Module):
+    """Returns, beside its output, its own parameter's view (its bias, unsqueezed): the caller reads it after the
+    block's forward, when the block's unit is released."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x)), self.fc.bias.unsqueeze(0)
+
+
+class ParameterViewOut(nn.Module):
+    def __init__(self, dim: int = 32, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(BiasOutBlock(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, idx, targets):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x, bias = block(x)
+            x = x + bias
+        return F.cross_entropy(self.head(x).view(-1, VOCAB), targets.reshape(-1))
+
+
 # -- running either copy ---------------------------------------------------------------------------------------
 
 

@@ -183,6 +183,24 @@ def test_block_parameter_used_outside_its_forward_trains_or_raises():
     assert "trained" in result.stdout, result.stderr[-800:]
 
 
+def test_a_parameter_view_a_block_returns_is_read_after_its_release_and_trains():
+    """A block returning a view of its own bias: its caller gets a copy (the release takes the bytes away; reading
+    them was a crash), and training equals torch's, bit for bit."""
+    result = run_child("""
+        import torch, zero
+        from stage3_models import ParameterViewOut, batches, engine_train, reference_train, stage3_config
+        def make():
+            torch.manual_seed(0)
+            return ParameterViewOut()
+        engine, *_ = zero.initialize(model=make(), config=stage3_config("cpu", "cpu"))
+        data = batches(4)
+        assert engine_train(engine, data) == reference_train(make(), data)
+        print("trained")
+    """)
+    assert not crashed(result), crashed(result)
+    assert "trained" in result.stdout, result.stderr[-800:]
+
+
 def test_reading_a_released_parameter_never_crashes():
     """Outside forward/backward and gathered_parameters a parameter is released; reading it may give an empty
     tensor or raise (DeepSpeed gives a 0-element tensor), but must not crash the process."""

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tiering import Handle, SwapManager, Tier
 
@@ -360,7 +360,15 @@ class PartitionedPlacement(Placement):
             unit.backward_refs += 1
             self._arm(unit)
 
-    def _post_forward(self, unit: Unit, output: object) -> None:
+    def _post_forward(self, unit: Unit, output: object) -> object:
+        """Arm the unit's backward on its outputs and drop the forward's gather. Returns the output the module's
+        caller gets: any output that is a view of the unit's parameters (a bias returned as it is) becomes a copy,
+        since the release takes those bytes away (reading them after would read freed memory)."""
+        leaves, spec = tree_flatten(output)
+        storage = unit.full.untyped_storage().data_ptr()
+        if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == storage for t in leaves):
+            output = tree_unflatten([t.clone() if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr()
+                                     == storage else t for t in leaves], spec)
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             armed = [False]
@@ -373,8 +381,9 @@ class PartitionedPlacement(Placement):
             for t in tensors:
                 t.register_hook(pre_backward)
             if torch._C._current_graph_task_id() != -1:
-                return  # recomputation inside backward: _pre_forward handed its gather to backward
+                return output  # recomputation inside backward: _pre_forward handed its gather to backward
         self.release(unit)
+        return output
 
     def _pre_backward(self, unit: Unit) -> None:
         self._reserve_gradients(unit)  # before the gather prefetches the next unit: the gradients come first
