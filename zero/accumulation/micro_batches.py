@@ -28,7 +28,7 @@ def stack(micro_batches: list[Any]) -> Stacked | str:
     if any(s != spec for _, s in flat[1:]):
         return "the micro-batches differ in structure (their keys or nesting)"
     leaves = [values for values, _ in flat]
-    rows = next((t.shape[0] for t in leaves[0] if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
+    rows = rows_of(micro_batches[0])
     if rows is None:
         return "a micro-batch holds no tensor with a batch dimension"
     joined = []
@@ -50,6 +50,12 @@ def stack(micro_batches: list[Any]) -> Stacked | str:
                 return f"input {place} ({type(first).__name__}) differs between micro-batches"
             joined.append(first)
     return Stacked(tree_unflatten(joined, spec), rows)
+
+
+def rows_of(micro_batch: Any) -> int | None:
+    """A micro-batch's rows: its first tensor's first dimension (None: it has no tensor with one)."""
+    return next((t.shape[0] for t in tree_flatten(micro_batch)[0] if isinstance(t, torch.Tensor) and t.dim() >= 1),
+                None)
 
 
 def batch_major(value: torch.Tensor, rows: int, count: int) -> bool:

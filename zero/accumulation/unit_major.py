@@ -33,7 +33,7 @@ from ..params.partitioned import PartitionedPlacement
 from ..params.unit import Unit
 from ..services.counters import StepCounters
 from . import probe
-from .micro_batches import Stacked, batch_major, cut, stack
+from .micro_batches import Stacked, batch_major, cut, rows_of, stack
 from .probe import PLAIN
 
 
@@ -63,7 +63,7 @@ class UnitMajor:
         if self.refusal is None and not self._probed:
             self._probed = True
             first = _without_cache(self.model, micro_batches[0])
-            rows = stacked.rows if isinstance(stacked, Stacked) else _rows(micro_batches[0])
+            rows = stacked.rows if isinstance(stacked, Stacked) else (rows_of(micro_batches[0]) or 0)
             self.refusal = probe.refusal(self.model, self.units, self.root, lambda: forward(first), rows,
                                          self.units[0].full.device)
         stacked = self.refusal or stacked
@@ -136,11 +136,6 @@ class UnitMajor:
                 self.placement.finish_unit_backward(unit)
         finally:
             self.counters.micro_steps = boundary
-
-
-def _rows(batch: Any) -> int:
-    """A micro-batch's rows: its first tensor's first dimension (as `stack` counts them)."""
-    return next((t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() >= 1), 0)
 
 
 def _without_cache(model: nn.Module, batch: Any) -> Any:

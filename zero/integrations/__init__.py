@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-LAZY = {"EngineOptimizer": "hf_trainer", "EngineScheduler": "hf_trainer", "ZeroTrainer": "hf_trainer",
+LAZY = {"EngineOptimizer": "engine_views", "EngineScheduler": "engine_views", "ZeroTrainer": "hf_trainer",
         "ZeroTrainingArguments": "hf_trainer", "zero_trainer": "hf_trainer", "save_safetensors": "weights"}
 
 __all__ = sorted(LAZY)
