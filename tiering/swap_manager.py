@@ -542,6 +542,7 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
 
     def _account(self, pair: str, seg: Segment, start: float) -> None:
         self.stats.bytes_moved[pair] += seg.nbytes
+        self.stats.segment_bytes[pair][seg.name] += seg.nbytes
         self.timeline.add(seg.name, pair, start, time.perf_counter(), bytes=seg.nbytes)
 
     def _note_peaks(self) -> None:

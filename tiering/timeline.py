@@ -19,6 +19,8 @@ LANES = {"compute": 0, "nvme->host": 1, "host->nvme": 2, "host->device": 3, "dev
 class SwapStats:
     bytes_moved: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     """Bytes per tier pair, e.g. 'nvme->host'."""
+    segment_bytes: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
+    """Bytes per tier pair and segment name: what one segment cost (a read-only segment's writes stay 0)."""
     stall_seconds: float = 0.0
     """Time callers spent blocked waiting for bytes: in `acquire`, and in a gather waiting for its unit's copy."""
     hits: int = 0

@@ -494,15 +494,18 @@ class ZeroEngine(FullValues, nn.Module):
     # -- what checkpoints read and write ----------------------------------------------------------------------
 
     def state_tensors(self) -> Iterator[StateTensor]:
-        """Every tensor of training state this rank holds, one at a time: each unit's compute-dtype range,
-        then each sub-group's fp32 master and moments."""
+        """Every tensor of training state this rank holds, one at a time: each trained unit's compute-dtype range,
+        then each sub-group's fp32 master and moments. `unit` counts trained units only (frozen ones are weights,
+        saved by name as parameters in no unit are: checkpoint/layout.py)."""
+        saved = {unit.index: i for i, unit in enumerate(u for u in self.units if not u.frozen)}
         for unit in self.units:
-            yield StateTensor(unit.index, "param", *self.placement.rank_range(unit),
-                              lambda write, unit=unit: self.placement.shard(unit, write=write))
+            if not unit.frozen:
+                yield StateTensor(saved[unit.index], "param", *self.placement.rank_range(unit),
+                                  lambda write, unit=unit: self.placement.shard(unit, write=write))
         for sg in self.driver.sub_groups:
             start = self.placement.rank_range(self.units[sg.unit])[0] + sg.offset
             for part in STATE_PARTS:
-                yield StateTensor(sg.unit, part, start, sg.numel,
+                yield StateTensor(saved[sg.unit], part, start, sg.numel,
                                   lambda write, sg=sg, part=part: self.driver.held(sg, part, dirty=write))
 
     def unapplied_gradients(self) -> list[str]:
@@ -520,12 +523,11 @@ class ZeroEngine(FullValues, nn.Module):
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
                         exclude_frozen_parameters=False) -> str:
         """Save the whole training state under `save_dir/tag` (default `global_step<N>`), atomically, at a
-        gradient accumulation boundary; every rank calls it. Returns the tag directory."""
-        if exclude_frozen_parameters:
-            raise ValueError("save_checkpoint(exclude_frozen_parameters=True) is not supported: frozen "
-                             "parameters are always saved (they are small next to the optimizer state)")
+        gradient accumulation boundary; every rank calls it. Returns the tag directory. `exclude_frozen_parameters`
+        (as DeepSpeed): frozen parameters (an adapter's base) are left out; the load then keeps the engine's own."""
         self._finish_step()
-        return checkpoint.save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+        return checkpoint.save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                          exclude_frozen_parameters=exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, load_rng_states=False):

@@ -83,7 +83,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
         warnings.warn(slow_dtype_line(speed, device, fast_alternative(device), "the config"), SlowComputeWarning,
                       stacklevel=2)
     groups = param_groups_from(model, model_parameters, optimizer, cfg)
-    plan = plan_units(model, groups, dp)
+    plan = plan_units(model, groups, dp, frozen=cfg.zero_optimization.stage == 3)
     swap = SwapManager(swap_config(cfg, [flat for flat, _ in plan], dtype))
     driver = overlap = speculation = None
     try:
@@ -104,7 +104,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
         gradients = Gradients(driver=driver, dp=dp, counters=counters, sharded=zo.stage >= 1,
                               reduce_scatter=zo.stage >= 2,
                               param_order={id(p): i for i, p in enumerate(model.parameters())},
-                              largest_unit=max((flat.padded_numel for flat, _ in plan), default=0),
+                              largest_unit=max((flat.padded_numel for flat, _ in plan if not flat.frozen), default=0),
                               prescale=cfg.prescale_gradients, predivide_factor=cfg.gradient_predivide_factor,
                               communication_data_type=cfg.communication_data_type, speculation=speculation,
                               reserve_device=swap.reserve_device,
@@ -150,12 +150,14 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
     return engine, zero_opt, loader, lr_scheduler
 
 
-def plan_units(model: nn.Module, groups: list[dict], dp: DataParallel) -> list[tuple[FlatUnit, nn.Module]]:
+def plan_units(model: nn.Module, groups: list[dict], dp: DataParallel, *,
+               frozen: bool = False) -> list[tuple[FlatUnit, nn.Module]]:
     """Units from the wrap policy, each cut further by param group (a flat buffer has one set of
-    hyperparameters); parameters outside every group are not trained and stay as they are."""
+    hyperparameters); parameters outside every group are not trained and stay as they are. `frozen` (stage 3):
+    a block's frozen parameters make one more unit of its module (`<name>#frozen`), after its trained ones."""
     group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
     plan = []
-    for name, module, params in split_units(model):
+    for name, module, params, still in split_units(model):
         by_group: dict[int, list] = {}
         for pname, p in params:
             if id(p) in group_of:
@@ -163,6 +165,8 @@ def plan_units(model: nn.Module, groups: list[dict], dp: DataParallel) -> list[t
         for g, members in sorted(by_group.items()):
             unit_name = name + (f"#g{g}" if len(by_group) > 1 else "")
             plan.append((FlatUnit(unit_name, members, dp.world_size, dp.rank, g), module))
+        if frozen and still:
+            plan.append((FlatUnit(f"{name}#frozen", still, dp.world_size, dp.rank, frozen=True), module))
     return plan
 
 
@@ -172,7 +176,8 @@ def device_need(model: nn.Module, config: str | os.PathLike | Mapping, world_siz
     written, no process group is joined (a model on meta will do). What the shipped configs are checked against."""
     cfg = load_config(config, world_size=world_size)
     ranks = SimpleNamespace(world_size=world_size, rank=0)  # the plan's sizes are every rank's
-    plan = plan_units(model, param_groups_from(model, model.parameters(), None, cfg), ranks)
+    plan = plan_units(model, param_groups_from(model, model.parameters(), None, cfg), ranks,
+                      frozen=cfg.zero_optimization.stage == 3)
     device = local_device()
     return device_minimum(cfg, plan, model, compute_dtype(cfg), charge=lambda nbytes: device_charge(nbytes, device))
 

@@ -139,12 +139,15 @@ class UnitMajor:
 
 
 def _without_cache(model: nn.Module, batch: Any) -> Any:
-    """A keyword batch for a model whose forward takes `use_cache` (Hugging Face's) asks for no cache, unless it
-    says otherwise: a training forward needs none, and one cache shared by the slices would be written by each."""
-    if isinstance(batch, dict) and "use_cache" not in batch and \
-            "use_cache" in inspect.signature(model.forward).parameters:
-        return {**batch, "use_cache": False}
-    return batch
+    """A keyword batch for a model whose forward takes `use_cache` (Hugging Face's, or a wrapper passing its
+    keywords on to one, as PEFT's) asks for no cache, unless it says otherwise: a training forward needs none, and
+    one cache shared by the slices would be written by each."""
+    if not isinstance(batch, dict) or "use_cache" in batch:
+        return batch
+    parameters = inspect.signature(model.forward).parameters
+    passes_on = any(p.kind is p.VAR_KEYWORD for p in parameters.values()) and \
+        getattr(getattr(model, "config", None), "use_cache", None) is not None
+    return {**batch, "use_cache": False} if "use_cache" in parameters or passes_on else batch
 
 
 class UnitMajorWarning(UserWarning):

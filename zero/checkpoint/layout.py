@@ -1,6 +1,10 @@
 """What a checkpoint records of the model besides the state tensors: the unit layout (checked on load, used by
-the export), the tensors no unit holds (frozen parameters, persistent buffers), the names tied tensors share,
-and a transformers model's config."""
+the export), the tensors no trained unit holds (frozen parameters, persistent buffers), the names tied tensors
+share, and a transformers model's config.
+
+Frozen parameters are recorded by name, whole, wherever the engine holds them (in frozen units under stage 3,
+as they are below it): a checkpoint is the same for every stage, and `exclude_frozen_parameters` leaves them
+out."""
 from __future__ import annotations
 
 import json
@@ -11,17 +15,29 @@ from torch import nn
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine
+    from ..params.unit import Unit
 
 
 def unit_layout(engine: ZeroEngine) -> list[dict]:
+    """The trained units (what `state_tensors` numbers), their parameters and where each sits."""
     return [{"name": flat.name, "numel": flat.numel, "padded_numel": flat.padded_numel, "group": flat.group,
              "slots": [{"name": s.name, "offset": s.offset, "numel": s.numel, "shape": list(s.shape)}
                        for s in flat.slots]}
-            for flat in (unit.flat for unit in engine.units)]
+            for flat in (unit.flat for unit in engine.units if not unit.frozen)]
+
+
+def frozen_units(engine: ZeroEngine) -> list[Unit]:
+    return [unit for unit in engine.units if unit.frozen]
+
+
+def frozen_names(engine: ZeroEngine) -> list[str]:
+    """The name each frozen parameter is recorded under (in a frozen unit: its slot's; else its first)."""
+    names = [slot.name for unit in frozen_units(engine) for slot in unit.flat.slots]
+    return names + [name for name, tensor, is_param in extras(engine) if is_param and not tensor.requires_grad]
 
 
 def extras(engine: ZeroEngine) -> list[tuple[str, torch.Tensor, bool]]:
-    """(name, tensor, is_param) of what the units do not hold: parameters not trained (frozen, or outside
+    """(name, tensor, is_param) of what no unit holds: parameters not trained (frozen below stage 3, outside
     every param group) and persistent buffers, each once, under its first name."""
     in_units = {id(slot.param) for unit in engine.units for slot in unit.flat.slots}
     out = [(name, p, True) for name, p in engine.module.named_parameters() if id(p) not in in_units]

@@ -26,7 +26,7 @@ from .format import (
     read_manifest,
     verify_files,
 )
-from .layout import extras, unit_layout
+from .layout import extras, frozen_units, unit_layout
 from .ranks import agree
 
 if TYPE_CHECKING:
@@ -88,7 +88,8 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str | os.PathLike, tag: Any = 
         for piece in engine.state_tensors():
             if piece.part in parts:
                 ranks |= reader.ranks_for(piece.unit, piece.part, piece.start, piece.numel)
-        for name, _, _ in extras(engine):
+        excluded = set(manifest.get("excluded", ()))
+        for name in extra_names(engine, excluded):
             if name not in reader.extras:
                 raise CheckpointMismatchError(f"checkpoint {tag_dir!r} has no {name!r}")
             ranks.add(reader.extras[name].rank)
@@ -105,7 +106,7 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str | os.PathLike, tag: Any = 
     agree(engine.dp, error, f"verifying checkpoint {tag_dir!r}")
     try:
         with reader:
-            load_tensors(engine, reader, parts)
+            load_tensors(engine, reader, parts, excluded)
     except Exception as exc:
         raise CheckpointError(f"loading {tag_dir!r} failed part way, after verification: the engine's state is "
                               f"partly loaded; load again or rebuild the engine ({exc})") from exc
@@ -118,9 +119,17 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str | os.PathLike, tag: Any = 
     return tag_dir, state["client_state"]
 
 
-def load_tensors(engine: ZeroEngine, reader: RecordReader, parts: tuple[str, ...]) -> None:
+def extra_names(engine: ZeroEngine, excluded: set[str]) -> list[str]:
+    """The names the checkpoint must hold whole: what no unit holds, and frozen units' parameters, less those
+    it left out (`exclude_frozen_parameters`: the engine keeps its own)."""
+    names = [name for name, _, _ in extras(engine)] + [slot.name for unit in frozen_units(engine)
+                                                       for slot in unit.flat.slots]
+    return [name for name in names if name not in excluded]
+
+
+def load_tensors(engine: ZeroEngine, reader: RecordReader, parts: tuple[str, ...], excluded: set[str]) -> None:
     """Every state tensor in `parts` read from the checkpoint (the others, optimizer moments not loaded, start
-    afresh at zero), then frozen parameters and buffers."""
+    afresh at zero), then frozen parameters and buffers (but those the save excluded)."""
     for piece in engine.state_tensors():
         with piece.held(True) as tensor:
             if piece.part in parts:
@@ -128,9 +137,23 @@ def load_tensors(engine: ZeroEngine, reader: RecordReader, parts: tuple[str, ...
             else:
                 tensor.zero_()
     for name, tensor, _ in extras(engine):
-        with torch.no_grad():
-            tensor.copy_(reader.read_extra(name))
+        if name not in excluded:
+            with torch.no_grad():
+                tensor.copy_(reader.read_extra(name))
+    for unit in frozen_units(engine):
+        if not any(slot.name in excluded for slot in unit.flat.slots):
+            load_frozen(engine, reader, unit)
     engine.state_loaded()
+
+
+def load_frozen(engine: ZeroEngine, reader: RecordReader, unit) -> None:
+    """A frozen unit's parameters, recorded whole by name, into this rank's shard of it (one unit in host memory)."""
+    flat = unit.flat
+    full = torch.zeros(flat.padded_numel, dtype=engine.compute_dtype)
+    for slot in flat.slots:
+        full.narrow(0, slot.offset, slot.numel).copy_(reader.read_extra(slot.name).reshape(-1))
+    with engine.placement.shard(unit, write=True, overwrite=True) as shard:
+        shard.copy_(full.narrow(0, *engine.placement.rank_range(unit)))
 
 
 def apply_state(engine: ZeroEngine, state: dict, load_optimizer_states: bool, load_lr_scheduler_states: bool,

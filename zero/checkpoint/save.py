@@ -3,7 +3,7 @@
 Every piece of state is saved, per rank, streamed one tensor at a time (held, written, released: the model is
 never whole in memory): what `engine.state_tensors()` gives (this rank's compute-dtype range of each unit,
 wherever the placement keeps it, and the fp32 master and both Adam moments of every sub-group, wherever they
-rest), frozen parameters and persistent buffers, the loss scaler, the LR scheduler, the optimizer's step
+rest), frozen parameters (unless excluded) and persistent buffers, the loss scaler, the LR scheduler, the optimizer's step
 count and param-group hyperparameters, the engine's counters, the RNG states (python, numpy, torch, CUDA) and
 the caller's client_state. The layout on disk, the manifest and the atomicity rules are in format.py.
 
@@ -40,7 +40,7 @@ from .format import (
     state_file,
     write_atomic,
 )
-from .layout import aliases, extras, model_config, unit_layout
+from .layout import aliases, extras, frozen_names, frozen_units, model_config, unit_layout
 from .ranks import agree
 
 if TYPE_CHECKING:
@@ -109,10 +109,18 @@ def small_state(engine: ZeroEngine, client_state: Any) -> dict:
     }
 
 
-def write_rank(engine: ZeroEngine, tag_dir: str, client_state: Any) -> dict:
+def write_rank(engine: ZeroEngine, tag_dir: str, client_state: Any, exclude_frozen_parameters: bool) -> dict:
     """This rank's data file (streamed, one segment held at a time) and state file. Returns its manifest entry."""
     rank, world = engine.dp.rank, engine.dp.world_size
     records: list[Record] = []
+
+    def extra(name: str, tensor: torch.Tensor, is_param: bool) -> None:
+        if tensor.is_meta:
+            raise CheckpointError(f"cannot save {name!r}: it is on the meta device (never materialized)")
+        offset, nbytes, digest = f.write_tensor(tensor)
+        records.append(Record(rank, "extra", offset, nbytes, dtype_name(tensor.dtype), digest, name=name,
+                              shape=tuple(tensor.shape), is_param=is_param))
+
     with AtomicFile(tag_dir, data_file(rank, world)) as f:
         for piece in engine.state_tensors():
             with piece.held(False) as tensor:
@@ -120,11 +128,14 @@ def write_rank(engine: ZeroEngine, tag_dir: str, client_state: Any) -> dict:
             records.append(Record(rank, "unit", offset, nbytes, dtype_name(tensor.dtype), digest, unit=piece.unit,
                                   part=piece.part, start=piece.start, numel=piece.numel))
         for name, tensor, is_param in extras(engine):
-            if tensor.is_meta:
-                raise CheckpointError(f"cannot save {name!r}: it is on the meta device (never materialized)")
-            offset, nbytes, digest = f.write_tensor(tensor)
-            records.append(Record(rank, "extra", offset, nbytes, dtype_name(tensor.dtype), digest, name=name,
-                                  shape=tuple(tensor.shape), is_param=is_param))
+            if not (exclude_frozen_parameters and is_param and not tensor.requires_grad):
+                extra(name, tensor, is_param)
+        if not exclude_frozen_parameters:
+            for unit in frozen_units(engine):  # gathered on every rank (a collective), written by the first
+                with engine.gathered_parameters([slot.param for slot in unit.flat.slots]):
+                    if rank == 0:
+                        for slot in unit.flat.slots:
+                            extra(slot.name, slot.param.detach(), True)
         files = {f.name: f.commit()}
     buffer = io.BytesIO()
     torch.save(small_state(engine, client_state), buffer)
@@ -134,9 +145,10 @@ def write_rank(engine: ZeroEngine, tag_dir: str, client_state: Any) -> dict:
 
 
 def save_checkpoint(engine: ZeroEngine, save_dir: str | os.PathLike, tag: Any = None, client_state: Any = None,
-                    save_latest: bool = True) -> str:
+                    save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
     """Save the engine's whole training state under `save_dir/tag` (default tag `global_step<N>`); every
-    rank must call it. Returns the tag directory. See the module docstring and format.py."""
+    rank must call it. Returns the tag directory. `exclude_frozen_parameters`: frozen parameters are not written
+    (the manifest names them: a load keeps the engine's). See the module docstring and format.py."""
     check_boundary(engine)
     tag = f"global_step{engine.counters.global_steps}" if tag is None else str(tag)
     check_tag(engine, tag)
@@ -153,14 +165,14 @@ def save_checkpoint(engine: ZeroEngine, save_dir: str | os.PathLike, tag: Any = 
     agree(engine.dp, error, f"creating checkpoint directory {tag_dir!r}")
     entry = None
     try:
-        entry = write_rank(engine, tag_dir, client_state)
+        entry = write_rank(engine, tag_dir, client_state, exclude_frozen_parameters)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it before raising
         error = exc
     agree(engine.dp, error, f"saving checkpoint {tag_dir!r}")
     entries = engine.dp.all_gather_object(entry)
     if engine.dp.rank == 0:
         try:
-            write_manifest(engine, save_dir, tag, tag_dir, entries, save_latest)
+            write_manifest(engine, save_dir, tag, tag_dir, entries, save_latest, exclude_frozen_parameters)
         except Exception as exc:  # noqa: BLE001
             error = exc
     agree(engine.dp, error, f"writing the manifest of {tag_dir!r}")
@@ -168,7 +180,7 @@ def save_checkpoint(engine: ZeroEngine, save_dir: str | os.PathLike, tag: Any = 
 
 
 def write_manifest(engine: ZeroEngine, save_dir: str, tag: str, tag_dir: str, entries: list[dict],
-                   save_latest: bool) -> None:
+                   save_latest: bool, exclude_frozen_parameters: bool) -> None:
     files: dict[str, dict] = {}
     for entry in entries:
         files.update(entry.pop("files"))
@@ -186,6 +198,7 @@ def write_manifest(engine: ZeroEngine, save_dir: str, tag: str, tag_dir: str, en
         "model_class": f"{type(module).__module__}.{type(module).__qualname__}",
         "model_config": MODEL_CONFIG if config is not None else None,
         "units": unit_layout(engine), "aliases": aliases(engine),
+        "excluded": frozen_names(engine) if exclude_frozen_parameters else [],
         "ranks": sorted(entries, key=lambda e: e["rank"]), "files": files,
     }
     write_atomic(tag_dir, MANIFEST, manifest_bytes(manifest))

@@ -24,9 +24,12 @@ class ParamSlot(NamedTuple):
 
 class FlatUnit:
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], world_size: int, rank: int,
-                 group: int = 0):
+                 group: int = 0, frozen: bool = False):
         self.name = name
         self.group = group  # index of the param group (hyperparameters) all its parameters belong to
+        self.frozen = frozen
+        """Its parameters are not trained (requires_grad False): no gradient, no optimizer state, its shard never
+        written after it is first stored."""
         self.slots: list[ParamSlot] = []
         offset = 0
         for pname, param in params:

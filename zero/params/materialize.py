@@ -6,7 +6,8 @@ pretrained checkpoint (PretrainedWeights: read by name, straight into them) or, 
 module's own initialization: a transformers model's `_init_weights(module)`, else `reset_parameters()`.
 Parameters zero.Init partitioned take their values from its store (every rank's slice, gathered), never from
 an initialization.
-Frozen parameters (in no unit) and buffers are materialized the same way once the units are done (`rest`).
+Parameters in no unit (trained outside every param group, frozen below stage 3, not floating point) and buffers
+are materialized the same way once the units are done (`rest`).
 """
 from __future__ import annotations
 
@@ -30,8 +31,10 @@ class Materializer:
         for name, p in model.named_parameters(remove_duplicate=False):
             self.names.setdefault(id(p), []).append(name)
 
-    def __call__(self, unit: FlatUnit) -> None:
-        ours = {id(slot.param) for slot in unit.slots if slot.param.is_meta}
+    def __call__(self, *units: FlatUnit) -> None:
+        """Materialize the units' meta parameters (a module's units at once: one module may hold parameters of
+        several, e.g. a trained bias beside a frozen weight)."""
+        ours = {id(slot.param) for unit in units for slot in unit.slots if slot.param.is_meta}
         if not ours:
             return
         for module in self.model.modules():
@@ -81,7 +84,7 @@ class Materializer:
                                  "zero-tiering cannot initialize its parameters")
 
     def rest(self) -> None:
-        """What the units left: frozen meta parameters (in no unit), then buffers; with a checkpoint, check it
+        """What the units left: meta parameters in no unit, then buffers; with a checkpoint, check it
         holds nothing the model has no place for."""
         for module in self.model.modules():
             own = [p for p in module.parameters(recurse=False) if p.is_meta]

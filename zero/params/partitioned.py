@@ -15,11 +15,18 @@ pinned until the copy has landed, and the module's compute waits for the copy's 
 waits for the copy worker). The hooks learn the order units come in, forward and backward; while a unit
 computes, the unit that came after it last time is prefetched (its fill started) where the device tier has
 free room for it, so its gather only waits for its copy's event.
+
+A frozen unit (an adapter's base: parameters without gradients) moves the same way but is never written: its
+shard is stored once, gathered, released clean. Its backward gives no gradient to wait for, so it ends when the
+gradients of its module's inputs are computed (an identity on them, `_InputsDone`, fires then: every use of the
+frozen weights in the module's backward is behind it) and its module's trained units have theirs; where the
+inputs need no gradient and nothing else ends it, at the backward's end.
 """
 from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -71,6 +78,8 @@ class PartitionedPlacement(Placement):
         self._last: tuple[bool, int] | None = None
         self._ahead: Unit | None = None
         """The unit prefetched for the next hook's gather."""
+        self._trained_of: dict[int, list[Unit]] = {}
+        """id(module) -> its trained units: a frozen unit of the module ends its backward after theirs."""
 
     @classmethod
     def build(cls, model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], *, materialize: Materializer,
@@ -85,15 +94,18 @@ class PartitionedPlacement(Placement):
         placement = cls(shard_tier=shard_tier, **collaborators)
         swap, device = placement.swap, placement.device
         for index, (flat, module) in enumerate(plan):
-            materialize(flat)
-            # fp32 for the optimizer's master; inference keeps the compute dtype alone.
-            values = flat.flatten(host_empty((flat.padded_numel,), dtype if driver is None else torch.float32))
+            materialize(*(f for f, m in plan if m is module))  # a module's units at once: it may hold several's
+            if flat.frozen:
+                check_frozen(flat, device)
+            # fp32 for the optimizer's master; inference and frozen units keep the compute dtype alone.
+            exact = driver is not None and not flat.frozen
+            values = flat.flatten(host_empty((flat.padded_numel,), torch.float32 if exact else dtype))
             flat.unbind()  # the materialized parameters go: `values` holds them, one unit's worth at a time
             master = values.narrow(0, flat.shard_start, flat.shard_numel)
             segment = f"{flat.name or 'root'}/param"
             swap.register(segment, dtype=dtype, shape=(flat.shard_numel,), home=param_home,
                           data=master.to(dtype)).wait()
-            sub_groups = [] if driver is None else driver.add_unit(
+            sub_groups = [] if not exact else driver.add_unit(
                 index, flat.name or "root", master, flat.group, sub_group_size,
                 segment if masters_are_params else None, start=flat.shard_start, extents=flat.extents)
             del values, master
@@ -115,9 +127,14 @@ class PartitionedPlacement(Placement):
         unit.full.untyped_storage().resize_(0)
         unit.flat.unbind()  # released parameters hold no bytes a stray read could reach (they are 0-element)
         self.units.append(unit)
-        unit.hooks.append(unit.module.register_forward_pre_hook(lambda m, args: self._pre_forward(unit)))
+        if unit.frozen:
+            unit.hooks.append(unit.module.register_forward_pre_hook(
+                lambda m, args, kwargs: self._pre_forward_frozen(unit, args, kwargs), with_kwargs=True))
+        else:
+            self._trained_of.setdefault(id(unit.module), []).append(unit)
+            unit.hooks.append(unit.module.register_forward_pre_hook(lambda m, args: self._pre_forward(unit)))
         unit.hooks.append(unit.module.register_forward_hook(lambda m, args, out: self._post_forward(unit, out)))
-        if self.gradients is not None:
+        if self.gradients is not None and not unit.frozen:
             for slot in unit.flat.slots:
                 unit.hooks.append(slot.param.register_post_accumulate_grad_hook(lambda p: self._grad_ready(unit)))
 
@@ -328,7 +345,7 @@ class PartitionedPlacement(Placement):
     def step_started(self) -> None:
         self._drop_ahead()
         for unit in self.units:
-            if unit.state is UnitState.GATHERED:
+            if unit.state is UnitState.GATHERED and not unit.frozen:  # a step never writes a frozen shard
                 unit.to("stepped")
 
     @contextlib.contextmanager
@@ -360,10 +377,46 @@ class PartitionedPlacement(Placement):
             unit.backward_refs += 1
             self._arm(unit)
 
+    def _pre_forward_frozen(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """A frozen unit's gather, and (where autograd records) its module's inputs that need a gradient passed
+        through `_InputsDone`, whose backward says the unit's backward is over. The parameters' versions are noted:
+        a forward that writes one in place is an error at its end (the write would never be stored)."""
+        self._pre_forward(unit)
+        unit.versions = [slot.param._version for slot in unit.flat.slots]
+        if not torch.is_grad_enabled():
+            return None
+        leaves, spec = tree_flatten((args, kwargs))
+        places = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not places:
+            return None
+        fired = [False]
+        token = _Token(lambda: self._inputs_done(unit, fired))
+        unit.inputs_pending += 1
+        # A graph freed without its backward (a forward without one, a recomputation discarded) ends the count too.
+        weakref.finalize(token, _forget_inputs, unit, fired)
+        for place, tensor in zip(places, _InputsDone.apply(token, *(leaves[i] for i in places))):
+            leaves[place] = tensor
+        return tree_unflatten(leaves, spec)
+
+    def _inputs_done(self, unit: Unit, fired: list[bool]) -> None:
+        if not fired[0]:
+            fired[0] = True
+            unit.inputs_pending -= 1
+        self._end_frozen(unit)
+
+    def _end_frozen(self, unit: Unit) -> None:
+        """End a frozen unit's backward once its inputs' gradients are computed and its module's trained units have
+        their gradients (both may still need its weights before)."""
+        if (unit.state is UnitState.BACKWARD and unit.inputs_pending == 0
+                and all(t.state is not UnitState.BACKWARD for t in self._trained_of.get(id(unit.module), ()))):
+            self._finish_backward(unit)
+
     def _post_forward(self, unit: Unit, output: object) -> object:
         """Arm the unit's backward on its outputs and drop the forward's gather. Returns the output the module's
         caller gets: any output that is a view of the unit's parameters (a bias returned as it is) becomes a copy,
         since the release takes those bytes away (reading them after would read freed memory)."""
+        if unit.frozen:
+            check_unwritten(unit)
         leaves, spec = tree_flatten(output)
         storage = unit.full.untyped_storage().data_ptr()
         if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == storage for t in leaves):
@@ -395,11 +448,11 @@ class PartitionedPlacement(Placement):
         if unit.state is not UnitState.BACKWARD:
             self._reserve_gradients(unit)
             unit.to("arm")
-            unit.grads_pending = len(unit.flat.slots)
+            unit.grads_pending = 0 if unit.frozen else len(unit.flat.slots)
 
     def _reserve_gradients(self, unit: Unit) -> None:
         """Count autograd's gradients of the unit's parameters (as large as its full buffer) until its reduce."""
-        if not unit.grads_reserved:
+        if not unit.grads_reserved and not unit.frozen:
             self.swap.reserve_device(unit.nbytes, f"{unit.name} gradients", GRADIENTS)
             unit.grads_reserved = True
 
@@ -414,16 +467,23 @@ class PartitionedPlacement(Placement):
 
     def _finish_backward(self, unit: Unit) -> None:
         unit.to("grads_ready")
-        last = self.gradients.reduce(unit)  # frees the parameters' gradients
-        self.swap.unreserve_device(unit.nbytes, GRADIENTS)
-        unit.grads_reserved = False
-        if last and unit.sub_groups and unit.sub_groups[0].master_in is None:
-            # The step that follows rewrites the shard from the fp32 masters: its room is the first to give
-            # up, for the gradients coming and the step's state (written home already, it costs no write).
-            self.swap.expect_overwrite(unit.segment)
+        if not unit.frozen:
+            last = self.gradients.reduce(unit)  # frees the parameters' gradients
+            self.swap.unreserve_device(unit.nbytes, GRADIENTS)
+            unit.grads_reserved = False
+            if last and unit.sub_groups and unit.sub_groups[0].master_in is None:
+                # The step that follows rewrites the shard from the fp32 masters: its room is the first to give
+                # up, for the gradients coming and the step's state (written home already, it costs no write).
+                self.swap.expect_overwrite(unit.segment)
         while unit.backward_refs:
             unit.backward_refs -= 1
             self.release(unit)
+        if not unit.frozen:
+            for other in self._frozen_of(unit):
+                self._end_frozen(other)
+
+    def _frozen_of(self, unit: Unit) -> list[Unit]:
+        return [u for u in self.units if u.frozen and u.module is unit.module and u.state is UnitState.BACKWARD]
 
     def backward_again(self, unit: Unit) -> None:
         """The unit's backward runs once more while it stays gathered (the unit-major schedule's next micro-batch
@@ -476,3 +536,54 @@ class PartitionedPlacement(Placement):
             for hook in unit.hooks:
                 hook.remove()
             unit.hooks.clear()
+
+
+def check_frozen(flat: FlatUnit, device: torch.device) -> None:
+    """A frozen parameter must come as the model was built (host memory, or meta to be materialized) or on the
+    engine's device: one already on another device (a base moved to a GPU the engine does not use) is refused."""
+    for slot in flat.slots:
+        where = slot.param.device
+        if where.type not in ("cpu", "meta") and where != device:
+            raise ValueError(f"frozen parameter {slot.name!r} is on {where}, and this engine runs on {device}: "
+                             "build or load the base model on the CPU (or under zero.Init) and let initialize "
+                             "place it")
+
+
+def check_unwritten(unit: Unit) -> None:
+    """A frozen unit's forward wrote none of its parameters in place (the write would be lost at the release)."""
+    for slot, version in zip(unit.flat.slots, unit.versions):
+        if slot.param._version != version:
+            raise RuntimeError(f"frozen parameter {slot.name!r} was modified in place by its module's forward: a "
+                               "frozen parameter's stored bytes are never written back, so the change would be "
+                               "lost at its release; make it trainable or change it outside the forward, inside "
+                               "zero.GatheredParameters(..., modifier_rank=0)")
+
+
+class _Token:
+    """What an `_InputsDone` node holds: calls `fire` from its backward; its death (the graph freed) ends the count
+    through a finalizer."""
+    __slots__ = ("fire", "__weakref__")
+
+    def __init__(self, fire: Callable[[], None]):
+        self.fire = fire
+
+
+def _forget_inputs(unit: Unit, fired: list[bool]) -> None:
+    if not fired[0]:
+        fired[0] = True
+        unit.inputs_pending -= 1
+
+
+class _InputsDone(torch.autograd.Function):
+    """The identity on a frozen unit's module's inputs that need a gradient: its backward runs once all of their
+    gradients are computed, after the last use of the unit's weights for them."""
+
+    @staticmethod
+    def forward(ctx, token: _Token, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.token = token
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        ctx.token.fire()
+        return (None, *grads)

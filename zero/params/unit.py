@@ -78,6 +78,10 @@ class Unit:
     """The device budget counts autograd's gradients of its parameters (from its backward's start to its reduce)."""
     fill: Fill | None = None
     """The last copy of the shard into the full buffer (partitioned units)."""
+    inputs_pending: int = 0
+    """Frozen units: forward calls whose inputs' gradients backward has not computed yet (their graphs alive)."""
+    versions: list[int] = field(default_factory=list)
+    """Frozen units: their parameters' version counters when the forward gathered them."""
     lent: HostBuffer | None = None
     """Without CUDA, the device tier's pool buffer whose bytes the full buffer holds while it has any."""
     hooks: list = field(default_factory=list)
@@ -90,6 +94,11 @@ class Unit:
     def nbytes(self) -> int:
         """Bytes of the full buffer when gathered."""
         return self.flat.padded_numel * self.full.element_size()
+
+    @property
+    def frozen(self) -> bool:
+        """No gradient, no optimizer state: its shard is read, never written (FlatUnit.frozen)."""
+        return self.flat.frozen
 
     @property
     def gathered(self) -> bool:

@@ -1,7 +1,8 @@
 """Wrap policy: which modules become units. By default the model's repeated blocks (the elements of its
 largest nn.ModuleList of same-class modules, e.g. transformer layers); every parameter not inside a block
 goes to one root unit. A parameter shared by several modules (tied embeddings) belongs to the block that
-holds it when only one block does, else to the root unit."""
+holds it when only one block does, else to the root unit. Frozen parameters (requires_grad False: an adapter's
+base) follow the same rules, listed apart: they make units of their own beside the block's trained ones."""
 from __future__ import annotations
 
 from typing import Callable
@@ -26,9 +27,13 @@ def by_class(classes: set[type[nn.Module]]) -> Policy:
     return lambda name, module: isinstance(module, tuple(classes))
 
 
-def split_units(model: nn.Module, policy: Policy | None = None) -> list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
-    """(unit name, the module whose forward the unit follows, its parameters) in module order; the root unit
-    (named '' and following the whole model) comes first."""
+Named = list[tuple[str, nn.Parameter]]
+
+
+def split_units(model: nn.Module, policy: Policy | None = None) -> list[tuple[str, nn.Module, Named, Named]]:
+    """(unit name, the module whose forward the unit follows, its trained parameters, its frozen floating-point
+    ones) in module order; the root unit (named '' and following the whole model) comes first. Frozen parameters
+    that are not floating point (a quantized base's integer weights) are in none: they stay as they are."""
     policy = policy or by_class(repeated_blocks(model))
     blocks: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
@@ -41,13 +46,14 @@ def split_units(model: nn.Module, policy: Policy | None = None) -> list[tuple[st
     seen: set[int] = set()
     units = []
     for name, module in blocks:
-        params = []
+        trained, frozen = [], []
         for pname, p in module.named_parameters(prefix=name):
             # One held by several blocks is used while the block owning it is released: the root unit,
             # gathered for the whole forward and backward, takes it.
-            if id(p) not in seen and p.requires_grad and holders[id(p)] == 1:
+            if id(p) not in seen and p.is_floating_point() and holders[id(p)] == 1:
                 seen.add(id(p))
-                params.append((pname, p))
-        units.append((name, module, params))
-    root = [(n, p) for n, p in model.named_parameters() if id(p) not in seen and p.requires_grad]
-    return [("", model, root)] + [u for u in units if u[2]]
+                (trained if p.requires_grad else frozen).append((pname, p))
+        units.append((name, module, trained, frozen))
+    rest = [(n, p) for n, p in model.named_parameters() if id(p) not in seen and p.is_floating_point()]
+    root = ("", model, [(n, p) for n, p in rest if p.requires_grad], [(n, p) for n, p in rest if not p.requires_grad])
+    return [root] + [u for u in units if u[2] or u[3]]

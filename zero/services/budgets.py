@@ -64,7 +64,12 @@ def window_bytes(cfg: Config, dtype: torch.dtype, unit: FlatUnit, *, master: boo
 
 def largest_window(cfg: Config, dtype: torch.dtype, units: list[FlatUnit], *, master: bool | None = None) -> int:
     """The most host bytes one sub-group takes for a step (`window_bytes`)."""
-    return max((b for unit in units for b in window_bytes(cfg, dtype, unit, master=master)), default=0)
+    return max((b for unit in trained(units) for b in window_bytes(cfg, dtype, unit, master=master)), default=0)
+
+
+def trained(units: list[FlatUnit]) -> list[FlatUnit]:
+    """The units with optimizer state and gradients: all but the frozen ones."""
+    return [u for u in units if not u.frozen]
 
 
 def reduce_dtype(cfg: Config, dtype: torch.dtype) -> torch.dtype:
@@ -105,7 +110,7 @@ def nvme_segments(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, opt
         numel = unit.rank_range(zo.stage >= 1)[1]
         if params_on_nvme:
             sizes.append(dtype.itemsize * numel)
-        if state_on_nvme:
+        if state_on_nvme and not unit.frozen:
             for index, n in sub_groups(cfg, unit):
                 codecs = fmt.codecs(n, index, unit.extents)
                 sizes += [codecs.master.nbytes(n)] * own_master
@@ -125,7 +130,7 @@ def sub_groups(cfg: Config, unit: FlatUnit) -> list[tuple[int, int]]:
 def largest_sub_group(cfg: Config, units: list[FlatUnit]) -> int:
     """Elements of the largest sub-group: the largest range, cut at sub_group_size."""
     zo = cfg.zero_optimization
-    largest = max((u.rank_range(zo.stage >= 1)[1] for u in units), default=0)
+    largest = max((u.rank_range(zo.stage >= 1)[1] for u in trained(units)), default=0)
     return min(largest, zo.sub_group_size or largest)
 
 
@@ -141,7 +146,7 @@ def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, optim
     offload = zo.offload_optimizer.device
     homed_on_host = 0
     if optimizer and offload == "cpu":
-        homed_on_host = sum(sum(window_bytes(cfg, dtype, unit)) for unit in units)
+        homed_on_host = sum(sum(window_bytes(cfg, dtype, unit)) for unit in trained(units))
     if optimizer and offload != "none":  # gradient_copies.py: the staging of the gradients' way to the host
         window += SLOTS * reduce_dtype(cfg, dtype).itemsize * largest_sub_group(cfg, units)
     prefetch = 2 * state  # read ahead the next sub-groups' state
@@ -200,7 +205,8 @@ def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: n
     zo = cfg.zero_optimization
     world = plan[0][0].world_size if plan else 1
     stage3 = zo.stage == 3
-    largest = max((flat.padded_numel for flat, _ in plan), default=0)
+    learning = [(flat, module) for flat, module in plan if not flat.frozen]
+    largest = max((flat.padded_numel for flat, _ in learning), default=0)
     reduce_bytes = reduce_dtype(cfg, dtype).itemsize
     work_on_host = zo.offload_optimizer.device != "none"
     slots = SLOTS if work_on_host else 1
@@ -213,21 +219,25 @@ def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: n
             scratch += slots * charge(largest // world * reduce_bytes)
     if not work_on_host and reduce_bytes != 4:
         scratch += charge(largest * 4)
-    parts = {"segments": 0, "gathered units": 0, "unit gradients": 0, "reduction scratch": scratch if plan else 0}
+    parts = {"segments": 0, "gathered units": 0, "unit gradients": 0, "reduction scratch": scratch if learning else 0}
     if stage3:
-        full = [charge(flat.padded_numel * dtype.itemsize) for flat, _ in plan]
-        staying = [i for i, (flat, module) in enumerate(plan)
-                   if module is model or flat.numel <= zo.param_persistence_threshold]
-        moving = [full[i] for i in range(len(plan)) if i not in staying]
-        parts["gathered units"] = sum(full[i] for i in staying) + max(moving, default=0)
-        roots = [full[i] for i, (_, module) in enumerate(plan) if module is model]
-        others = [full[i] for i, (_, module) in enumerate(plan) if module is not model]
-        parts["unit gradients"] = sum(roots) + max(others, default=0)
+        # A module's units (one per param group, and its frozen one) are gathered together.
+        by_module: dict[int, int] = {}
+        for flat, module in plan:
+            if module is not model and flat.numel > zo.param_persistence_threshold:
+                by_module[id(module)] = by_module.get(id(module), 0) + charge(flat.padded_numel * dtype.itemsize)
+        staying = sum(charge(flat.padded_numel * dtype.itemsize) for flat, module in plan
+                      if module is model or flat.numel <= zo.param_persistence_threshold)
+        parts["gathered units"] = staying + max(by_module.values(), default=0)
+        grads: dict[int, int] = {}
+        for flat, module in learning:
+            grads[id(module)] = grads.get(id(module), 0) + charge(flat.padded_numel * dtype.itemsize)
+        parts["unit gradients"] = grads.pop(id(model), 0) + max(grads.values(), default=0)
         if zo.offload_param.device == "none":
             parts["segments"] += sum(charge(flat.shard_numel * dtype.itemsize) for flat, _ in plan)
     if not work_on_host:  # the optimizer's state and gradient live on the device
         state = 3 if masters_are_params(cfg, dtype) else 4
-        for flat, _ in plan:
+        for flat, _ in learning:
             for _, n in sub_groups(cfg, flat):
                 parts["segments"] += (state - 1) * charge(4 * n) + charge(grad_dtype(cfg, dtype).itemsize * n)
     return parts

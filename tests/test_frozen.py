@@ -1,0 +1,321 @@
+"""Frozen parameters (an adapter's base) under ZeRO-3: partitioned into units of their own, stored once in their home
+tier, gathered and released clean, never written back.
+
+PEFT's LoRA on a small Llama and on GPT-2 trains bit for bit as the same PEFT model in plain PyTorch with torch
+AdamW (fp32, accumulation 2, clipping on), the base on nvme and on cpu, one rank and two; the base's stored bytes
+are the same before and after training, and the swap manager wrote none of them after registering them. A
+checkpoint saved without the frozen parameters resumes, in a fresh process on the same base, bitwise.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import peft
+import pytest
+import torch
+import torch.multiprocessing as mp
+import xxhash
+
+import zero as deepspeed
+
+from stage3_models import (
+    REPO_ROOT, assert_state_equal, batches, engine_train, free_port, full_state, one_thread, reference_train,  # noqa: F401
+    stage3_config, tiny_gpt2, tiny_llama, units_held)
+
+ACCUM, CLIP = 2, 1.0
+TARGETS = {"llama": (tiny_llama, ["q_proj", "v_proj"]), "gpt2": (tiny_gpt2, ["c_attn"])}
+
+
+def lora(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    build, targets = TARGETS[name]
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
+                             fan_in_fan_out=name == "gpt2")
+    return peft.get_peft_model(build(seed, **overrides), config)
+
+
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def stored(engine) -> dict[str, bytes]:
+    """Each frozen segment's bytes where it rests (read from the nvme file, or the host buffer), hashed."""
+    out = {}
+    for unit in engine.units:
+        if not unit.frozen:
+            continue
+        seg = engine.swap.segments[unit.segment]
+        if seg.home == "nvme":
+            with open(engine.swap.store.path_of(seg.extent), "rb") as f:
+                f.seek(seg.extent.offset)
+                data = f.read(seg.nbytes)
+        else:
+            data = seg.host.storage.view(torch.uint8)[: seg.nbytes].numpy().tobytes()
+        out[unit.name] = xxhash.xxh3_64_hexdigest(data)
+    return out
+
+
+def frozen_writes(engine) -> int:
+    return sum(n for name, n in engine.swap.stats.segment_bytes["host->nvme"].items() if "#frozen" in name)
+
+
+@pytest.mark.parametrize("home", ["nvme", "cpu"])
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_lora_trains_as_plain_pytorch_and_the_base_is_never_written(name, home, tmp_path):
+    data = batches(3 * ACCUM)
+    with one_thread():
+        reference = lora(name)
+        expected_losses = reference_train(reference, data, accum=ACCUM, clip=CLIP)
+        model = lora(name)
+        config = stage3_config(home, home, nvme_path=tmp_path, accum=ACCUM, clip=CLIP)
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=trainable(model))
+        try:
+            frozen = [u for u in engine.units if u.frozen]
+            assert frozen and all(not u.sub_groups for u in frozen)  # a base in units, without optimizer state
+            assert {s.name for u in frozen for s in u.flat.slots} == {
+                n for n, p in model.named_parameters() if not p.requires_grad}
+            before, written = stored(engine), frozen_writes(engine)
+            losses = engine_train(engine, data)
+            assert frozen_writes(engine) == written  # registered once; not a byte since
+            assert stored(engine) == before
+            assert units_held(engine) == []
+            assert losses == expected_losses
+            assert_state_equal(full_state(engine), {k: v.detach().clone() for k, v in reference.state_dict().items()})
+        finally:
+            engine.close()
+
+
+@pytest.mark.parametrize("checkpointing", ["nonreentrant", "reentrant"])
+def test_a_frozen_unit_is_released_as_its_modules_backward_ends(checkpointing, tmp_path):
+    """Six layers, gradient checkpointing either way: at no time are two blocks' units gathered at once (the frozen
+    unit of a block goes when its inputs' gradients are computed, not at the backward's end), and the run is still
+    plain PyTorch's bit for bit."""
+    data = batches(2)
+    with one_thread():
+        reference = lora("llama", num_hidden_layers=6)
+        expected = reference_train(reference, data)
+        base = tiny_llama(0, num_hidden_layers=6)
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+        model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                          lora_dropout=0.0))
+        model.enable_input_require_grads()
+        engine, *_ = deepspeed.initialize(model=model, config=stage3_config("nvme", "nvme", nvme_path=tmp_path),
+                                          model_parameters=trainable(model))
+        placement, most = engine.placement, [0]
+        gather = placement.gather
+
+        def counting(unit):
+            gather(unit)
+            modules = {id(u.module) for u in placement.units if u.gathered and u.module is not engine.module}
+            most[0] = max(most[0], len(modules))
+
+        placement.gather = counting
+        try:
+            assert engine_train(engine, data) == expected
+            assert most[0] == 1
+            assert units_held(engine) == []
+        finally:
+            engine.close()
+
+
+def test_unit_major_accumulation_runs_frozen_units_too(tmp_path):
+    data = batches(2 * ACCUM)
+    with one_thread():
+        reference = lora("llama")
+        expected = reference_train(reference, data, accum=ACCUM, clip=CLIP)
+        model = lora("llama")
+        engine, *_ = deepspeed.initialize(model=model, config=stage3_config("nvme", "nvme", nvme_path=tmp_path,
+                                                                            accum=ACCUM, clip=CLIP),
+                                          model_parameters=trainable(model))
+        try:
+            losses = [engine.train_batch(iter({"input_ids": ids, "labels": ids} for ids in data[i:i + ACCUM])).item()
+                      for i in range(0, len(data), ACCUM)]
+            assert engine.schedule == "unit-major"
+            # The step's loss is the mean of its micro-batches' (within rounding: one batch, not two).
+            assert losses == pytest.approx([sum(expected[i:i + ACCUM]) / ACCUM for i in range(0, len(data), ACCUM)],
+                                           rel=1e-6)
+            assert_state_equal(full_state(engine), {k: v.detach().clone() for k, v in reference.state_dict().items()},
+                               exact=False, rtol=1e-6, atol=1e-7)
+        finally:
+            engine.close()
+
+
+# -- two ranks --------------------------------------------------------------------------------------------------
+
+WORLD = 2
+
+
+def _worker(rank: int, port: int, root: str, name: str) -> None:
+    os.environ.update(WORLD_SIZE=str(WORLD), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    data = [ids[rank:rank + 1] for ids in batches(3 * ACCUM)]  # each rank its own row of every batch
+    path = os.path.join(root, f"rank{rank}")
+    os.makedirs(path, exist_ok=True)
+    model = lora(name)
+    engine, *_ = deepspeed.initialize(model=model, config=stage3_config("nvme", "nvme", nvme_path=path, accum=ACCUM,
+                                                                        clip=CLIP, micro=1),
+                                      model_parameters=trainable(model))
+    before, written = stored(engine), frozen_writes(engine)
+    losses = engine_train(engine, data)
+    result = {"losses": losses, "state": full_state(engine), "unchanged": stored(engine) == before,
+              "writes": frozen_writes(engine) - written}
+    engine.close()
+    torch.save(result, os.path.join(root, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def two_rank_reference(name: str) -> tuple[list[list[float]], dict]:
+    """What two data-parallel ranks compute, in plain PyTorch: per micro-batch each rank's row through its own
+    replica, the gradients averaged ((a + b) / 2, as the reduction sums two ranks and divides) and accumulated in
+    fp32, then clipping and torch AdamW on one copy whose weights both replicas take."""
+    replicas = [lora(name) for _ in range(WORLD)]
+    params = [trainable(r) for r in replicas]
+    optimizer = torch.optim.AdamW(params[0], lr=3e-3, weight_decay=0.01, fused=True)
+    data = batches(3 * ACCUM)
+    losses: list[list[float]] = [[] for _ in range(WORLD)]
+    accumulated = None
+    for index, ids in enumerate(data):
+        for rank, replica in enumerate(replicas):
+            loss = replica(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss
+            (loss / ACCUM).backward()
+            losses[rank].append(loss.item())
+        mean = [(a.grad + b.grad) / WORLD for a, b in zip(*params)]
+        accumulated = mean if accumulated is None else [x + y for x, y in zip(accumulated, mean)]
+        for group in params:
+            for p in group:
+                p.grad = None
+        if (index + 1) % ACCUM == 0:
+            for p, g in zip(params[0], accumulated):
+                p.grad = g
+            torch.nn.utils.clip_grad_norm_(params[0], CLIP)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            accumulated = None
+            with torch.no_grad():
+                for p, q in zip(params[0], params[1]):
+                    q.copy_(p)
+    return losses, {k: v.detach().clone() for k, v in replicas[0].state_dict().items()}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_two_ranks_train_lora_as_plain_data_parallel_pytorch(name, tmp_path):
+    root = str(tmp_path)
+    context = mp.start_processes(_worker, args=(free_port(), root, name), nprocs=WORLD, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + 240
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise TimeoutError("two-rank LoRA did not finish in 240 s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    ranks = [torch.load(os.path.join(root, f"rank{rank}.pt")) for rank in range(WORLD)]
+    with one_thread():
+        losses, state = two_rank_reference(name)
+    for rank, result in enumerate(ranks):
+        assert result["unchanged"] and result["writes"] == 0
+        assert result["losses"] == losses[rank]
+        assert_state_equal(result["state"], state)
+
+
+# -- checkpoints and bad input ---------------------------------------------------------------------------------
+
+RESUME = """
+import sys, torch, peft
+sys.path.insert(0, {tests!r})
+import zero as deepspeed
+from test_frozen import lora, trainable, frozen_writes
+from stage3_models import batches, engine_train, full_state, stage3_config
+torch.set_num_threads(1)
+model = lora("llama")
+engine, *_ = deepspeed.initialize(model=model, config=stage3_config("nvme", "nvme", nvme_path={nvme!r}, accum=2, clip=1.0),
+                                  model_parameters=trainable(model))
+engine.load_checkpoint({ckpt!r})
+written = frozen_writes(engine)
+losses = engine_train(engine, batches(8)[4:])
+torch.save({{"losses": losses, "state": full_state(engine), "writes": frozen_writes(engine) - written}}, {out!r})
+engine.close()
+"""
+
+
+def test_a_checkpoint_without_the_base_resumes_bitwise_in_a_fresh_process(tmp_path):
+    data = batches(8)
+    with one_thread():
+        model = lora("llama")
+        config = stage3_config("nvme", "nvme", nvme_path=tmp_path / "a", accum=ACCUM, clip=CLIP)
+        (tmp_path / "a").mkdir()
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=trainable(model))
+        try:
+            first = engine_train(engine, data[:4])
+            engine.save_checkpoint(tmp_path / "ckpt", tag="lora", exclude_frozen_parameters=True)
+            rest = engine_train(engine, data[4:])
+            uninterrupted = full_state(engine)
+        finally:
+            engine.close()
+    with open(tmp_path / "ckpt" / "lora" / "manifest.json") as f:
+        excluded = json.load(f)["excluded"]
+    assert set(excluded) == {n for n, p in lora("llama").named_parameters() if not p.requires_grad}
+    data_bytes = sum(os.path.getsize(tmp_path / "ckpt" / "lora" / n) for n in os.listdir(tmp_path / "ckpt" / "lora"))
+    base_bytes = 4 * sum(p.numel() for p in lora("llama").parameters() if not p.requires_grad)
+    assert data_bytes < base_bytes  # the base is not in it
+    (tmp_path / "b").mkdir()
+    script = RESUME.format(tests=os.path.join(REPO_ROOT, "tests"), nvme=str(tmp_path / "b"),
+                           ckpt=str(tmp_path / "ckpt"), out=str(tmp_path / "resumed.pt"))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = torch.load(tmp_path / "resumed.pt")
+    assert first and resumed["losses"] == rest
+    assert resumed["writes"] == 0  # the load left the base as the engine stored it
+    assert_state_equal(resumed["state"], uninterrupted)
+
+
+def test_a_full_checkpoint_restores_the_base_too(tmp_path):
+    """Without exclusion the frozen parameters are saved by name, whole: a model whose base differs takes the
+    saved one on load."""
+    data = batches(2)
+    with one_thread():
+        model = lora("llama")
+        config = stage3_config("cpu", "cpu", accum=1)
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=trainable(model))
+        try:
+            engine_train(engine, data)
+            engine.save_checkpoint(tmp_path, tag="full")
+            saved = full_state(engine)
+        finally:
+            engine.close()
+        other = lora("llama", seed=1)
+        engine, *_ = deepspeed.initialize(model=other, config=config, model_parameters=trainable(other))
+        try:
+            assert not torch.equal(full_state(engine)["base_model.model.model.embed_tokens.weight"],
+                                   saved["base_model.model.model.embed_tokens.weight"])
+            engine.load_checkpoint(tmp_path, tag="full")
+            assert_state_equal(full_state(engine), saved)
+        finally:
+            engine.close()
+
+
+class _InPlace(torch.nn.Linear):
+    def forward(self, x):
+        with torch.no_grad():
+            self.weight.mul_(0.5)
+        return super().forward(x)
+
+
+def test_a_forward_writing_a_frozen_parameter_is_an_error_naming_it(tmp_path):
+    model = torch.nn.Sequential()
+    model.blocks = torch.nn.ModuleList([_InPlace(8, 8), _InPlace(8, 8)])
+    model.blocks[0].weight.requires_grad_(False)
+    model.forward = lambda x: model.blocks[1](model.blocks[0](x)).sum()
+    engine, *_ = deepspeed.initialize(model=model, config=stage3_config("cpu", "cpu"),
+                                      model_parameters=trainable(model))
+    try:
+        with pytest.raises(RuntimeError, match=r"frozen parameter 'blocks\.0\.weight' was modified in place"):
+            engine(torch.ones(2, 8))
+    finally:
+        engine.close()
