@@ -1,6 +1,6 @@
 """The benchmarks' --quick modes run end to end and write their records (no speed thresholds: the machine is
 shared and noisy): bench/infer.py, bench/load.py, bench/adam_stream.py, bench/stream.py, bench/activations.py,
-bench/quality.py and bench/gpu_check.py."""
+bench/quality.py, bench/lora.py and bench/gpu_check.py."""
 from __future__ import annotations
 
 import json
@@ -117,3 +117,16 @@ def test_activations_bench_trains_the_same_losses_in_every_mode(tmp_path):
         assert records[mode]["device_peak"] <= records[mode]["device_budget"] == records["device"]["device_peak"]
         assert records[mode]["bytes_moved"]["device->host"] >= records[mode]["activation_bytes"]
     assert records["nvme"]["bytes_moved"].get("host->nvme", 0) > 0
+
+
+def test_lora_reads_its_base_and_never_writes_it(tmp_path):
+    """The quick Llama's base streams from nvme (the host budget cannot keep it beside the adapters' state): read
+    every step, not a byte of it written; each step bounded by the bytes it read over fio's read rate, or the in-memory step."""
+    result = quick("lora.py", tmp_path)
+    fio = result["fio_read_gbps"]
+    rate = (fio["before"] + fio["after"]) / 2 * 1e9
+    assert result["frozen_bytes"] > 0 and result["peak_rss_bytes"] > 0 and result["host_peak"] <= result["host_budget"]
+    for step in result["steps"]:
+        assert step["frozen_read"] > 0 and step["frozen_written"] == 0
+        assert step["read"] >= step["frozen_read"]
+        assert abs(step["bound_s"] - max(result["in_memory_step_s"], step["read"] / rate)) < 1e-9

@@ -143,6 +143,45 @@ def test_unit_major_accumulation_runs_frozen_units_too(tmp_path):
             engine.close()
 
 
+def _lora_on(base: torch.nn.Module) -> torch.nn.Module:
+    return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                     lora_dropout=0.0))
+
+
+@pytest.mark.parametrize("route", ["zero.Init", "pretrained"])
+def test_lora_on_a_base_never_whole_in_memory_starts_as_its_base(route, tmp_path):
+    """The base built under zero.Init, or on meta and read from a safetensors checkpoint (`weights=`), PEFT applied
+    to it there: PEFT left the adapters on meta (the base's device), so they are initialized again as PEFT does (B
+    zero): the first loss is the base's own, bit for bit, and the adapters train."""
+    config = stage3_config("nvme", "nvme", nvme_path=tmp_path)
+    ids = batches(1)[0]
+    with one_thread():
+        plain = tiny_llama(0)
+        with torch.no_grad():
+            base_loss = plain(input_ids=ids, labels=ids).loss.item()
+        weights = None
+        if route == "zero.Init":
+            with deepspeed.zero.Init(config_dict_or_path=config):
+                base = tiny_llama(0)
+        else:
+            plain.save_pretrained(tmp_path / "base")
+            weights = tmp_path / "base"
+            with torch.device("meta"):
+                base = tiny_llama(0)
+        model = _lora_on(base)
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=trainable(model),
+                                          weights=weights)
+        try:
+            assert all(u.frozen for u in engine.units if "#frozen" in u.name) and any(u.frozen for u in engine.units)
+            state = full_state(engine)
+            assert all(not v.any() for k, v in state.items() if "lora_B" in k)
+            assert all(v.any() for k, v in state.items() if "lora_A" in k)
+            losses = engine_train(engine, [ids] * 4)
+            assert losses[0] == base_loss and losses[-1] < losses[0]
+        finally:
+            engine.close()
+
+
 # -- two ranks --------------------------------------------------------------------------------------------------
 
 WORLD = 2
@@ -319,3 +358,52 @@ def test_a_forward_writing_a_frozen_parameter_is_an_error_naming_it(tmp_path):
             engine(torch.ones(2, 8))
     finally:
         engine.close()
+
+
+def test_zero_trainer_saves_a_peft_models_adapters_alone_and_resumes_from_its_checkpoint(tmp_path):
+    """ZeroTrainer with a PEFT model: `save_model` writes PEFT's adapter files (no base), which PeftModel.from_pretrained
+    loads onto a fresh base to compute the engine's loss; its checkpoint-N leaves the base out, and training resumed
+    from it continues as the uninterrupted run."""
+    from transformers import TrainingArguments
+
+    from test_hf_trainer import dataset, hf_docs_zero3, losses, training_args
+    from zero.integrations import ZeroTrainer
+
+    def trainer_of(out, **overrides):
+        model = _lora_on(tiny_llama(0, vocab_size=256))
+        args = training_args(TrainingArguments, out, max_steps=6, **overrides)
+        return ZeroTrainer(model=model, train_dataset=dataset(48), args=args,
+                           zero_config=hf_docs_zero3(tmp_path / "nvme", accumulation="micro-batch")), model
+
+    with one_thread():
+        whole, model = trainer_of(tmp_path / "whole")
+        try:
+            whole.train()
+            whole.save_model(str(tmp_path / "adapter"))
+            ids = dataset(1)[0]["input_ids"][None]
+            whole.engine.eval()
+            with torch.no_grad():
+                trained_loss = whole.engine(input_ids=ids, labels=ids).loss.item()
+        finally:
+            whole.close()
+        files = set(os.listdir(tmp_path / "adapter"))
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= files and "model.safetensors" not in files
+        reloaded = peft.PeftModel.from_pretrained(tiny_llama(0, vocab_size=256), tmp_path / "adapter").eval()
+        with torch.no_grad():
+            assert abs(reloaded(input_ids=ids, labels=ids).loss.item() - trained_loss) <= 1e-6
+
+        first, _ = trainer_of(tmp_path / "run", save_strategy="steps", save_steps=3)
+        try:
+            first.train()
+        finally:
+            first.close()
+        checkpoint = tmp_path / "run" / "checkpoint-3"
+        with open(checkpoint / "global_step3" / "manifest.json") as f:
+            assert "base_model.model.model.embed_tokens.weight" in json.load(f)["excluded"]
+        resumed, _ = trainer_of(tmp_path / "resumed")
+        try:
+            resumed.train(resume_from_checkpoint=str(checkpoint))
+            after = {k: v for k, v in losses(resumed).items() if k > 3}
+            assert len(after) == 3 and after == {k: v for k, v in losses(first).items() if k > 3}
+        finally:
+            resumed.close()

@@ -341,18 +341,22 @@ def test_lora_with_gradient_checkpointing_under_stage3_offload(tmp_path):
         # Forward and recomputation, 2 micro-batches a step, unit-major (the model's own checkpointing off: each
         # unit recomputes itself), and the probe's one forward in eval mode at the first step.
         assert calls.count(True) == 2 * 2 * steps and calls.count(False) == 1
-        # Only the LoRA parameters are in units, so only they have optimizer state and gradients.
-        slots = [slot for unit in engine.units for slot in unit.flat.slots]
+        # Only the LoRA parameters are in trained units, so only they have optimizer state and gradients; the
+        # frozen weights are in units of their own, without either.
+        trained = [unit for unit in engine.units if not unit.frozen]
+        slots = [slot for unit in trained for slot in unit.flat.slots]
         assert slots and all(slot.param.requires_grad and ".lora_" in slot.name for slot in slots)
         assert sum(slot.numel for slot in slots) == trainable
-        padded = sum(unit.flat.padded_numel for unit in engine.units)  # one rank: its shard is the whole unit
+        assert {slot.name for unit in engine.units if unit.frozen for slot in unit.flat.slots} == set(frozen)
+        padded = sum(unit.flat.padded_numel for unit in trained)  # one rank: its shard is the whole unit
         assert sum(sg.numel for sg in engine.driver.sub_groups) == padded
         moments = sum(seg.nbytes for name, seg in engine.swap.segments.items()
                       if name.endswith(("/exp_avg", "/exp_avg_sq")))
         assert moments == 2 * 4 * padded < 4 * sum(t.numel() for t in frozen.values())
+        state = engine.module_state_dict()
         for name, p in model.named_parameters():
             if not p.requires_grad:
-                assert p.grad is None and torch.equal(p, frozen[name]), name
+                assert p.grad is None and torch.equal(state[name], frozen[name]), name
     finally:
         trainer.close()
 

@@ -240,3 +240,30 @@ def test_unit_major_accumulation_moves_each_unit_once_and_keeps_every_micro_batc
     inputs = shape.layers * 2 * shape.seq_len * shape.hidden * 4  # every block's input, one micro-batch, fp32
     assert unit_major.device_peak_bytes - micro.device_peak_bytes >= 3 * inputs
     assert "unit-major" in json.dumps(unit_major.to_json())
+
+
+def test_frozen_parameters_are_read_twice_a_step_and_never_written(tmp_path):
+    """The tiny preset with its blocks frozen (an adapter's base), stage 3 on nvme, the host budget the engine
+    derives (no cache): the frozen bytes are read in the forward and again in the backward, never written, and hold
+    no optimizer state; the same model trained whole writes them and their state every step."""
+    from zero.plan.__main__ import disk_figures
+    from zero.plan.machine import Machine
+    from zero.plan.predict import predict
+
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": 3, "offload_param": {**nvme, "max_in_cpu": 0}, "offload_optimizer": nvme,
+                                    "stage3_prefetch_bucket_size": 0},
+              "zero_tiering": {"speculative_step": False}}
+    args = parse_args(["--model", "tiny", "--nvme-path", str(tmp_path), *DISK])
+    machine = Machine(ram_bytes=64 << 30, gpu_bytes=0, disk=disk_figures(args), matmul_flops=1e11,
+                      adam_elements=1e8, copy_bytes=1e10, fresh_bytes=1e10, compact_adam={})
+    whole = predict(from_preset("tiny"), machine, config, 0, None)
+    shape = from_preset("tiny")
+    for block in shape.model.blocks:
+        block.requires_grad_(False)
+    base = predict(shape, machine, config, 0, None)
+    frozen = 4 * sum(p.numel() for b in shape.model.blocks for p in b.parameters())  # fp32
+    assert base.read_bytes >= 2 * frozen
+    assert whole.write_bytes - base.write_bytes >= frozen + 3 * frozen  # their weights and fp32 Adam state
+    assert base.tier_bytes["nvme"] < whole.tier_bytes["nvme"] - 3 * frozen

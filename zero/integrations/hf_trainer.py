@@ -372,10 +372,11 @@ class ZeroTrainer(Trainer):
     # -- checkpoints ------------------------------------------------------------------------------------------
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """The engine's whole training state (every rank writes its part) into checkpoint-N/."""
+        """The engine's whole training state (every rank writes its part) into checkpoint-N/; a PEFT model's without
+        its frozen base (as the Trainer saves DeepSpeed's: the resume builds the same base)."""
         if self.engine is None:
             return super()._save_optimizer_and_scheduler(output_dir)
-        self.engine.save_checkpoint(output_dir)
+        self.engine.save_checkpoint(output_dir, exclude_frozen_parameters=_is_peft(self.model))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         """Nothing before the engine exists: `_load_optimizer_and_scheduler` loads the engine's checkpoint,
@@ -410,10 +411,13 @@ class ZeroTrainer(Trainer):
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         write = self.args.should_save
-        save_safetensors(self.engine, output_dir, write=write)
+        if _is_peft(self.model):
+            self._save_adapters(output_dir, write)
+        else:
+            save_safetensors(self.engine, output_dir, write=write)
         if write:
             logger.info(f"Saving model checkpoint to {output_dir}")
-            if isinstance(self.model, PreTrainedModel):  # as save_pretrained writes them
+            if isinstance(self.model, PreTrainedModel) and not _is_peft(self.model):  # as save_pretrained writes them
                 self.model.config.dtype = str(self.engine.compute_dtype).split(".")[1]
                 self.model.config.architectures = [type(self.model).__name__]
                 self.model.config.save_pretrained(output_dir)
@@ -426,6 +430,20 @@ class ZeroTrainer(Trainer):
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=getattr(self.args, "hub_revision", None))
+
+    def _save_adapters(self, output_dir: str, write: bool) -> None:
+        """A PEFT model's adapters alone, through PEFT's `save_pretrained` (adapter_model.safetensors and its
+        config), as the Trainer saves one: its trained units gathered (every rank), the frozen base left where it
+        rests."""
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        state = {}
+        for unit in self.engine.units:
+            if not unit.frozen:
+                with self.engine.gathered_parameters([slot.param for slot in unit.flat.slots]):
+                    state.update((names[id(slot.param)], slot.param.detach().to("cpu", copy=True))
+                                 for slot in unit.flat.slots)
+        if write:
+            self.model.save_pretrained(output_dir, state_dict=state)
 
     # -- the end ----------------------------------------------------------------------------------------------
 
@@ -559,6 +577,11 @@ def _read_json(source: str | os.PathLike | Mapping) -> dict:
         return copy.deepcopy(dict(source))
     with open(os.fspath(source), encoding="utf-8") as fh:
         return json.load(fh)
+
+
+def _is_peft(model: nn.Module) -> bool:
+    """A PEFT model (its adapters are what a save writes)."""
+    return getattr(model, "peft_config", None) is not None and callable(getattr(model, "save_pretrained", None))
 
 
 def _check_engine_checkpoint(path: str | None) -> None:

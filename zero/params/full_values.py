@@ -86,8 +86,9 @@ class FullValues:
     # -- one parameter's training state, whole (zero.utils' safe_get_* and safe_set_*) ---------------------------
 
     def _slot_of(self, param: torch.Tensor) -> tuple[Unit, ParamSlot] | None:
+        """Where the engine trains `param` (frozen units hold no training state)."""
         for unit in self.units:
-            for slot in unit.flat.slots:
+            for slot in () if unit.frozen else unit.flat.slots:
                 if slot.param is param:
                     return unit, slot
         return None

@@ -27,9 +27,20 @@ class Materializer:
         self.weights = weights
         self.init_weights = getattr(model, "_init_weights", None)
         self.names: dict[int, list[str]] = {}
-        """id(tensor) -> every name the model reaches it by (tied weights have several)."""
+        """id(tensor) -> every name the model reaches it by (tied weights have several); for a PEFT model, the
+        base model's names follow (what its pretrained checkpoint calls them)."""
+        peft = getattr(model, "peft_config", None) is not None
         for name, p in model.named_parameters(remove_duplicate=False):
             self.names.setdefault(id(p), []).append(name)
+            if peft:
+                self.names[id(p)].append(name.removeprefix("base_model.model.").replace(".base_layer.", "."))
+        self.adapters: dict[int, tuple[nn.Module, str]] = {}
+        """id(module) -> (PEFT tuner layer, adapter name) for an adapter's own modules (`lora_A[name]`, ...)."""
+        for layer in model.modules():
+            if callable(getattr(layer, "reset_lora_parameters", None)):
+                for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
+                    for adapter, owned in getattr(layer, part, {}).items():
+                        self.adapters[id(owned)] = (layer, adapter)
 
     def __call__(self, *units: FlatUnit) -> None:
         """Materialize the units' meta parameters (a module's units at once: one module may hold parameters of
@@ -61,7 +72,7 @@ class Materializer:
         for p in params:
             if p.is_meta:
                 swap_keeping_attributes(p, nn.Parameter(host_empty(p.shape, p.dtype), p.requires_grad))
-        if self.weights is None:
+        if self.weights is None or id(module) in self.adapters:  # a new adapter is in no pretrained checkpoint
             self._initialize(module)
             return
         with torch.no_grad():
@@ -74,6 +85,9 @@ class Materializer:
                 self.weights.read_into(found, p.data, names[0])
 
     def _initialize(self, module: nn.Module) -> None:
+        if id(module) in self.adapters:
+            self._initialize_adapter(*self.adapters[id(module)])
+            return
         with torch.no_grad():
             if self.init_weights is not None:
                 self.init_weights(module)
@@ -82,6 +96,27 @@ class Materializer:
             else:
                 raise ValueError(f"{type(module).__name__} was built on meta and has no reset_parameters(): "
                                  "zero-tiering cannot initialize its parameters")
+
+    def _initialize_adapter(self, layer: nn.Module, adapter: str) -> None:
+        """A PEFT adapter whose base was on meta (built under zero.Init, or on meta to take pretrained weights):
+        PEFT moved it to meta after initializing it, so its layer initializes it again (LoRA: A as nn.Linear, B
+        zero, the model starting as its base), all its own modules at once."""
+        owned = [m for m in layer.modules() if self.adapters.get(id(m)) == (layer, adapter)]
+        for module in owned:
+            for p in module.parameters(recurse=False):
+                if p.is_meta:
+                    swap_keeping_attributes(p, nn.Parameter(host_empty(p.shape, p.dtype), p.requires_grad))
+        init = self.model.peft_config[adapter].init_lora_weights
+        with torch.no_grad():
+            if init is False:  # PEFT's "no LoRA initialization": the layers' own
+                for module in owned:
+                    module.reset_parameters()
+            elif init is True or str(init).lower() == "gaussian":
+                layer.reset_lora_parameters(adapter, init)
+            else:
+                raise ValueError(f"LoRA adapter {adapter!r} asks for init_lora_weights={init!r}, computed from the "
+                                 "base's weights, which were on meta when PEFT ran: apply get_peft_model to a base "
+                                 "with its weights, or use init_lora_weights True or 'gaussian'")
 
     def rest(self) -> None:
         """What the units left: meta parameters in no unit, then buffers; with a checkpoint, check it

@@ -203,12 +203,15 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     dtype = PRECISIONS[placement.precision]
     p = dtype.itemsize
     groups = param_groups_from(shape.model, None, None, cfg)
-    plan = plan_units(shape.model, groups, DataParallel())
-    flats = [flat for flat, _ in plan]
-    budgets = swap_config(cfg, flats, dtype)
-    derived = swap_config(load_config(working_window_config(config), hidden_size=shape.hidden), flats, dtype)
+    plan = plan_units(shape.model, groups, DataParallel(), frozen=zo.stage == 3)
+    every = [flat for flat, _ in plan]
+    flats = [flat for flat in every if not flat.frozen]  # trained: gradients and optimizer state
+    budgets = swap_config(cfg, every, dtype)
+    derived = swap_config(load_config(working_window_config(config), hidden_size=shape.hidden), every, dtype)
     n = sum(flat.padded_numel for flat in flats)
     largest = max(flat.padded_numel for flat in flats)
+    # Frozen parameters (an adapter's base; stage 3): stored and gathered as parameters, never written.
+    frozen = p * sum(flat.padded_numel for flat in every if flat.frozen)
 
     shared = masters_are_params(cfg, dtype)
     # The moments, and the master unless the parameter shard is it, as the state format stores them.
@@ -218,7 +221,7 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     grad_home = "nvme" if state_home == "nvme" else "device" if state_home == "device" else "host"
     param_home = HOMES[zo.offload_param.device] if zo.stage == 3 else "device"
     tiers = {"device": 0, "host": 0, "nvme": 0}
-    for home, nbytes in ((state_home, state), (grad_home, grads), (param_home, params)):
+    for home, nbytes in ((state_home, state), (grad_home, grads), (param_home, params + frozen)):
         tiers[home] += nbytes
 
     # The device tier: what is homed there, and what the engine's least device budget adds to it (stage 3: the
@@ -264,12 +267,12 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     copied = 2 * p + (p + 4 if p != 4 else 0) + 12
     gathered = 4 * p if zo.stage == 3 else 0
     fresh = p * n + kept  # new gradients and saved activations
-    memory = ((accumulation * copied + passes * gathered) * n / machine.copy_bytes
+    memory = ((accumulation * copied * n + passes * gathered * (n + frozen // p)) / machine.copy_bytes
               + accumulation * fresh / machine.fresh_bytes)
     compute = accumulation * flops / machine.matmul_flops * COMPUTE_OVERHEAD + memory
     adam = n / machine.adam_rate(cfg.state_format)
     speculative = speculates(cfg, "host" if state_home != "device" else "device", flats, dtype, budgets.host_budget)
-    read_fb = 2 * passes * params if param_home == "nvme" else 0
+    read_fb = 2 * passes * (params + frozen) if param_home == "nvme" else 0
     write_opt = (state if state_home == "nvme" else 0) + (params if param_home == "nvme" else 0)
     share = speculated_share(cfg, tiers["nvme"], write_opt, nvme_free) if speculative else 0.0
     # Speculating, the boundary's gradient is stepped while still in host memory: no write, no read back.
@@ -286,7 +289,7 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     opt_io = moved * (read_opt + write_opt) / io_rate
     # Behind compute: the parameter reads prefetch covers (a unit's shard within the prefetch budget), and the
     # backward's gradient writes (write-behind starts them as each unit's gradient is released).
-    ahead = sum(2 * p * flat.shard_numel for flat in flats if p * flat.shard_numel <= budgets.prefetch_bytes)
+    ahead = sum(2 * p * flat.shard_numel for flat in every if p * flat.shard_numel <= budgets.prefetch_bytes)
     behind = moved * ((passes * ahead if param_home == "nvme" else 0) + write_bwd) + 2 * accumulation * spilled
     hidden = min(compute, behind / io_rate)
     optimizer = max(adam, opt_io)

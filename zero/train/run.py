@@ -81,6 +81,8 @@ class StepReport:
     """The model's parameters: what bytes_per_param divides by."""
     schedule: str | None = None
     """How the step's micro-batches ran (engine.schedule: "unit-major" or "micro-batch"); None for one."""
+    frozen_read: int = 0
+    """Of the bytes read from nvme, those of frozen parameters (an adapter's base: read, never written)."""
 
     @property
     def bytes_per_param(self) -> float:
@@ -354,7 +356,7 @@ def held_out_loss(engine, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
 
 def train_step(engine, batches: Batches, step: int, params: int) -> StepReport:
     swap = engine.swap
-    stall0, moved0 = swap.stats.stall_seconds, dict(swap.stats.bytes_moved)
+    stall0, moved0, frozen0 = swap.stats.stall_seconds, dict(swap.stats.bytes_moved), frozen_read(engine)
     bets0 = None if engine.speculation is None else asdict(engine.speculation.stats)
     saved0 = None if engine.activations is None else (engine.activations.saved, engine.activations.saved_bytes)
     start = time.perf_counter()
@@ -373,9 +375,16 @@ def train_step(engine, batches: Batches, step: int, params: int) -> StepReport:
                       schedule=engine.schedule if accumulation > 1 else None,
                       forward_backward_s=middle - start, optimizer_s=end - middle,
                       stall_s=swap.stats.stall_seconds - stall0, io_s=io, bytes_moved=moved, speculation=bets,
+                      frozen_read=frozen_read(engine) - frozen0,
                       activations=None if saved0 is None else {
                           "count": engine.activations.saved - saved0[0],
                           "bytes": engine.activations.saved_bytes - saved0[1]})
+
+
+def frozen_read(engine) -> int:
+    """Bytes of the engine's frozen units read from nvme so far."""
+    read = engine.swap.stats.segment_bytes["nvme->host"]
+    return sum(read.get(unit.segment, 0) for unit in engine.units if unit.frozen)
 
 
 def summary_line(r: StepReport) -> str:
@@ -384,7 +393,8 @@ def summary_line(r: StepReport) -> str:
     return (f"step {r.step}: loss {r.loss:.4f} | {r.step_s:.2f} s (fwd+bwd{schedule} {r.forward_backward_s:.2f}, "
             f"optimizer {r.optimizer_s:.2f}) | compute {r.compute_s:.2f} s, I/O {r.io_s:.2f} s, "
             f"stall {r.stall_s:.2f} s, overlap {100 * r.overlap:.0f}% | {moved}"
-            + (f" ({r.bytes_per_param:.1f} B/param)" if r.bytes_per_param else "") + (
+            + (f" ({r.bytes_per_param:.1f} B/param)" if r.bytes_per_param else "")
+            + (f", frozen read {fmt_bytes(r.frozen_read)}" if r.frozen_read else "") + (
                 "" if r.activations is None else
                 f" | activations {r.activations['count']} ({fmt_bytes(r.activations['bytes'])})") + (
                 "" if r.speculation is None else

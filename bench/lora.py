@@ -1,0 +1,218 @@
+"""LoRA on a base larger than the host budget: the base's frozen weights partitioned onto nvme, read in the forward
+and again in the backward, never written; against the disk's read rate measured on the same path in the same run.
+
+The base is Llama-shaped at the 7b preset's width (hidden 4096, MLP 11008, 32 heads, vocab 32000), --layers deep,
+built under zero.Init straight onto nvme (never whole in memory), with PEFT's LoRA (r 16) on q, k, v and o;
+ZeRO-3 in fp32, parameters on nvme, the adapters' optimizer state on cpu, --seq-len tokens a step (8: the regime a GPU
+sees, the disk the bound). In a child process, so its peak RSS is its own. Measured in one run:
+1. fio's sequential read rate (O_DIRECT, 8 MiB blocks, queue depth 32) on the nvme_path, before and after;
+2. the same PEFT model's step in plain PyTorch, everything in memory (the compute), unless --skip-in-memory;
+3. ours, step by step: seconds, nvme bytes read (the frozen ones apart) and written, the step against
+   max(compute, bytes read / fio's read rate).
+
+    python bench/lora.py [--quick] [--layers 4] [--host-budget 1GiB] [--dir DIR] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from fio import FioFile, fio_binary  # noqa: E402  (bench/ is the script's directory)
+
+GiB = 1 << 30
+SEVEN_B = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
+               vocab_size=32000)
+QUICK = dict(hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4, vocab_size=256)
+
+
+def model_config(args: argparse.Namespace):
+    from transformers import LlamaConfig
+
+    shape = QUICK if args.quick else SEVEN_B
+    return LlamaConfig(num_hidden_layers=args.layers, max_position_embeddings=max(64, args.seq_len), **shape)
+
+
+def lora(base):
+    import peft
+
+    return peft.get_peft_model(base, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+
+
+def engine_config(args: argparse.Namespace) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": args.dir},
+                                  "offload_optimizer": {"device": "cpu"}},
+            "zero_tiering": {"host_budget": args.host_budget}}
+
+
+def batch(args: argparse.Namespace, vocab: int, step: int):
+    import torch
+
+    generator = torch.Generator().manual_seed(step)
+    return torch.randint(0, vocab, (1, args.seq_len), generator=generator)
+
+
+def run_ours(args: argparse.Namespace) -> dict:
+    """The child: build under zero.Init, apply LoRA, train; one JSON line with every step's figures."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    import zero
+    from zero.train.run import frozen_read
+
+    torch.manual_seed(0)
+    config = engine_config(args)
+    start = time.perf_counter()
+    with zero.zero.Init(config_dict_or_path=config):
+        base = LlamaForCausalLM(model_config(args))
+    model = lora(base)
+    engine, *_ = zero.initialize(model=model, config=config,
+                                 model_parameters=[p for p in model.parameters() if p.requires_grad])
+    built = time.perf_counter() - start
+    frozen = [u for u in engine.units if u.frozen]
+    frozen_bytes = sum(u.flat.padded_numel * u.full.element_size() for u in frozen)
+    trained = sum(u.flat.numel for u in engine.units if not u.frozen)
+    stats, steps = engine.swap.stats, []
+    for step in range(args.steps):
+        read0, written0, frozen0 = (stats.bytes_moved.get("nvme->host", 0), stats.bytes_moved.get("host->nvme", 0),
+                                    frozen_read(engine))
+        frozen_written0 = sum(stats.segment_bytes["host->nvme"].get(u.segment, 0) for u in frozen)
+        ids = batch(args, model.config.vocab_size, step)
+        t0 = time.perf_counter()
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        seconds = time.perf_counter() - t0
+        steps.append({"step": step, "s": seconds, "loss": loss.item(),
+                      "read": stats.bytes_moved.get("nvme->host", 0) - read0,
+                      "written": stats.bytes_moved.get("host->nvme", 0) - written0,
+                      "frozen_read": frozen_read(engine) - frozen0,
+                      "frozen_written": sum(stats.segment_bytes["host->nvme"].get(u.segment, 0)
+                                            for u in frozen) - frozen_written0})
+    result = {"build_s": built, "frozen_bytes": frozen_bytes, "trained_params": trained,
+              "host_budget": engine.swap.pool.budget, "host_peak": stats.peak_bytes.get("host", 0),
+              "device_peak": stats.peak_bytes.get("device", 0), "steps": steps}
+    engine.close()
+    return result
+
+
+def run_in_memory(args: argparse.Namespace) -> dict:
+    """The child: the same PEFT model in plain PyTorch, in memory; torch AdamW on the adapters."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = lora(LlamaForCausalLM(model_config(args)))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    steps = []
+    for step in range(args.steps):
+        ids = batch(args, model.config.vocab_size, step)
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        steps.append({"step": step, "s": time.perf_counter() - t0, "loss": loss.item()})
+    return {"steps": steps}
+
+
+def child(args: argparse.Namespace, role: str) -> tuple[dict, int]:
+    """Run this script as `role` in a child process: its result and its peak RSS in bytes."""
+    command = [sys.executable, os.path.abspath(__file__), "--role", role, "--layers", str(args.layers),
+               "--steps", str(args.steps), "--seq-len", str(args.seq_len), "--host-budget", args.host_budget,
+               "--dir", args.dir] + (["--quick"] if args.quick else [])
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(process.pid, 0)
+        out.seek(0), err.seek(0)
+        if os.waitstatus_to_exitcode(status):
+            raise SystemExit(f"bench/lora.py {role} failed:\n{err.read()[-4000:]}")
+        return json.loads(out.read().strip().splitlines()[-1]), usage.ru_maxrss * 1024
+
+
+def fio_read(directory: str, size: int) -> float:
+    file = FioFile(directory, size, 8 << 20, 32)
+    try:
+        seconds, _ = file.run("read")
+    finally:
+        file.close()
+    return size / seconds
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a tiny Llama, a small fio file (what CI runs)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seq-len", type=int, default=8)
+    parser.add_argument("--host-budget", default="1GiB")
+    parser.add_argument("--dir", help="where the store and fio's file go, in a temporary folder (default: /tmp)")
+    parser.add_argument("--fio-size", default=str(2 * GiB))
+    parser.add_argument("--skip-in-memory", action="store_true", help="no in-memory yardstick (the base whole in RAM)")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--role", choices=["ours", "in-memory"], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.steps, args.host_budget, args.fio_size = 3, 3, "1MiB", str(64 << 20)
+    if args.role is not None:
+        print(json.dumps(run_ours(args) if args.role == "ours" else run_in_memory(args)))
+        return {}
+    if fio_binary() is None:
+        raise SystemExit("bench/lora.py needs fio (apt-get install fio): it is the yardstick")
+    with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+        args.dir = directory
+        before = fio_read(directory, int(args.fio_size))
+        memory = None if args.skip_in_memory else child(args, "in-memory")
+        ours, rss = child(args, "ours")
+        after = fio_read(directory, int(args.fio_size))
+    rate = (before + after) / 2
+    compute = statistics.median(s["s"] for s in memory[0]["steps"][1:]) if memory else 0.0
+    for s in ours["steps"]:
+        s["bound_s"] = max(compute, s["read"] / rate)
+        s["vs_bound"] = s["s"] / s["bound_s"]
+    measured = ours["steps"][1:] or ours["steps"]
+    result = {"fio_read_gbps": {"before": before / 1e9, "after": after / 1e9}, "layers": args.layers,
+              "seq_len": args.seq_len, "in_memory_step_s": compute,
+              "in_memory_peak_rss_bytes": memory[1] if memory else None, "peak_rss_bytes": rss, **ours,
+              "median_vs_bound": statistics.median(s["vs_bound"] for s in measured)}
+    print_result(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def print_result(r: dict) -> None:
+    fio = r["fio_read_gbps"]
+    print(f"fio read on the nvme_path: {fio['before']:.2f} GB/s before, {fio['after']:.2f} GB/s after")
+    if r["in_memory_peak_rss_bytes"]:
+        print(f"in memory (plain PyTorch): {r['in_memory_step_s']:.2f} s/step, peak RSS "
+              f"{r['in_memory_peak_rss_bytes'] / GiB:.2f} GiB")
+    print(f"ours: base (frozen) {r['frozen_bytes'] / GiB:.2f} GiB on nvme, {r['trained_params']:,} trained "
+          f"parameters; host budget {r['host_budget'] / GiB:.2f} GiB (peak {r['host_peak'] / GiB:.2f}), device tier "
+          f"peak {r['device_peak'] / GiB:.2f} GiB, peak RSS {r['peak_rss_bytes'] / GiB:.2f} GiB; built in "
+          f"{r['build_s']:.0f} s")
+    print(f"{'step':>4} {'s':>7} {'read MB':>9} {'frozen MB':>9} {'written MB':>10} {'frozen written':>14} "
+          f"{'bound s':>8} {'x bound':>8} {'loss':>8}")
+    for s in r["steps"]:
+        print(f"{s['step']:>4} {s['s']:7.2f} {s['read'] / 1e6:9.1f} {s['frozen_read'] / 1e6:9.1f} "
+              f"{s['written'] / 1e6:10.1f} {s['frozen_written']:>14} {s['bound_s']:8.2f} {s['vs_bound']:8.2f} "
+              f"{s['loss']:8.4f}")
+    print(f"median step / max(in-memory step, bytes read / fio read), after the first: {r['median_vs_bound']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
