@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 import xxhash
 
 import zero as deepspeed
+from zero.params import int8_weights
 
 from stage3_models import (
     REPO_ROOT, assert_state_equal, batches, engine_train, free_port, full_state, one_thread, reference_train,  # noqa: F401
@@ -182,12 +183,72 @@ def test_lora_on_a_base_never_whole_in_memory_starts_as_its_base(route, tmp_path
             engine.close()
 
 
+def as_stored_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with its frozen weights as the engine's int8 units decode them: each frozen unit's flat buffer (its
+    parameters in its order, padded), encoded and decoded whole (blocks of 256 from its start: every rank's shard
+    starts on a multiple of 1024, so the same blocks as shard by shard)."""
+    from zero.comm import DataParallel
+    from zero.initialize import plan_units
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for flat_unit, _ in plan_units(model, [{"params": trainable(model)}], DataParallel(), frozen=True):
+            if flat_unit.frozen:
+                flat = torch.zeros(flat_unit.padded_numel)
+                for slot in flat_unit.slots:
+                    flat[slot.offset:slot.offset + slot.numel] = params[slot.name].reshape(-1)
+                stored = int8_weights.encode(flat, torch.empty(int8_weights.stored_numel(flat.numel()), dtype=torch.uint8))
+                int8_weights.decode(stored, flat.numel(), flat)
+                for slot in flat_unit.slots:
+                    params[slot.name].copy_(flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
+    return model
+
+
+@pytest.mark.parametrize("home", ["nvme", "cpu"])
+def test_int8_frozen_weights_are_a_quarter_of_fp32s_bytes_and_decode_as_stored(home, tmp_path):
+    """zero_quantized_nontrainable_weights: a frozen unit's shard rests as block-wise int8 (a scale per 256 elements,
+    a byte per element), is never written, and the model computes exactly what plain PyTorch computes with the same
+    weights through int8 and back; the adapters train."""
+    ids = batches(1)[0]
+    with one_thread():
+        model = lora("llama")
+        config = stage3_config(home, home, nvme_path=tmp_path, zero_quantized_nontrainable_weights=True)
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=trainable(model))
+        try:
+            frozen = [u for u in engine.units if u.frozen]
+            for unit in frozen:
+                segment = engine.swap.segments[unit.segment]
+                assert segment.dtype == torch.uint8
+                assert segment.nbytes == int8_weights.stored_numel(unit.flat.shard_numel) < unit.flat.shard_numel * 2
+            reference = as_stored_int8(lora("llama")).eval()
+            engine.eval()
+            with torch.no_grad():
+                assert torch.equal(engine(input_ids=ids).logits, reference(input_ids=ids).logits)
+            engine.train()
+            written = frozen_writes(engine)
+            losses = engine_train(engine, [ids] * 4)
+            assert frozen_writes(engine) == written and losses[-1] < losses[0]
+        finally:
+            engine.close()
+
+
+def test_int8_round_trip_is_within_half_a_step_of_each_blocks_scale():
+    values = torch.cat([torch.randn(1000) * 0.02, torch.zeros(300), torch.tensor([5.0, -5.0])])
+    stored = int8_weights.encode(values, torch.empty(int8_weights.stored_numel(values.numel()), dtype=torch.uint8))
+    back = int8_weights.decode(stored, values.numel(), torch.empty(values.numel()))
+    for start in range(0, values.numel(), int8_weights.BLOCK):
+        block, got = values[start:start + 256], back[start:start + 256]
+        step = block.abs().max() / int8_weights.LEVELS
+        assert (got - block).abs().max() <= step / 2 * (1 + 1e-6)
+    assert torch.equal(back[1000:1300], torch.zeros(300))
+
+
 # -- two ranks --------------------------------------------------------------------------------------------------
 
 WORLD = 2
 
 
-def _worker(rank: int, port: int, root: str, name: str) -> None:
+def _worker(rank: int, port: int, root: str, name: str, int8: bool) -> None:
     os.environ.update(WORLD_SIZE=str(WORLD), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -195,8 +256,9 @@ def _worker(rank: int, port: int, root: str, name: str) -> None:
     path = os.path.join(root, f"rank{rank}")
     os.makedirs(path, exist_ok=True)
     model = lora(name)
-    engine, *_ = deepspeed.initialize(model=model, config=stage3_config("nvme", "nvme", nvme_path=path, accum=ACCUM,
-                                                                        clip=CLIP, micro=1),
+    config = stage3_config("nvme", "nvme", nvme_path=path, accum=ACCUM, clip=CLIP, micro=1,
+                           zero_quantized_nontrainable_weights=int8)
+    engine, *_ = deepspeed.initialize(model=model, config=config,
                                       model_parameters=trainable(model))
     before, written = stored(engine), frozen_writes(engine)
     losses = engine_train(engine, data)
@@ -207,11 +269,12 @@ def _worker(rank: int, port: int, root: str, name: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def two_rank_reference(name: str) -> tuple[list[list[float]], dict]:
+def two_rank_reference(name: str, int8: bool) -> tuple[list[list[float]], dict]:
     """What two data-parallel ranks compute, in plain PyTorch: per micro-batch each rank's row through its own
     replica, the gradients averaged ((a + b) / 2, as the reduction sums two ranks and divides) and accumulated in
-    fp32, then clipping and torch AdamW on one copy whose weights both replicas take."""
-    replicas = [lora(name) for _ in range(WORLD)]
+    fp32, then clipping and torch AdamW on one copy whose weights both replicas take. `int8`: the frozen weights as
+    the engine stores them."""
+    replicas = [as_stored_int8(lora(name)) if int8 else lora(name) for _ in range(WORLD)]
     params = [trainable(r) for r in replicas]
     optimizer = torch.optim.AdamW(params[0], lr=3e-3, weight_decay=0.01, fused=True)
     data = batches(3 * ACCUM)
@@ -240,10 +303,12 @@ def two_rank_reference(name: str) -> tuple[list[list[float]], dict]:
     return losses, {k: v.detach().clone() for k, v in replicas[0].state_dict().items()}
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_two_ranks_train_lora_as_plain_data_parallel_pytorch(name, tmp_path):
+@pytest.mark.parametrize("name, int8", [("llama", False), ("gpt2", False), ("llama", True)])
+def test_two_ranks_train_lora_as_plain_data_parallel_pytorch(name, int8, tmp_path):
+    """Each rank's losses and the trained model bitwise those of plain data-parallel PyTorch; with int8 frozen weights
+    (each rank encoding and decoding its shard, then all-gathering), those of the same weights through int8."""
     root = str(tmp_path)
-    context = mp.start_processes(_worker, args=(free_port(), root, name), nprocs=WORLD, join=False,
+    context = mp.start_processes(_worker, args=(free_port(), root, name, int8), nprocs=WORLD, join=False,
                                  start_method="spawn")
     deadline = time.monotonic() + 240
     try:
@@ -256,7 +321,7 @@ def test_two_ranks_train_lora_as_plain_data_parallel_pytorch(name, tmp_path):
                 process.kill()
     ranks = [torch.load(os.path.join(root, f"rank{rank}.pt")) for rank in range(WORLD)]
     with one_thread():
-        losses, state = two_rank_reference(name)
+        losses, state = two_rank_reference(name, int8)
     for rank, result in enumerate(ranks):
         assert result["unchanged"] and result["writes"] == 0
         assert result["losses"] == losses[rank]

@@ -208,7 +208,8 @@ def build_placement(model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], cf
         return PartitionedPlacement.build(
             model, plan, materialize=materialize, driver=driver, param_home=HOMES[zo.offload_param.device], dtype=dtype,
             sub_group_size=zo.sub_group_size, persistence_threshold=zo.param_persistence_threshold,
-            masters_are_params=masters_are_params(cfg, dtype), swap=swap, dp=dp, device=device,
+            masters_are_params=masters_are_params(cfg, dtype), int8_frozen=zo.zero_quantized_nontrainable_weights,
+            swap=swap, dp=dp, device=device,
             gradients=gradients, wait_for_update=waits_for_update(overlap, speculation),
             update_pending=speculation.pending if speculation is not None else None)
     return ResidentPlacement.build(model, plan, materialize=materialize, driver=driver, gradients=gradients, dp=dp, device=device,

@@ -162,10 +162,13 @@ class ZeroOptimizationConfig(Section):
         False, aliases=("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"))
     """Stage 3: gather the full low-precision weights when the model is saved."""
 
+    zero_quantized_nontrainable_weights: bool = False
+    """Stage 3: frozen parameters (an adapter's base) rest in their tier as block-wise int8, decoded into the
+    compute dtype where they are gathered: half of bf16's bytes read (params/int8_weights.py)."""
+
     UNSUPPORTED = {
         "zero_hpz_partition_size": Unsupported("ZeRO++ hierarchical partitioning", off=1),
         "zero_quantized_weights": Unsupported("ZeRO++ quantized weights", off=False),
-        "zero_quantized_nontrainable_weights": Unsupported("ZeRO++ quantized frozen weights", off=False),
         "zero_quantized_gradients": Unsupported("ZeRO++ quantized gradients", off=False),
         "zeropp_loco_param": Unsupported("LoCo-ZeRO++", off=None),
         "mics_shard_size": Unsupported("MiCS sharding", off=-1),

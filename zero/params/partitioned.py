@@ -38,6 +38,7 @@ from tiering import Handle, SwapManager, Tier
 from ..comm import DataParallel
 from ..optim.driver import AdamDriver, SubGroup
 from ..optim.gradients import Gradients
+from . import int8_weights
 from .flat_unit import FlatUnit
 from .materialize import Materializer, host_empty
 from .placement import Placement
@@ -84,12 +85,12 @@ class PartitionedPlacement(Placement):
     @classmethod
     def build(cls, model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], *, materialize: Materializer,
               driver: AdamDriver | None, param_home: Tier, dtype: torch.dtype, sub_group_size: int, persistence_threshold: int,
-              masters_are_params: bool, **collaborators) -> PartitionedPlacement:
+              masters_are_params: bool, int8_frozen: bool = False, **collaborators) -> PartitionedPlacement:
         """Unit by unit: materialize (a model built on meta), flatten, keep this rank's shard (the fp32
         master, unless `masters_are_params`, and moments, and the compute-dtype parameter shard, each in its
         tier), and leave the parameters as views of an empty full buffer. Peak host memory is one unit plus
-        the tiers' budgets. `driver` None (inference): no optimizer state. `collaborators`: the constructor's
-        arguments."""
+        the tiers' budgets. `driver` None (inference): no optimizer state. `int8_frozen`: frozen units' shards
+        rest as block-wise int8 (int8_weights.py). `collaborators`: the constructor's arguments."""
         shard_tier: Tier = "device" if param_home == "device" else "host"
         placement = cls(shard_tier=shard_tier, **collaborators)
         swap, device = placement.swap, placement.device
@@ -103,14 +104,20 @@ class PartitionedPlacement(Placement):
             flat.unbind()  # the materialized parameters go: `values` holds them, one unit's worth at a time
             master = values.narrow(0, flat.shard_start, flat.shard_numel)
             segment = f"{flat.name or 'root'}/param"
-            swap.register(segment, dtype=dtype, shape=(flat.shard_numel,), home=param_home,
-                          data=master.to(dtype)).wait()
+            int8 = int8_frozen and flat.frozen
+            if int8:
+                stored = int8_weights.encode(master, torch.empty(int8_weights.stored_numel(flat.shard_numel),
+                                                                 dtype=torch.uint8))
+                swap.register(segment, dtype=torch.uint8, shape=stored.shape, home=param_home, data=stored).wait()
+            else:
+                swap.register(segment, dtype=dtype, shape=(flat.shard_numel,), home=param_home,
+                              data=master.to(dtype)).wait()
             sub_groups = [] if not exact else driver.add_unit(
                 index, flat.name or "root", master, flat.group, sub_group_size,
                 segment if masters_are_params else None, start=flat.shard_start, extents=flat.extents)
             del values, master
             full = torch.empty(flat.padded_numel, dtype=dtype, device=device)
-            placement._add(Unit(index, flat, module, full, sub_groups, segment,
+            placement._add(Unit(index, flat, module, full, sub_groups, segment, int8=int8,
                                 persistent=flat.numel <= persistence_threshold, state=UnitState.RELEASED))
         placement.model_hooks.append(model._register_state_dict_hook(placement._state_dict_hook(model)))
         materialize.rest()
@@ -142,8 +149,15 @@ class PartitionedPlacement(Placement):
     def shard(self, unit: Unit, *, write: bool = False, overwrite: bool = False) -> Iterator[torch.Tensor]:
         if unit.fill is not None:
             unit.fill.settle()  # the shard is the fill's until its copy has read it
-        with self.swap.held(unit.segment, self.shard_tier, dirty=write, overwrite=overwrite) as tensor:
-            yield tensor
+        with self.swap.held(unit.segment, self.shard_tier, dirty=write, overwrite=overwrite and not unit.int8) as tensor:
+            if not unit.int8:
+                yield tensor
+                return
+            values = int8_weights.decode(tensor, unit.flat.shard_numel,
+                                         torch.empty(unit.flat.shard_numel, dtype=unit.full.dtype, device=tensor.device))
+            yield values
+            if write:
+                int8_weights.encode(values, tensor)
 
     # -- gather and release ------------------------------------------------------------------------------
 
@@ -220,6 +234,10 @@ class PartitionedPlacement(Placement):
             raise
         unit.lent = lent
         unit.flat.bind(unit.full)
+        if unit.int8:  # where the stored bytes land before they are decoded into the full buffer
+            nbytes = self.swap.segments[unit.segment].nbytes
+            self.swap.reserve_device(nbytes, f"{unit.name} int8", GATHERED)
+            unit.staging = torch.empty(nbytes, dtype=torch.uint8, device=unit.full.device)
 
     def _free_bytes(self, unit: Unit) -> None:
         """Give back the full buffer's bytes, once no copy uses them: with CUDA the caching allocator waits for
@@ -237,6 +255,11 @@ class PartitionedPlacement(Placement):
             unit.lent.release()
             unit.lent = None
         self.swap.unreserve_device(unit.nbytes, GATHERED)
+        if unit.staging is not None:
+            if unit.staging.is_cuda:
+                unit.staging.record_stream(torch.cuda.current_stream(unit.staging.device))
+            self.swap.unreserve_device(unit.staging.numel(), GATHERED)
+            unit.staging = None
 
     def _start_fill(self, unit: Unit) -> Fill:
         """Fetch the unit's shard and copy it into the full buffer (with several ranks: into this rank's part of
@@ -247,6 +270,8 @@ class PartitionedPlacement(Placement):
         after = tier.mark()
         flat = unit.flat
         dst = unit.full if self.dp.world_size == 1 else unit.full.narrow(0, flat.shard_start, flat.shard_numel)
+        if unit.int8:
+            dst = unit.staging  # decoded into the full buffer by `_wait_fill`
         fill = Fill(unit.name)
         start = time.perf_counter()
         fetched = self.swap.fetch(unit.segment, self.shard_tier)
@@ -283,8 +308,10 @@ class PartitionedPlacement(Placement):
         start = time.perf_counter()
         unit.fill.wait()
         self.swap.note_stall(unit.segment, start, time.perf_counter())
+        flat = unit.flat
+        if unit.int8:  # on the compute stream, behind the copy's event
+            int8_weights.decode(unit.staging, flat.shard_numel, unit.full.narrow(0, flat.shard_start, flat.shard_numel))
         if self.dp.world_size > 1:
-            flat = unit.flat
             self.dp.all_gather(unit.full.narrow(0, flat.shard_start, flat.shard_numel), unit.full)
 
     # -- prefetch in the order the hooks see -----------------------------------------------------------------

@@ -65,6 +65,10 @@ class Unit:
     """This rank's fp32 optimizer state of the unit, in order of offset."""
     segment: str | None = None
     """Swap-manager segment holding this rank's shard in the compute dtype (partitioned units)."""
+    int8: bool = False
+    """A frozen unit whose shard rests as block-wise int8 (int8_weights.py), decoded where it is gathered."""
+    staging: torch.Tensor | None = None
+    """An int8 unit's stored bytes on the device while it holds bytes, before they are decoded into `full`."""
     persistent: bool = False
     """Small enough to stay gathered once gathered (stage3_param_persistence_threshold)."""
     state: UnitState = UnitState.GATHERED

@@ -33,6 +33,7 @@ from tiering import NvmeStoreConfig, SwapConfig, Tier
 from ..config import Config, ConfigError
 from ..optim.gradient_copies import SLOTS
 from ..optim.gradients import COMM_DTYPES
+from ..params import int8_weights
 from ..params.flat_unit import FlatUnit
 
 HOMES: dict[str, Tier] = {"none": "device", "cpu": "host", "nvme": "nvme"}
@@ -65,6 +66,14 @@ def window_bytes(cfg: Config, dtype: torch.dtype, unit: FlatUnit, *, master: boo
 def largest_window(cfg: Config, dtype: torch.dtype, units: list[FlatUnit], *, master: bool | None = None) -> int:
     """The most host bytes one sub-group takes for a step (`window_bytes`)."""
     return max((b for unit in trained(units) for b in window_bytes(cfg, dtype, unit, master=master)), default=0)
+
+
+def shard_bytes(cfg: Config, unit: FlatUnit, dtype: torch.dtype) -> int:
+    """Bytes of a unit's parameter shard as it rests in its tier (stage 3): the compute dtype's, or for a frozen
+    unit under zero_quantized_nontrainable_weights, block-wise int8 with its scales."""
+    if unit.frozen and cfg.zero_optimization.zero_quantized_nontrainable_weights:
+        return int8_weights.stored_numel(unit.shard_numel)
+    return dtype.itemsize * unit.shard_numel
 
 
 def trained(units: list[FlatUnit]) -> list[FlatUnit]:
@@ -107,9 +116,8 @@ def nvme_segments(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, opt
     fmt, own_master = cfg.state_format, not masters_are_params(cfg, dtype)
     sizes = []
     for unit in units:
-        numel = unit.rank_range(zo.stage >= 1)[1]
         if params_on_nvme:
-            sizes.append(dtype.itemsize * numel)
+            sizes.append(shard_bytes(cfg, unit, dtype))
         if state_on_nvme and not unit.frozen:
             for index, n in sub_groups(cfg, unit):
                 codecs = fmt.codecs(n, index, unit.extents)
@@ -152,7 +160,7 @@ def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, optim
     prefetch = 2 * state  # read ahead the next sub-groups' state
     max_live = reuse_distance = None
     if zo.stage == 3:
-        param_bytes = [u.shard_numel * dtype.itemsize for u in units]
+        param_bytes = [shard_bytes(cfg, u, dtype) for u in units]
         window += 4 * max(param_bytes, default=0)
         homed_on_host += sum(param_bytes) if zo.offload_param.device == "cpu" else 0
         if zo.offload_param.device == "nvme":  # DeepSpeed's max_in_cpu: parameters cached on host before nvme
@@ -221,12 +229,17 @@ def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: n
         scratch += charge(largest * 4)
     parts = {"segments": 0, "gathered units": 0, "unit gradients": 0, "reduction scratch": scratch if learning else 0}
     if stage3:
-        # A module's units (one per param group, and its frozen one) are gathered together.
+        # A module's units (one per param group, and its frozen one) are gathered together; an int8 frozen unit's
+        # stored bytes land beside its full buffer before they are decoded into it.
+        def gathered(flat: FlatUnit) -> int:
+            int8 = flat.frozen and zo.zero_quantized_nontrainable_weights
+            return charge(flat.padded_numel * dtype.itemsize) + (charge(shard_bytes(cfg, flat, dtype)) if int8 else 0)
+
         by_module: dict[int, int] = {}
         for flat, module in plan:
             if module is not model and flat.numel > zo.param_persistence_threshold:
-                by_module[id(module)] = by_module.get(id(module), 0) + charge(flat.padded_numel * dtype.itemsize)
-        staying = sum(charge(flat.padded_numel * dtype.itemsize) for flat, module in plan
+                by_module[id(module)] = by_module.get(id(module), 0) + gathered(flat)
+        staying = sum(gathered(flat) for flat, module in plan
                       if module is model or flat.numel <= zo.param_persistence_threshold)
         parts["gathered units"] = staying + max(by_module.values(), default=0)
         grads: dict[int, int] = {}

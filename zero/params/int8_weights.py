@@ -1,0 +1,50 @@
+"""Frozen weights stored as block-wise int8 (DeepSpeed's ZeRO++ `zero_quantized_nontrainable_weights`): a frozen
+unit's shard rests in its tier as one fp32 scale per block of 256 elements followed by one signed byte per element,
+and is decoded into the compute dtype where it is gathered. Half the bytes of bf16 read at every gather (a quarter of
+fp32's), for a base that is never written back, so its error is paid once, not compounded.
+
+Symmetric and linear per block, as ZeRO++ quantizes weights: code = round(x / absmax x 127), value = code x absmax /
+127. Blocks run over the shard's flat elements (a block may hold the end of one parameter and the start of the
+next). Decoding is plain tensor arithmetic, on whichever device holds the bytes: the same values on a CPU and a GPU.
+"""
+from __future__ import annotations
+
+import torch
+
+BLOCK = 256
+"""Elements sharing one scale."""
+LEVELS = 127
+"""Codes run from -LEVELS to LEVELS."""
+
+
+def blocks(numel: int) -> int:
+    return -(-numel // BLOCK)
+
+
+def stored_numel(numel: int) -> int:
+    """Bytes a shard of `numel` elements is stored in: the blocks' fp32 absmax, then the codes."""
+    return 4 * blocks(numel) + numel
+
+
+def encode(values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`values` (any floating dtype, flat) into `out` (uint8, stored_numel(values.numel()) bytes); returns out."""
+    n, nblocks = values.numel(), blocks(values.numel())
+    padded = torch.zeros(nblocks * BLOCK, dtype=torch.float32, device=values.device)
+    padded[:n] = values.reshape(-1)
+    grid = padded.view(nblocks, BLOCK)
+    absmax = grid.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    codes = torch.round(grid / scale[:, None] * LEVELS).clamp_(-LEVELS, LEVELS).to(torch.int8).view(-1)[:n]
+    out.narrow(0, 0, 4 * nblocks).copy_(absmax.view(torch.uint8))
+    out.narrow(0, 4 * nblocks, n).copy_(codes.view(torch.uint8))
+    return out
+
+
+def decode(stored: torch.Tensor, numel: int, out: torch.Tensor) -> torch.Tensor:
+    """The `numel` values a uint8 `stored` holds, into `out` (flat, its dtype: the compute dtype); returns out."""
+    nblocks = blocks(numel)
+    absmax = stored.narrow(0, 0, 4 * nblocks).view(torch.float32)
+    codes = stored.narrow(0, 4 * nblocks, numel).view(torch.int8).to(torch.float32)
+    step = (absmax / LEVELS).repeat_interleave(BLOCK)[:numel]
+    out.copy_(codes.mul_(step))
+    return out
