@@ -8,9 +8,12 @@ sees, the disk the bound). In a child process, so its peak RSS is its own. Measu
 1. fio's sequential read rate (O_DIRECT, 8 MiB blocks, queue depth 32) on the nvme_path, before and after;
 2. the same PEFT model's step in plain PyTorch, everything in memory (the compute), unless --skip-in-memory;
 3. ours, step by step: seconds, nvme bytes read (the frozen ones apart) and written, the step against
-   max(compute, bytes read / fio's read rate).
+   max(compute, bytes read / fio's read rate); with --int8 a second run with the base stored as block-wise int8
+   (zero_quantized_nontrainable_weights), and the format's effect on the base's logits: the same batch through
+   the base with its weights in bf16 and through int8 and back (plain PyTorch, fp32 arithmetic), max |difference|
+   over max |bf16 logit| and mean |difference| over mean |bf16 logit|.
 
-    python bench/lora.py [--quick] [--layers 4] [--host-budget 1GiB] [--dir DIR] [--json PATH]
+    python bench/lora.py [--quick] [--layers 4] [--host-budget 1GiB] [--dir DIR] [--int8] [--json PATH]
 """
 from __future__ import annotations
 
@@ -49,11 +52,11 @@ def lora(base):
                                                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
 
 
-def engine_config(args: argparse.Namespace) -> dict:
+def engine_config(args: argparse.Namespace, int8: bool) -> dict:
     return {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
             "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": args.dir},
-                                  "offload_optimizer": {"device": "cpu"}},
+                                  "offload_optimizer": {"device": "cpu"}, "zero_quantized_nontrainable_weights": int8},
             "zero_tiering": {"host_budget": args.host_budget}}
 
 
@@ -64,7 +67,7 @@ def batch(args: argparse.Namespace, vocab: int, step: int):
     return torch.randint(0, vocab, (1, args.seq_len), generator=generator)
 
 
-def run_ours(args: argparse.Namespace) -> dict:
+def run_ours(args: argparse.Namespace, int8: bool) -> dict:
     """The child: build under zero.Init, apply LoRA, train; one JSON line with every step's figures."""
     import torch
     from transformers import LlamaForCausalLM
@@ -73,7 +76,7 @@ def run_ours(args: argparse.Namespace) -> dict:
     from zero.train.run import frozen_read
 
     torch.manual_seed(0)
-    config = engine_config(args)
+    config = engine_config(args, int8)
     start = time.perf_counter()
     with zero.zero.Init(config_dict_or_path=config):
         base = LlamaForCausalLM(model_config(args))
@@ -82,7 +85,7 @@ def run_ours(args: argparse.Namespace) -> dict:
                                  model_parameters=[p for p in model.parameters() if p.requires_grad])
     built = time.perf_counter() - start
     frozen = [u for u in engine.units if u.frozen]
-    frozen_bytes = sum(u.flat.padded_numel * u.full.element_size() for u in frozen)
+    frozen_bytes = sum(engine.swap.segments[u.segment].nbytes for u in frozen)
     trained = sum(u.flat.numel for u in engine.units if not u.frozen)
     stats, steps = engine.swap.stats, []
     for step in range(args.steps):
@@ -129,6 +132,39 @@ def run_in_memory(args: argparse.Namespace) -> dict:
     return {"steps": steps}
 
 
+def run_logits(args: argparse.Namespace) -> dict:
+    """The child: the base's logits on one batch with its frozen weights in bf16 and through int8 and back, both
+    computed in fp32 from the same fp32 base."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from zero.comm import DataParallel
+    from zero.initialize import plan_units
+    from zero.params import int8_weights
+
+    torch.manual_seed(0)
+    model = lora(LlamaForCausalLM(model_config(args))).eval()
+    ids = batch(args, model.config.vocab_size, 0)
+    params = dict(model.named_parameters())
+    frozen = [flat for flat, _ in plan_units(model, [{"params": [p for p in params.values() if p.requires_grad]}],
+                                             DataParallel(), frozen=True) if flat.frozen]
+    originals = {name: p.detach().clone() for name, p in params.items() if not p.requires_grad}
+    logits = {}
+    with torch.no_grad():
+        for name in originals:
+            params[name].copy_(originals[name].bfloat16().float())
+        logits["bf16"] = model(input_ids=ids).logits.float()
+        for name in originals:
+            params[name].copy_(originals[name])
+        for flat in frozen:
+            int8_weights.round_trip(flat, params)
+        logits["int8"] = model(input_ids=ids).logits.float()
+    difference = (logits["int8"] - logits["bf16"]).abs()
+    return {"max_relative": (difference.max() / logits["bf16"].abs().max()).item(),
+            "mean_relative": (difference.mean() / logits["bf16"].abs().mean()).item(),
+            "tokens": ids.numel(), "vocab": model.config.vocab_size}
+
+
 def child(args: argparse.Namespace, role: str) -> tuple[dict, int]:
     """Run this script as `role` in a child process: its result and its peak RSS in bytes."""
     command = [sys.executable, os.path.abspath(__file__), "--role", role, "--layers", str(args.layers),
@@ -162,13 +198,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dir", help="where the store and fio's file go, in a temporary folder (default: /tmp)")
     parser.add_argument("--fio-size", default=str(2 * GiB))
     parser.add_argument("--skip-in-memory", action="store_true", help="no in-memory yardstick (the base whole in RAM)")
+    parser.add_argument("--int8", action="store_true",
+                        help="also run with the base stored as int8, and measure its effect on the logits")
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--role", choices=["ours", "in-memory"], help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=list(ROLES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.steps, args.host_budget, args.fio_size = 3, 3, "1MiB", str(64 << 20)
     if args.role is not None:
-        print(json.dumps(run_ours(args) if args.role == "ours" else run_in_memory(args)))
+        print(json.dumps(ROLES[args.role](args)))
         return {}
     if fio_binary() is None:
         raise SystemExit("bench/lora.py needs fio (apt-get install fio): it is the yardstick")
@@ -176,23 +214,32 @@ def main(argv: list[str] | None = None) -> dict:
         args.dir = directory
         before = fio_read(directory, int(args.fio_size))
         memory = None if args.skip_in_memory else child(args, "in-memory")
-        ours, rss = child(args, "ours")
+        runs = {"fp32": child(args, "ours")}
+        if args.int8:
+            runs["int8"] = child(args, "ours-int8")
         after = fio_read(directory, int(args.fio_size))
     rate = (before + after) / 2
     compute = statistics.median(s["s"] for s in memory[0]["steps"][1:]) if memory else 0.0
-    for s in ours["steps"]:
-        s["bound_s"] = max(compute, s["read"] / rate)
-        s["vs_bound"] = s["s"] / s["bound_s"]
-    measured = ours["steps"][1:] or ours["steps"]
     result = {"fio_read_gbps": {"before": before / 1e9, "after": after / 1e9}, "layers": args.layers,
               "seq_len": args.seq_len, "in_memory_step_s": compute,
-              "in_memory_peak_rss_bytes": memory[1] if memory else None, "peak_rss_bytes": rss, **ours,
-              "median_vs_bound": statistics.median(s["vs_bound"] for s in measured)}
+              "in_memory_peak_rss_bytes": memory[1] if memory else None,
+              "runs": {name: measured_run(ours, rss, compute, rate) for name, (ours, rss) in runs.items()}}
+    if args.int8:
+        result["int8_logits"] = child(args, "logits")[0]
     print_result(result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return result
+
+
+def measured_run(ours: dict, rss: int, compute: float, rate: float) -> dict:
+    """A run's steps, each bounded by max(the in-memory step, its bytes read / fio's read rate)."""
+    for s in ours["steps"]:
+        s["bound_s"] = max(compute, s["read"] / rate)
+        s["vs_bound"] = s["s"] / s["bound_s"] if s["bound_s"] else None  # nothing read, no in-memory step
+    measured = [s["vs_bound"] for s in ours["steps"][1:] or ours["steps"] if s["vs_bound"] is not None]
+    return {**ours, "peak_rss_bytes": rss, "median_vs_bound": statistics.median(measured) if measured else None}
 
 
 def print_result(r: dict) -> None:
@@ -201,7 +248,16 @@ def print_result(r: dict) -> None:
     if r["in_memory_peak_rss_bytes"]:
         print(f"in memory (plain PyTorch): {r['in_memory_step_s']:.2f} s/step, peak RSS "
               f"{r['in_memory_peak_rss_bytes'] / GiB:.2f} GiB")
-    print(f"ours: base (frozen) {r['frozen_bytes'] / GiB:.2f} GiB on nvme, {r['trained_params']:,} trained "
+    for name, run in r["runs"].items():
+        print_run(name, run)
+    if "int8_logits" in r:
+        q = r["int8_logits"]
+        print(f"int8 base against bf16 base, logits of {q['tokens']} tokens: max |diff| / max |logit| "
+              f"{q['max_relative']:.2e}, mean |diff| / mean |logit| {q['mean_relative']:.2e}")
+
+
+def print_run(name: str, r: dict) -> None:
+    print(f"ours ({name} base): base (frozen) {r['frozen_bytes'] / GiB:.2f} GiB on nvme, {r['trained_params']:,} trained "
           f"parameters; host budget {r['host_budget'] / GiB:.2f} GiB (peak {r['host_peak'] / GiB:.2f}), device tier "
           f"peak {r['device_peak'] / GiB:.2f} GiB, peak RSS {r['peak_rss_bytes'] / GiB:.2f} GiB; built in "
           f"{r['build_s']:.0f} s")
@@ -209,10 +265,14 @@ def print_result(r: dict) -> None:
           f"{'bound s':>8} {'x bound':>8} {'loss':>8}")
     for s in r["steps"]:
         print(f"{s['step']:>4} {s['s']:7.2f} {s['read'] / 1e6:9.1f} {s['frozen_read'] / 1e6:9.1f} "
-              f"{s['written'] / 1e6:10.1f} {s['frozen_written']:>14} {s['bound_s']:8.2f} {s['vs_bound']:8.2f} "
+              f"{s['written'] / 1e6:10.1f} {s['frozen_written']:>14} {s['bound_s']:8.2f} {s['vs_bound'] or 0:8.2f} "
               f"{s['loss']:8.4f}")
-    print(f"median step / max(in-memory step, bytes read / fio read), after the first: {r['median_vs_bound']:.2f}x")
+    if r["median_vs_bound"] is not None:
+        print(f"median step / max(in-memory step, bytes read / fio read), after the first: {r['median_vs_bound']:.2f}x")
 
+
+ROLES = {"ours": lambda args: run_ours(args, int8=False), "ours-int8": lambda args: run_ours(args, int8=True),
+         "in-memory": run_in_memory, "logits": run_logits}
 
 if __name__ == "__main__":
     main()

@@ -184,23 +184,14 @@ def test_lora_on_a_base_never_whole_in_memory_starts_as_its_base(route, tmp_path
 
 
 def as_stored_int8(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` with its frozen weights as the engine's int8 units decode them: each frozen unit's flat buffer (its
-    parameters in its order, padded), encoded and decoded whole (blocks of 256 from its start: every rank's shard
-    starts on a multiple of 1024, so the same blocks as shard by shard)."""
+    """`model` with its frozen weights as the engine's int8 units decode them."""
     from zero.comm import DataParallel
     from zero.initialize import plan_units
 
     params = dict(model.named_parameters())
-    with torch.no_grad():
-        for flat_unit, _ in plan_units(model, [{"params": trainable(model)}], DataParallel(), frozen=True):
-            if flat_unit.frozen:
-                flat = torch.zeros(flat_unit.padded_numel)
-                for slot in flat_unit.slots:
-                    flat[slot.offset:slot.offset + slot.numel] = params[slot.name].reshape(-1)
-                stored = int8_weights.encode(flat, torch.empty(int8_weights.stored_numel(flat.numel()), dtype=torch.uint8))
-                int8_weights.decode(stored, flat.numel(), flat)
-                for slot in flat_unit.slots:
-                    params[slot.name].copy_(flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
+    for flat, _ in plan_units(model, [{"params": trainable(model)}], DataParallel(), frozen=True):
+        if flat.frozen:
+            int8_weights.round_trip(flat, params)
     return model
 
 

@@ -9,7 +9,12 @@ next). Decoding is plain tensor arithmetic, on whichever device holds the bytes:
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from .flat_unit import FlatUnit
 
 BLOCK = 256
 """Elements sharing one scale."""
@@ -48,3 +53,17 @@ def decode(stored: torch.Tensor, numel: int, out: torch.Tensor) -> torch.Tensor:
     step = (absmax / LEVELS).repeat_interleave(BLOCK)[:numel]
     out.copy_(codes.mul_(step))
     return out
+
+
+def round_trip(unit: FlatUnit, params: dict[str, torch.Tensor]) -> None:
+    """Give the parameters of a frozen unit (`params`: by slot name) the values its int8 shard decodes to: its flat
+    buffer (its parameters in its order, padded) encoded and decoded whole. Every rank's shard starts on a multiple
+    of 1024 elements (flat_unit.py), so these are the blocks shard by shard too: what a model computes with them is
+    what the engine computes. For measuring the format's effect on a model in plain PyTorch."""
+    flat = torch.zeros(unit.padded_numel)
+    with torch.no_grad():
+        for slot in unit.slots:
+            flat[slot.offset:slot.offset + slot.numel] = params[slot.name].reshape(-1)
+        decode(encode(flat, torch.empty(stored_numel(flat.numel()), dtype=torch.uint8)), flat.numel(), flat)
+        for slot in unit.slots:
+            params[slot.name].copy_(flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
