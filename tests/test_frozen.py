@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 import xxhash
 
 import zero as deepspeed
+from zero.config import ConfigError
 from zero.params import int8_weights
 
 from stage3_models import (
@@ -463,3 +464,13 @@ def test_zero_trainer_saves_a_peft_models_adapters_alone_and_resumes_from_its_ch
             assert len(after) == 3 and after == {k: v for k, v in losses(first).items() if k > 3}
         finally:
             resumed.close()
+
+
+def test_a_host_budget_below_the_largest_frozen_shard_is_refused_before_training(tmp_path):
+    """With the parameters on nvme a gather holds a whole shard in host memory: a budget below the largest (here a
+    block's frozen unit) is a ConfigError at initialize naming it, not an error at the first forward."""
+    model = lora("llama")
+    block = 4 * sum(p.numel() for n, p in model.named_parameters() if ".layers.0." in n and not p.requires_grad)
+    config = stage3_config("nvme", "cpu", nvme_path=tmp_path, zero_tiering={"host_budget": block // 2})
+    with pytest.raises(ConfigError, match=r"zero_tiering.host_budget.*largest parameter shard.*layers.0#frozen"):
+        deepspeed.initialize(model=model, config=config, model_parameters=trainable(model))

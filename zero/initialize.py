@@ -22,7 +22,7 @@ from tiering.errors import fmt_bytes
 from .accumulation.unit_major import UnitMajor
 from .services.activations import HOMES as ACTIVATION_HOMES, ActivationOffload
 from .services.budgets import (
-    HOMES, compute_dtype, device_minimum, grad_dtype, largest_sub_group, largest_window, masters_are_params,
+    HOMES, compute_dtype, device_minimum, grad_dtype, host_minimum, largest_sub_group, largest_window, masters_are_params,
     nvme_segments, reduce_dtype, swap_config)
 from .comm import DataParallel, local_device
 from .services.compute_speed import SlowComputeWarning, dtype_speed, fast_alternative, slow_dtype_line
@@ -88,6 +88,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
     driver = overlap = speculation = None
     try:
         device_need = check_device_budget(cfg, plan, model, dtype, swap)  # before any byte is written
+        check_host_budget(cfg, [flat for flat, _ in plan], dtype, swap.config.host_budget)
         if swap.store is not None:  # a disk too small is one error now, before any byte is written
             check_room(swap.store, nvme_segments(cfg, [flat for flat, _ in plan], dtype))
         state_home = HOMES[zo.offload_optimizer.device]
@@ -195,6 +196,19 @@ def check_device_budget(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], mod
                           f"model and config need on the device ({held}; activations kept there come on top): "
                           f"raise it to at least {need} bytes", value=fmt_bytes(budget))
     return parts
+
+
+def check_host_budget(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, budget: int) -> None:
+    """A host budget below what no step can run without (budgets.host_minimum) is refused here, naming its parts,
+    rather than met at the first gather of the largest unit."""
+    parts = host_minimum(cfg, units, dtype)
+    need = sum(parts.values())
+    if budget < need:
+        held = ", ".join(f"{part} {fmt_bytes(n)}" for part, n in parts.items() if n)
+        largest = max(units, key=lambda u: u.shard_numel).name or "root"
+        raise ConfigError("zero_tiering.host_budget", f"{fmt_bytes(budget)} is below the {fmt_bytes(need)} this model "
+                          f"and config need in host memory at least ({held}; the largest shard: unit {largest!r}): "
+                          f"raise it to at least {need} bytes", value=fmt_bytes(budget))
 
 
 def build_placement(model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], cfg: Config, *,
