@@ -61,3 +61,14 @@ class FioFile:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def fio_rate(directory: str, size: int, direction: str) -> float:
+    """fio's rate on a fresh `size`-byte file in `directory`, bytes/s: `direction` "read", "write", or "rw" (mixed:
+    both directions together); 8 MiB blocks, queue depth 32."""
+    file = FioFile(directory, size, 8 << 20, 32)
+    try:
+        seconds, _ = file.run(direction)
+    finally:
+        file.close()
+    return size / seconds

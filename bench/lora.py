@@ -8,12 +8,12 @@ sees, the disk the bound). In a child process, so its peak RSS is its own. Measu
 1. fio's sequential read rate (O_DIRECT, 8 MiB blocks, queue depth 32) on the nvme_path, before and after;
 2. the same PEFT model's step in plain PyTorch, everything in memory (the compute), unless --skip-in-memory;
 3. ours, step by step: seconds, nvme bytes read (the frozen ones apart) and written, the step against
-   max(compute, bytes read / fio's read rate); with --int8 a second run with the base stored as block-wise int8
-   (zero_quantized_nontrainable_weights), and the format's effect on the base's logits: the same batch through
+   max(compute, bytes read / fio's read rate), once per way of storing the base asked (--bases: as computed, fp32,
+   and block-wise int8, zero_quantized_nontrainable_weights); with int8, the format's effect on the base's logits: the same batch through
    the base with its weights in bf16 and through int8 and back (plain PyTorch, fp32 arithmetic), max |difference|
-   over max |bf16 logit| and mean |difference| over mean |bf16 logit|.
+   over max |bf16 logit| and mean |difference| over mean |bf16 logit|; bf16's own against fp32 for scale.
 
-    python bench/lora.py [--quick] [--layers 4] [--host-budget 1GiB] [--dir DIR] [--int8] [--json PATH]
+    python bench/lora.py [--quick] [--layers 4] [--host-budget 1536MiB] [--dir DIR] [--bases fp32,int8] [--json PATH]
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from fio import FioFile, fio_binary  # noqa: E402  (bench/ is the script's directory)
+from fio import fio_binary, fio_rate  # noqa: E402  (bench/ is the script's directory)
 
 GiB = 1 << 30
 SEVEN_B = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
@@ -151,6 +151,7 @@ def run_logits(args: argparse.Namespace) -> dict:
     originals = {name: p.detach().clone() for name, p in params.items() if not p.requires_grad}
     logits = {}
     with torch.no_grad():
+        logits["fp32"] = model(input_ids=ids).logits.float()
         for name in originals:
             params[name].copy_(originals[name].bfloat16().float())
         logits["bf16"] = model(input_ids=ids).logits.float()
@@ -159,9 +160,13 @@ def run_logits(args: argparse.Namespace) -> dict:
         for flat in frozen:
             int8_weights.round_trip(flat, params)
         logits["int8"] = model(input_ids=ids).logits.float()
-    difference = (logits["int8"] - logits["bf16"]).abs()
-    return {"max_relative": (difference.max() / logits["bf16"].abs().max()).item(),
-            "mean_relative": (difference.mean() / logits["bf16"].abs().mean()).item(),
+
+    def relative(a: torch.Tensor, b: torch.Tensor) -> dict:
+        difference = (a - b).abs()
+        return {"max_relative": (difference.max() / b.abs().max()).item(),
+                "mean_relative": (difference.mean() / b.abs().mean()).item()}
+
+    return {**relative(logits["int8"], logits["bf16"]), "bf16_against_fp32": relative(logits["bf16"], logits["fp32"]),
             "tokens": ids.numel(), "vocab": model.config.vocab_size}
 
 
@@ -179,27 +184,19 @@ def child(args: argparse.Namespace, role: str) -> tuple[dict, int]:
         return json.loads(out.read().strip().splitlines()[-1]), usage.ru_maxrss * 1024
 
 
-def fio_read(directory: str, size: int) -> float:
-    file = FioFile(directory, size, 8 << 20, 32)
-    try:
-        seconds, _ = file.run("read")
-    finally:
-        file.close()
-    return size / seconds
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a tiny Llama, a small fio file (what CI runs)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=8)
-    parser.add_argument("--host-budget", default="1GiB")
+    parser.add_argument("--host-budget", default="1536MiB")
     parser.add_argument("--dir", help="where the store and fio's file go, in a temporary folder (default: /tmp)")
     parser.add_argument("--fio-size", default=str(2 * GiB))
     parser.add_argument("--skip-in-memory", action="store_true", help="no in-memory yardstick (the base whole in RAM)")
-    parser.add_argument("--int8", action="store_true",
-                        help="also run with the base stored as int8, and measure its effect on the logits")
+    parser.add_argument("--bases", default="fp32",
+                        help="how the base is stored, one run each: fp32 (as computed), int8 (and its effect on the "
+                             "logits)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--role", choices=list(ROLES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -212,19 +209,20 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("bench/lora.py needs fio (apt-get install fio): it is the yardstick")
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         args.dir = directory
-        before = fio_read(directory, int(args.fio_size))
+        before = fio_rate(directory, int(args.fio_size), "read")
         memory = None if args.skip_in_memory else child(args, "in-memory")
-        runs = {"fp32": child(args, "ours")}
-        if args.int8:
-            runs["int8"] = child(args, "ours-int8")
-        after = fio_read(directory, int(args.fio_size))
+        bases = args.bases.split(",")
+        if not set(bases) <= {"fp32", "int8"}:
+            raise SystemExit(f"--bases {args.bases}: fp32, int8 or both")
+        runs = {base: child(args, "ours" if base == "fp32" else "ours-int8") for base in bases}
+        after = fio_rate(directory, int(args.fio_size), "read")
     rate = (before + after) / 2
     compute = statistics.median(s["s"] for s in memory[0]["steps"][1:]) if memory else 0.0
     result = {"fio_read_gbps": {"before": before / 1e9, "after": after / 1e9}, "layers": args.layers,
               "seq_len": args.seq_len, "in_memory_step_s": compute,
               "in_memory_peak_rss_bytes": memory[1] if memory else None,
               "runs": {name: measured_run(ours, rss, compute, rate) for name, (ours, rss) in runs.items()}}
-    if args.int8:
+    if "int8" in runs:
         result["int8_logits"] = child(args, "logits")[0]
     print_result(result)
     if args.json:
@@ -252,8 +250,10 @@ def print_result(r: dict) -> None:
         print_run(name, run)
     if "int8_logits" in r:
         q = r["int8_logits"]
-        print(f"int8 base against bf16 base, logits of {q['tokens']} tokens: max |diff| / max |logit| "
-              f"{q['max_relative']:.2e}, mean |diff| / mean |logit| {q['mean_relative']:.2e}")
+        b = q["bf16_against_fp32"]
+        print(f"logits of {q['tokens']} tokens, max |diff| / max |logit| and mean |diff| / mean |logit|: int8 base "
+              f"against bf16 base {q['max_relative']:.2e}, {q['mean_relative']:.2e}; bf16 base against fp32 base "
+              f"{b['max_relative']:.2e}, {b['mean_relative']:.2e}")
 
 
 def print_run(name: str, r: dict) -> None:

@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from fio import FioFile, fio_binary  # noqa: E402  (bench/ is the script's directory)
+from fio import fio_binary, fio_rate  # noqa: E402  (bench/ is the script's directory)
 
 GiB = 1 << 30
 
@@ -68,12 +68,7 @@ def train(args: argparse.Namespace, config: dict, summary: str, *, offloaded: bo
 
 def fio_mixed(directory: str, size: int) -> float:
     """fio's mixed read+write rate on `directory`, bytes/s (both directions together)."""
-    file = FioFile(directory, size, 8 << 20, 32)
-    try:
-        seconds, _ = file.run("rw")
-    finally:
-        file.close()
-    return size / seconds
+    return fio_rate(directory, size, "rw")
 
 
 def in_memory(config: dict) -> dict:

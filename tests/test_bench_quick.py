@@ -124,7 +124,7 @@ def test_lora_reads_its_base_and_never_writes_it(tmp_path):
     every step, not a byte of it written; each step bounded by the bytes it read over fio's read rate, or the
     in-memory step. Stored as int8, the base is about a quarter of its fp32 bytes; its logits' difference from the
     bf16 base's is measured."""
-    result = quick("lora.py", tmp_path, "--int8")
+    result = quick("lora.py", tmp_path, "--bases", "fp32,int8")
     fio = result["fio_read_gbps"]
     rate = (fio["before"] + fio["after"]) / 2 * 1e9
     runs = result["runs"]

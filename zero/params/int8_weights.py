@@ -46,12 +46,16 @@ def encode(values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def decode(stored: torch.Tensor, numel: int, out: torch.Tensor) -> torch.Tensor:
-    """The `numel` values a uint8 `stored` holds, into `out` (flat, its dtype: the compute dtype); returns out."""
+    """The `numel` values a uint8 `stored` holds, into `out` (flat, its dtype: the compute dtype); returns out. Two
+    passes over `out` and no temporary of its size: the codes converted into it, then each block scaled in place
+    (a code times its step, rounded once to out's dtype)."""
     nblocks = blocks(numel)
-    absmax = stored.narrow(0, 0, 4 * nblocks).view(torch.float32)
-    codes = stored.narrow(0, 4 * nblocks, numel).view(torch.int8).to(torch.float32)
-    step = (absmax / LEVELS).repeat_interleave(BLOCK)[:numel]
-    out.copy_(codes.mul_(step))
+    step = stored.narrow(0, 0, 4 * nblocks).view(torch.float32) / LEVELS
+    out.copy_(stored.narrow(0, 4 * nblocks, numel).view(torch.int8))
+    whole = numel // BLOCK
+    out.narrow(0, 0, whole * BLOCK).view(whole, BLOCK).mul_(step.narrow(0, 0, whole)[:, None])
+    if whole < nblocks:
+        out.narrow(0, whole * BLOCK, numel - whole * BLOCK).mul_(step[whole])
     return out
 
 
