@@ -92,13 +92,14 @@ def run_ours(args: argparse.Namespace, int8: bool) -> dict:
         read0, written0, frozen0 = (stats.bytes_moved.get("nvme->host", 0), stats.bytes_moved.get("host->nvme", 0),
                                     frozen_read(engine))
         frozen_written0 = sum(stats.segment_bytes["host->nvme"].get(u.segment, 0) for u in frozen)
+        stall0 = stats.stall_seconds
         ids = batch(args, model.config.vocab_size, step)
         t0 = time.perf_counter()
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
         seconds = time.perf_counter() - t0
-        steps.append({"step": step, "s": seconds, "loss": loss.item(),
+        steps.append({"step": step, "s": seconds, "loss": loss.item(), "stall_s": stats.stall_seconds - stall0,
                       "read": stats.bytes_moved.get("nvme->host", 0) - read0,
                       "written": stats.bytes_moved.get("host->nvme", 0) - written0,
                       "frozen_read": frozen_read(engine) - frozen0,
@@ -261,10 +262,10 @@ def print_run(name: str, r: dict) -> None:
           f"parameters; host budget {r['host_budget'] / GiB:.2f} GiB (peak {r['host_peak'] / GiB:.2f}), device tier "
           f"peak {r['device_peak'] / GiB:.2f} GiB, peak RSS {r['peak_rss_bytes'] / GiB:.2f} GiB; built in "
           f"{r['build_s']:.0f} s")
-    print(f"{'step':>4} {'s':>7} {'read MB':>9} {'frozen MB':>9} {'written MB':>10} {'frozen written':>14} "
+    print(f"{'step':>4} {'s':>7} {'stall s':>7} {'read MB':>9} {'frozen MB':>9} {'written MB':>10} {'frozen written':>14} "
           f"{'bound s':>8} {'x bound':>8} {'loss':>8}")
     for s in r["steps"]:
-        print(f"{s['step']:>4} {s['s']:7.2f} {s['read'] / 1e6:9.1f} {s['frozen_read'] / 1e6:9.1f} "
+        print(f"{s['step']:>4} {s['s']:7.2f} {s['stall_s']:7.2f} {s['read'] / 1e6:9.1f} {s['frozen_read'] / 1e6:9.1f} "
               f"{s['written'] / 1e6:10.1f} {s['frozen_written']:>14} {s['bound_s']:8.2f} {s['vs_bound'] or 0:8.2f} "
               f"{s['loss']:8.4f}")
     if r["median_vs_bound"] is not None:

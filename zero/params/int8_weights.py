@@ -20,6 +20,8 @@ BLOCK = 256
 """Elements sharing one scale."""
 LEVELS = 127
 """Codes run from -LEVELS to LEVELS."""
+CHUNK_BLOCKS = 4096
+"""Blocks `encode` works on at once."""
 
 
 def blocks(numel: int) -> int:
@@ -32,16 +34,24 @@ def stored_numel(numel: int) -> int:
 
 
 def encode(values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`values` (any floating dtype, flat) into `out` (uint8, stored_numel(values.numel()) bytes); returns out."""
+    """`values` (any floating dtype, flat) into `out` (uint8, stored_numel(values.numel()) bytes); returns out.
+    A chunk of blocks at a time: its temporaries are a chunk's, not the shard's (a whole model's embedding is one
+    shard)."""
     n, nblocks = values.numel(), blocks(values.numel())
-    padded = torch.zeros(nblocks * BLOCK, dtype=torch.float32, device=values.device)
-    padded[:n] = values.reshape(-1)
-    grid = padded.view(nblocks, BLOCK)
-    absmax = grid.abs().amax(dim=1)
-    scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    codes = torch.round(grid / scale[:, None] * LEVELS).clamp_(-LEVELS, LEVELS).to(torch.int8).view(-1)[:n]
-    out.narrow(0, 0, 4 * nblocks).copy_(absmax.view(torch.uint8))
-    out.narrow(0, 4 * nblocks, n).copy_(codes.view(torch.uint8))
+    flat = values.reshape(-1)
+    absmax_all = out.narrow(0, 0, 4 * nblocks).view(torch.float32)
+    codes_all = out.narrow(0, 4 * nblocks, n).view(torch.int8)
+    for first in range(0, nblocks, CHUNK_BLOCKS):
+        count = min(CHUNK_BLOCKS, nblocks - first)
+        start, stop = first * BLOCK, min(n, (first + count) * BLOCK)
+        grid = torch.zeros(count * BLOCK, dtype=torch.float32, device=values.device)
+        grid[:stop - start] = flat[start:stop]
+        grid = grid.view(count, BLOCK)
+        absmax = grid.abs().amax(dim=1)
+        scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+        codes = grid.div_(scale[:, None]).mul_(LEVELS).round_().clamp_(-LEVELS, LEVELS).to(torch.int8)
+        absmax_all.narrow(0, first, count).copy_(absmax)
+        codes_all.narrow(0, start, stop - start).copy_(codes.view(-1)[:stop - start])
     return out
 
 
