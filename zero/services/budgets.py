@@ -197,18 +197,17 @@ def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, optim
 
 def host_minimum(cfg: Config, units: list[FlatUnit], dtype: torch.dtype) -> dict[str, int]:
     """A floor under the host budget, by part: what is homed on the host (the optimizer's state and gradients with
-    offload_optimizer cpu, the parameter shards with stage 3 offload_param cpu, the activations' room) and, with the
-    parameters on nvme, the largest shard, which a gather holds in host memory whole. Below it no step can run."""
+    offload_optimizer cpu, the parameter shards with stage 3 offload_param cpu) and, with the parameters on nvme, the
+    largest shard, which a gather holds in host memory whole. Below it no step can run. (Offloaded activations
+    spill to nvme where the budget has no room for them.)"""
     zo = cfg.zero_optimization
-    parts = {"optimizer state": 0, "parameter shards": 0, "activations": 0, "largest parameter shard": 0}
+    parts = {"optimizer state": 0, "parameter shards": 0, "largest parameter shard": 0}
     if zo.offload_optimizer.device == "cpu":
         parts["optimizer state"] = sum(sum(window_bytes(cfg, dtype, unit)) for unit in trained(units))
     if zo.stage == 3 and zo.offload_param.device == "cpu":
         parts["parameter shards"] = sum(shard_bytes(cfg, unit, dtype) for unit in units)
     if zo.stage == 3 and zo.offload_param.device == "nvme":
         parts["largest parameter shard"] = max((shard_bytes(cfg, unit, dtype) for unit in units), default=0)
-    if cfg.activation_offload in ("cpu", "nvme"):
-        parts["activations"] = cfg.zero_tiering.activation_host_bytes
     return parts
 
 

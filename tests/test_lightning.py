@@ -1,0 +1,253 @@
+"""Lightning's Trainer and Fabric on our engine (zero.integrations.lightning), with the real `lightning` package.
+
+A LightningModule trained with `strategy="zero3_offload_nvme"` (ZeRO-3, parameters and optimizer state on nvme;
+accumulation 2, clipping through Lightning's argument) trains bit for bit as the same module under Lightning's
+default strategy with torch AdamW (fused: what CPU-Adam matches). A checkpoint Lightning saves resumes with
+`fit(ckpt_path=...)` in a fresh process bit for bit; two ranks through Lightning's own launcher match Lightning's
+DDP; Fabric's loop (setup, backward, step, save, load) matches plain Fabric's.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
+
+from zero.integrations.lightning import ZeroFabricStrategy, ZeroStrategy  # noqa: E402
+
+from conftest import REPO_ROOT, child_env  # noqa: E402
+from lightning_models import ACCUM, CLIP, LR, Regressor, loader, trainer  # noqa: E402
+from stage3_models import one_thread  # noqa: E402
+
+TESTS = os.path.join(REPO_ROOT, "tests")
+
+
+@pytest.fixture(autouse=True)
+def lightning_leaves_no_trace(monkeypatch):
+    """Lightning's DDP-based strategies set torch's threads to cores / processes unless OMP_NUM_THREADS is set (the
+    same threads on both sides of a comparison: matmuls sum in another order with another count), and leave their
+    process group and its address in this process: both undone after each test."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    environ = dict(os.environ)
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+def close(a: dict, b: dict, tolerance: float = 1e-6) -> None:
+    assert a.keys() == b.keys()
+    for name, value in b.items():
+        assert torch.allclose(a[name], value, rtol=tolerance, atol=tolerance), name
+
+
+def test_the_trainer_on_our_strategy_trains_as_lightnings_default(tmp_path):
+    with one_thread():
+        reference = Regressor()
+        trainer("auto").fit(reference, loader())
+        ours = Regressor()
+        fit = trainer(ZeroStrategy(offload="nvme", nvme_path=str(tmp_path)))
+        fit.fit(ours, loader())
+    engine = fit.strategy.engine
+    try:
+        assert engine.zero_optimization_stage() == 3 and engine.gradient_accumulation_steps() == ACCUM
+        assert engine.config.gradient_clipping == CLIP
+        assert all(s.home == "nvme" for n, s in engine.swap.segments.items() if n.endswith("/param"))
+        assert len(ours.losses) == len(reference.losses) == 16
+        assert ours.losses == reference.losses
+        assert all(torch.equal(ours.final[k], v) for k, v in reference.final.items())
+    finally:
+        engine.close()
+
+
+def test_a_registered_name_is_the_strategy_and_its_summary_counts_partitioned_parameters(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZERO_TIERING_NVME_PATH", str(tmp_path))
+    from lightning.pytorch.callbacks import ModelSummary
+
+    summary = ModelSummary()
+    with one_thread():
+        model = Regressor()
+        fit = trainer("zero3_offload_nvme", callbacks=[summary], enable_model_summary=True, max_steps=1)
+        assert isinstance(fit.strategy, ZeroStrategy)
+        fit.fit(model, loader())
+    try:
+        table = summary._summary(fit, model)
+        assert table.total_parameters == sum(p.ds_numel for p in model.parameters()) > 0
+        assert fit.strategy.engine.swap.store is not None
+    finally:
+        fit.strategy.engine.close()
+
+
+def test_a_model_built_in_configure_model_is_partitioned_as_it_is_built(tmp_path):
+    with one_thread():
+        reference = Regressor()
+        trainer("auto").fit(reference, loader())
+        ours = Regressor(in_configure_model=True)
+        fit = trainer(ZeroStrategy(offload="cpu"))
+        fit.fit(ours, loader())
+    try:
+        assert ours.built_partitioned is True  # zero.Init: every parameter left on meta as its module was built
+        assert ours.losses == reference.losses
+    finally:
+        fit.strategy.engine.close()
+
+
+RESUME = """
+import sys, json, torch
+sys.path.insert(0, {tests!r})
+from lightning_models import Regressor, loader, trainer
+from zero.integrations.lightning import ZeroStrategy
+torch.set_num_threads(1)
+model = Regressor()
+fit = trainer(ZeroStrategy(offload="nvme", nvme_path={nvme!r}), max_epochs={epochs})
+fit.fit(model, loader(), ckpt_path={ckpt!r})
+if {save!r}:
+    fit.save_checkpoint({save!r})
+torch.save({{"losses": model.losses, "final": model.final}}, {out!r})
+fit.strategy.engine.close()
+"""
+
+
+def run_script(text: str, **env) -> None:
+    done = subprocess.run([sys.executable, "-c", text], capture_output=True, text=True, timeout=300,
+                          env={**child_env(), **env})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_lightning_checkpoint_resumes_bitwise_in_a_fresh_process(tmp_path):
+    """Two epochs at once, against one epoch, trainer.save_checkpoint, and `fit(ckpt_path=...)` for the second in a
+    fresh process: the second epoch's losses and the final weights are the same bits."""
+    def script(epochs, ckpt, save, out):
+        nvme = tmp_path / out
+        nvme.mkdir()
+        return RESUME.format(tests=TESTS, nvme=str(nvme), epochs=epochs, ckpt=ckpt, save=save, out=str(tmp_path / out) + ".pt")
+
+    checkpoint = str(tmp_path / "epoch1.ckpt")
+    run_script(script(2, None, None, "whole"))
+    run_script(script(1, None, checkpoint, "first"))
+    assert os.path.isdir(checkpoint)  # the engine's checkpoint: a directory, every rank's part in it
+    run_script(script(2, checkpoint, None, "resumed"))
+    whole, first, resumed = (torch.load(tmp_path / f"{name}.pt") for name in ("whole", "first", "resumed"))
+    assert first["losses"] == whole["losses"][:16] and resumed["losses"] == whole["losses"][16:]
+    assert all(torch.equal(resumed["final"][k], v) for k, v in whole["final"].items())
+
+
+TWO_RANKS = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from lightning_models import Regressor, loader, trainer
+from zero.integrations.lightning import ZeroStrategy
+torch.set_num_threads(1)
+model = Regressor()
+strategy = ZeroStrategy(offload="nvme", nvme_path={nvme!r}) if {ours!r} else "ddp"
+fit = trainer(strategy, devices=2, use_distributed_sampler=True)
+fit.fit(model, loader())
+state = fit.strategy.engine.module_state_dict() if {ours!r} else model.final
+torch.save({{"losses": model.losses, "final": {{k: v.clone() for k, v in state.items()}}}},
+           {out!r} + str(fit.global_rank) + ".pt")
+"""
+
+
+def test_two_ranks_through_lightnings_launcher_train_as_lightnings_ddp(tmp_path):
+    """`devices=2` on the CPU: Lightning launches the second rank (its subprocess launcher, gloo) for our strategy as
+    for its DDP; each rank's losses and the weights agree within 1e-6."""
+    for ours in (True, False):
+        script = tmp_path / f"two_ranks_{ours}.py"
+        (tmp_path / f"nvme{ours}").mkdir()
+        script.write_text(TWO_RANKS.format(tests=TESTS, nvme=str(tmp_path / f"nvme{ours}"), ours=ours,
+                                           out=str(tmp_path / f"ranks_{ours}_")))
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                              env=child_env(), cwd=str(tmp_path))
+        assert done.returncode == 0, done.stderr[-3000:]
+    for rank in range(2):
+        ours, ddp = (torch.load(tmp_path / f"ranks_{flag}_{rank}.pt") for flag in (True, False))
+        assert len(ours["losses"]) == 8 and ours["losses"] == pytest.approx(ddp["losses"], rel=1e-6)
+        close(ours["final"], ddp["final"])
+
+
+# -- Fabric -----------------------------------------------------------------------------------------------------
+
+
+def fabric_loop(fabric: L.Fabric, steps: int, model=None, optimizer=None, start: int = 0) -> tuple[list[float], object, object]:
+    """`steps` micro-batches of the loop as Fabric's docs write it; our strategy accumulates and clips by its
+    config, plain Fabric by hand."""
+    ours = isinstance(fabric.strategy, ZeroFabricStrategy)
+    if model is None:
+        with fabric.init_module():
+            module = Regressor()
+        model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.01,
+                                                                  fused=True))
+    batches = list(loader())
+    losses = []
+    for index in range(start, start + steps):
+        x, y = batches[index % len(batches)]
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        fabric.backward(loss if ours else loss / ACCUM)
+        losses.append(loss.item())
+        if ours:
+            optimizer.step()  # the engine applies it at the accumulation boundary
+        elif (index + 1) % ACCUM == 0:
+            fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+            optimizer.step()
+            optimizer.zero_grad()
+    return losses, model, optimizer
+
+
+def test_fabric_on_our_strategy_trains_saves_and_loads_as_plain_fabric(tmp_path):
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ACCUM, "gradient_clipping": CLIP,
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    with one_thread():
+        plain = L.Fabric(accelerator="cpu", devices=1)
+        expected, plain_model, _ = fabric_loop(plain, 16)
+        fabric = L.Fabric(accelerator="cpu", devices=1, strategy=ZeroFabricStrategy(config))
+        fabric.launch()  # a data-parallel strategy's (one process here: it runs in this one)
+        first, model, optimizer = fabric_loop(fabric, 8)
+        fabric.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer, "step": 8})
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        rest = fabric.load(tmp_path / "ckpt", state)
+        assert state["step"] == 8 and rest == {}
+        second, model, _ = fabric_loop(fabric, 8, model, optimizer, start=8)
+        engine = fabric.strategy.engine
+        try:
+            assert first + second == expected
+            assert all(torch.equal(engine.module_state_dict()[k], v) for k, v in plain_model.state_dict().items())
+        finally:
+            engine.close()
+
+
+# -- what it cannot serve ---------------------------------------------------------------------------------------
+
+
+class Manual(Regressor):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+
+@pytest.mark.parametrize("model, options, match", [
+    (Manual, {}, "manual optimization"),
+    (Regressor, {"precision": "64-true"}, "precision '64-true'"),
+    (Regressor, {"gradient_clip_algorithm": "value"}, "clips gradients by their global norm only"),
+])
+def test_what_the_strategy_cannot_serve_is_an_error_at_fit(model, options, match):
+    fit = trainer(ZeroStrategy(offload="cpu"), **options)
+    with pytest.raises(MisconfigurationException, match=match):
+        fit.fit(model(), loader())
+
+
+def test_a_config_that_contradicts_the_trainer_names_both(tmp_path):
+    from zero.config import ConfigError
+
+    fit = trainer(ZeroStrategy({"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 3}}))
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps.*accumulate_grad_batches 2"):
+        fit.fit(Regressor(), loader())
