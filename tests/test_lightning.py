@@ -251,3 +251,14 @@ def test_a_config_that_contradicts_the_trainer_names_both(tmp_path):
     fit = trainer(ZeroStrategy({"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 3}}))
     with pytest.raises(ConfigError, match="gradient_accumulation_steps.*accumulate_grad_batches 2"):
         fit.fit(Regressor(), loader())
+
+
+def test_the_trainers_precision_is_the_engines():
+    """`Trainer(precision="bf16-mixed")` with a strategy instance: Lightning would keep a plugin the strategy came
+    with and drop the flag; ours takes the flag's, and the engine computes in bf16."""
+    fit = trainer(ZeroStrategy(offload="cpu"), precision="bf16-mixed", max_steps=1)
+    fit.fit(Regressor(), loader())
+    try:
+        assert fit.strategy.engine.bfloat16_enabled() and fit.strategy.engine.compute_dtype == torch.bfloat16
+    finally:
+        fit.strategy.engine.close()

@@ -140,19 +140,21 @@ class ZeroStrategy(DDPStrategy):
 
     def __init__(self, config: str | os.PathLike | Mapping | None = None, *, offload: str = "cpu",
                  nvme_path: str | None = None, **ddp_kwargs: Any):
-        ddp_kwargs.setdefault("precision_plugin", ZeroPrecision())
+        # No plugin of our own here: given one, Lightning would ignore the Trainer's `precision=`; it makes one from
+        # that flag and hands it to the setter below, which wraps it.
         super().__init__(**ddp_kwargs)
         self.base_config = strategy_config(config, offload, nvme_path)
         self.engine: ZeroEngine | None = None
 
     @property
     def precision_plugin(self) -> Precision:
-        return self._precision_plugin
+        return self._precision_plugin if self._precision_plugin is not None else ZeroPrecision()
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
-        precision = getattr(plugin, "precision", "32-true") if plugin is not None else "32-true"
-        self._precision_plugin = plugin if isinstance(plugin, ZeroPrecision) else ZeroPrecision(str(precision))
+        if plugin is not None and not isinstance(plugin, ZeroPrecision):
+            plugin = ZeroPrecision(str(plugin.precision))
+        self._precision_plugin = plugin
 
     @property
     def handles_gradient_accumulation(self) -> bool:
@@ -302,20 +304,20 @@ class ZeroFabricStrategy(FabricDDPStrategy):
 
     def __init__(self, config: str | os.PathLike | Mapping | None = None, *, offload: str = "cpu",
                  nvme_path: str | None = None, **ddp_kwargs: Any):
-        ddp_kwargs.setdefault("precision", ZeroFabricPrecision())
-        super().__init__(**ddp_kwargs)
+        super().__init__(**ddp_kwargs)  # (no plugin of our own: see ZeroStrategy)
         self.base_config = strategy_config(config, offload, nvme_path)
         self.engine: ZeroEngine | None = None
         self._backward_sync_control = None
 
     @property
     def precision(self) -> FabricPrecision:
-        return self._precision
+        return self._precision if self._precision is not None else ZeroFabricPrecision()
 
     @precision.setter
     def precision(self, plugin: FabricPrecision | None) -> None:
-        precision = getattr(plugin, "precision", "32-true") if plugin is not None else "32-true"
-        self._precision = plugin if isinstance(plugin, ZeroFabricPrecision) else ZeroFabricPrecision(str(precision))
+        if plugin is not None and not isinstance(plugin, ZeroFabricPrecision):
+            plugin = ZeroFabricPrecision(str(plugin.precision))
+        self._precision = plugin
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list, scheduler: Any = None):
         if len(optimizers) != 1:
