@@ -42,6 +42,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as Summary
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from ..config import ConfigError
 from ..engine import ZeroEngine
@@ -51,6 +52,7 @@ from ..params.init_partition import Init
 PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16",
               "16-true": "fp16"}
 """Lightning's precision settings the engine computes in, and the config section each turns on."""
+COMPUTE_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def strategy_config(config: str | os.PathLike | Mapping | None, offload: str, nvme_path: str | None) -> dict:
@@ -128,6 +130,14 @@ class ZeroPrecision(Precision):
 
     def clip_gradients(self, *args: Any, **kwargs: Any) -> None:
         """The engine clips (the config's gradient_clipping, from gradient_clip_val) at its step."""
+
+    def convert_input(self, data: Any) -> Any:
+        """A batch's floating tensors in the dtype the engine computes in (as DeepSpeed's precision plugin does:
+        the engine's parameters are in it, with no autocast around them)."""
+        dtype = COMPUTE_DTYPES[PRECISIONS.get(self.precision)]
+        if dtype is None:
+            return data
+        return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, data)
 
 
 class ZeroStrategy(DDPStrategy):
