@@ -22,8 +22,8 @@ from tiering.errors import fmt_bytes
 from .accumulation.unit_major import UnitMajor
 from .services.activations import HOMES as ACTIVATION_HOMES, ActivationOffload
 from .services.budgets import (
-    HOMES, compute_dtype, device_minimum, grad_dtype, host_minimum, largest_sub_group, largest_window, masters_are_params,
-    nvme_segments, reduce_dtype, swap_config)
+    HOMES, compute_dtype, device_minimum, grad_dtype, host_minimum, largest_sub_group, largest_window,
+    masters_are_params, nvme_segments, reduce_dtype, swap_config)
 from .comm import DataParallel, local_device
 from .services.compute_speed import SlowComputeWarning, dtype_speed, fast_alternative, slow_dtype_line
 from .config import Config, ConfigError, load_config

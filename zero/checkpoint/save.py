@@ -3,9 +3,9 @@
 Every piece of state is saved, per rank, streamed one tensor at a time (held, written, released: the model is
 never whole in memory): what `engine.state_tensors()` gives (this rank's compute-dtype range of each unit,
 wherever the placement keeps it, and the fp32 master and both Adam moments of every sub-group, wherever they
-rest), frozen parameters (unless excluded) and persistent buffers, the loss scaler, the LR scheduler, the optimizer's step
-count and param-group hyperparameters, the engine's counters, the RNG states (python, numpy, torch, CUDA) and
-the caller's client_state. The layout on disk, the manifest and the atomicity rules are in format.py.
+rest), frozen parameters (unless excluded) and persistent buffers, the loss scaler, the LR scheduler, the
+optimizer's step count and param-group hyperparameters, the engine's counters, the RNG states (python, numpy,
+torch, CUDA) and the caller's client_state. The layout on disk, the manifest and the atomicity rules are in format.py.
 
 Saving happens only at a gradient accumulation boundary (no gradient is half accumulated), so a resumed run
 continues bitwise where the saved one stood.

@@ -47,7 +47,7 @@ def init_inference(model: nn.Module, config: str | os.PathLike | Mapping | None 
                           value=zo.stage)
     dtype = compute_dtype(cfg)
     device = local_device()
-    model.requires_grad_(True)  # every weight is planned into a unit (units hold trainable parameters)
+    model.requires_grad_(True)  # every weight planned as training plans a trained one: the same units and names
     plan = plan_units(model, [{"params": list(model.parameters())}], DataParallel())
     swap = SwapManager(swap_config(cfg, [flat for flat, _ in plan], dtype, optimizer=False))
     try:

@@ -149,12 +149,13 @@ class PartitionedPlacement(Placement):
     def shard(self, unit: Unit, *, write: bool = False, overwrite: bool = False) -> Iterator[torch.Tensor]:
         if unit.fill is not None:
             unit.fill.settle()  # the shard is the fill's until its copy has read it
-        with self.swap.held(unit.segment, self.shard_tier, dirty=write, overwrite=overwrite and not unit.int8) as tensor:
+        overwrite = overwrite and not unit.int8  # an int8 shard is decoded whole: its scales are read
+        with self.swap.held(unit.segment, self.shard_tier, dirty=write, overwrite=overwrite) as tensor:
             if not unit.int8:
                 yield tensor
                 return
-            values = int8_weights.decode(tensor, unit.flat.shard_numel,
-                                         torch.empty(unit.flat.shard_numel, dtype=unit.full.dtype, device=tensor.device))
+            numel = unit.flat.shard_numel
+            values = int8_weights.decode(tensor, numel, torch.empty(numel, dtype=unit.full.dtype, device=tensor.device))
             yield values
             if write:
                 int8_weights.encode(values, tensor)
