@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -40,6 +39,7 @@ from ..optim.driver import AdamDriver, SubGroup
 from ..optim.gradients import Gradients
 from . import int8_weights
 from .flat_unit import FlatUnit
+from .frozen import check_frozen, check_unwritten, inputs_done_after
 from .materialize import Materializer, host_empty
 from .placement import Placement
 from .unit import Fill, Unit, UnitState
@@ -411,26 +411,7 @@ class PartitionedPlacement(Placement):
         a forward that writes one in place is an error at its end (the write would never be stored)."""
         self._pre_forward(unit)
         unit.versions = [slot.param._version for slot in unit.flat.slots]
-        if not torch.is_grad_enabled():
-            return None
-        leaves, spec = tree_flatten((args, kwargs))
-        places = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not places:
-            return None
-        fired = [False]
-        token = _Token(lambda: self._inputs_done(unit, fired))
-        unit.inputs_pending += 1
-        # A graph freed without its backward (a forward without one, a recomputation discarded) ends the count too.
-        weakref.finalize(token, _forget_inputs, unit, fired)
-        for place, tensor in zip(places, _InputsDone.apply(token, *(leaves[i] for i in places))):
-            leaves[place] = tensor
-        return tree_unflatten(leaves, spec)
-
-    def _inputs_done(self, unit: Unit, fired: list[bool]) -> None:
-        if not fired[0]:
-            fired[0] = True
-            unit.inputs_pending -= 1
-        self._end_frozen(unit)
+        return inputs_done_after(unit, args, kwargs, lambda: self._end_frozen(unit))
 
     def _end_frozen(self, unit: Unit) -> None:
         """End a frozen unit's backward once its inputs' gradients are computed and its module's trained units have
@@ -565,53 +546,3 @@ class PartitionedPlacement(Placement):
                 hook.remove()
             unit.hooks.clear()
 
-
-def check_frozen(flat: FlatUnit, device: torch.device) -> None:
-    """A frozen parameter must come as the model was built (host memory, or meta to be materialized) or on the
-    engine's device: one already on another device (a base moved to a GPU the engine does not use) is refused."""
-    for slot in flat.slots:
-        where = slot.param.device
-        if where.type not in ("cpu", "meta") and where != device:
-            raise ValueError(f"frozen parameter {slot.name!r} is on {where}, and this engine runs on {device}: "
-                             "build or load the base model on the CPU (or under zero.Init) and let initialize "
-                             "place it")
-
-
-def check_unwritten(unit: Unit) -> None:
-    """A frozen unit's forward wrote none of its parameters in place (the write would be lost at the release)."""
-    for slot, version in zip(unit.flat.slots, unit.versions):
-        if slot.param._version != version:
-            raise RuntimeError(f"frozen parameter {slot.name!r} was modified in place by its module's forward: a "
-                               "frozen parameter's stored bytes are never written back, so the change would be "
-                               "lost at its release; make it trainable or change it outside the forward, inside "
-                               "zero.GatheredParameters(..., modifier_rank=0)")
-
-
-class _Token:
-    """What an `_InputsDone` node holds: calls `fire` from its backward; its death (the graph freed) ends the count
-    through a finalizer."""
-    __slots__ = ("fire", "__weakref__")
-
-    def __init__(self, fire: Callable[[], None]):
-        self.fire = fire
-
-
-def _forget_inputs(unit: Unit, fired: list[bool]) -> None:
-    if not fired[0]:
-        fired[0] = True
-        unit.inputs_pending -= 1
-
-
-class _InputsDone(torch.autograd.Function):
-    """The identity on a frozen unit's module's inputs that need a gradient: its backward runs once all of their
-    gradients are computed, after the last use of the unit's weights for them."""
-
-    @staticmethod
-    def forward(ctx, token: _Token, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.token = token
-        return tuple(t.detach() for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        ctx.token.fire()
-        return (None, *grads)

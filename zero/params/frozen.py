@@ -1,0 +1,93 @@
+"""A frozen unit's two checks and the signal that ends its backward (DESIGN.md, "frozen").
+
+A frozen unit's parameters get no gradient, so nothing like a trained unit's gradient hooks says when the backward
+is done with them. The forward passes its module's inputs that need a gradient through an identity (`_InputsDone`)
+whose backward runs once all their gradients are computed: every use of the frozen weights toward those inputs is
+behind it. A token counts each such call until its backward fires, or until its graph is freed without one (a
+forward without a backward, a recomputation discarded), when a finalizer drops it from the count.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .flat_unit import FlatUnit
+from .unit import Unit
+
+
+def inputs_done_after(unit: Unit, args: tuple, kwargs: dict, then: Callable[[], None]) -> tuple[tuple, dict] | None:
+    """The module's call arguments with the tensors that need a gradient passed through `_InputsDone` (counted in
+    `unit.inputs_pending` until their gradients are computed, when `then()` runs), or None where autograd records
+    nothing or no input needs a gradient."""
+    if not torch.is_grad_enabled():
+        return None
+    leaves, spec = tree_flatten((args, kwargs))
+    places = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not places:
+        return None
+    fired = [False]
+
+    def done() -> None:
+        _forget_inputs(unit, fired)
+        then()
+
+    token = _Token(done)
+    unit.inputs_pending += 1
+    weakref.finalize(token, _forget_inputs, unit, fired)
+    for place, tensor in zip(places, _InputsDone.apply(token, *(leaves[i] for i in places))):
+        leaves[place] = tensor
+    return tree_unflatten(leaves, spec)
+
+
+def check_frozen(flat: FlatUnit, device: torch.device) -> None:
+    """A frozen parameter must come as the model was built (host memory, or meta to be materialized) or on the
+    engine's device: one already on another device (a base moved to a GPU the engine does not use) is refused."""
+    for slot in flat.slots:
+        where = slot.param.device
+        if where.type not in ("cpu", "meta") and where != device:
+            raise ValueError(f"frozen parameter {slot.name!r} is on {where}, and this engine runs on {device}: "
+                             "build or load the base model on the CPU (or under zero.Init) and let initialize "
+                             "place it")
+
+
+def check_unwritten(unit: Unit) -> None:
+    """A frozen unit's forward wrote none of its parameters in place (the write would be lost at the release)."""
+    for slot, version in zip(unit.flat.slots, unit.versions):
+        if slot.param._version != version:
+            raise RuntimeError(f"frozen parameter {slot.name!r} was modified in place by its module's forward: a "
+                               "frozen parameter's stored bytes are never written back, so the change would be "
+                               "lost at its release; make it trainable or change it outside the forward, inside "
+                               "zero.GatheredParameters(..., modifier_rank=0)")
+
+
+class _Token:
+    """What an `_InputsDone` node holds: calls `fire` from its backward; its death (the graph freed) ends the count
+    through a finalizer."""
+    __slots__ = ("fire", "__weakref__")
+
+    def __init__(self, fire: Callable[[], None]):
+        self.fire = fire
+
+
+def _forget_inputs(unit: Unit, fired: list[bool]) -> None:
+    if not fired[0]:
+        fired[0] = True
+        unit.inputs_pending -= 1
+
+
+class _InputsDone(torch.autograd.Function):
+    """The identity on a frozen unit's module's inputs that need a gradient: its backward runs once all of their
+    gradients are computed, after the last use of the unit's weights for them."""
+
+    @staticmethod
+    def forward(ctx, token: _Token, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.token = token
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        ctx.token.fire()
+        return (None, *grads)
