@@ -69,6 +69,17 @@ def disk_bytes() -> dict[str, int]:
     return {"read": int(fields["read_bytes"]), "write": int(fields["write_bytes"])}
 
 
+def segment_kinds(stats) -> dict[str, int]:
+    """Bytes each tier pair has moved so far by segment kind (a segment name's last part: param, master, exp_avg,
+    grad...): which state a step's disk bytes are."""
+    totals: dict[str, int] = {}
+    for pair, segments in stats.segment_bytes.items():
+        for name, nbytes in segments.items():
+            key = f"{pair} {name.rsplit('/', 1)[-1]}"
+            totals[key] = totals.get(key, 0) + nbytes
+    return totals
+
+
 def child(args: argparse.Namespace) -> dict:
     """Run one system in this process and return its record."""
     import torch
@@ -155,16 +166,18 @@ def child(args: argparse.Namespace) -> dict:
             return torch.cuda.max_memory_allocated(device)
         return engine.swap.device_tier.peak if system.startswith("ours") else 0  # the rest: host memory, in RSS
 
-    times, computes, disk = [], [], []
+    times, computes, disk, kinds = [], [], [], []
     stall = (lambda: engine.swap.stats.stall_seconds) if system.startswith("ours") else (lambda: 0.0)
+    by_kind = (lambda: segment_kinds(engine.swap.stats)) if system.startswith("ours") else dict
     for i in range(args.warmup + args.steps):
-        stall0, disk0, start = stall(), disk_bytes(), time.perf_counter()
+        stall0, disk0, kinds0, start = stall(), disk_bytes(), by_kind(), time.perf_counter()
         step()
         elapsed = time.perf_counter() - start
         if i >= args.warmup:  # each measured step's own compute: its time less its own stall
             times.append(elapsed)
             computes.append(elapsed - (stall() - stall0))
             disk.append({key: value - disk0[key] for key, value in disk_bytes().items()})
+            kinds.append({key: value - kinds0.get(key, 0) for key, value in by_kind().items()})
     if system.startswith("ours"):
         moved = dict(engine.swap.stats.bytes_moved)
         engine.close()
@@ -184,6 +197,7 @@ def child(args: argparse.Namespace) -> dict:
         "io_s": io,
         "disk_bytes": {key: statistics.median(d[key] for d in disk) for key in disk[0]},
         "bytes_moved": moved,
+        "segment_kinds": {key: statistics.median(k.get(key, 0) for k in kinds) for key in kinds[-1]},
         "steps": times,
     }
 
