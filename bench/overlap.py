@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -59,6 +61,18 @@ def run_step(manager: SwapManager, args, x: torch.Tensor, repeats: int) -> float
     return time.perf_counter() - start
 
 
+def pin_compute(cpus: list[int]) -> None:
+    """--pin: this thread (the compute: one torch thread) on the first of `cpus`, every other thread of the process
+    (the I/O's: the engine's reaper, copy and checksum workers) on the others, so neither takes the other's core."""
+    if len(cpus) < 2:
+        raise SystemExit(f"--pin needs 2 CPUs, this process has {len(cpus)}")
+    me = threading.get_native_id()
+    os.sched_setaffinity(me, {cpus[0]})
+    for task in os.listdir("/proc/self/task"):
+        if int(task) != me:
+            os.sched_setaffinity(int(task), set(cpus[1:]))
+
+
 def io_only(manager: SwapManager, args) -> float:
     """Fetch every segment with nothing else running: the I/O time a step cannot beat."""
     start = time.perf_counter()
@@ -78,6 +92,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--engine", choices=["auto", "libaio", "threads"], default="auto")
     parser.add_argument("--checksums", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--threads", type=int, default=1, help="torch compute threads (the rest serve I/O)")
+    parser.add_argument("--pin", action="store_true",
+                        help="compute on the first CPU, the I/O's threads on the others (what a core free for the "
+                             "I/O gives)")
     parser.add_argument("--repeats", type=int, default=3, help="measured steps per mode (median reported)")
     parser.add_argument("--dir", default=None, help="nvme_path (default: a temporary directory)")
     parser.add_argument("--json", default=None)
@@ -94,6 +111,11 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             side = sync.segments["w0"].shape[0]
             x = torch.randn(64, side)
+            cpus = sorted(os.sched_getaffinity(0))
+            if args.pin:  # the I/O's threads exist once both managers have fetched
+                for manager in (sync, prefetched):
+                    run_step(manager, args, x, 1)
+                pin_compute(cpus)
             # Calibrate: matmul repeats per segment so compute time matches the I/O time per segment.
             io_s = statistics.median(io_only(sync, args) for _ in range(2))
             weight = torch.randn(side, side)
@@ -110,6 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
 
             for manager in (sync, prefetched):  # the first step records the trace
                 run_step(manager, args, x, repeats)
+            if args.pin:  # threads started since
+                pin_compute(cpus)
             sync_times, prefetch_times, io_times = [], [], [io_s]
             for _ in range(args.repeats):  # interleaved, so drift in the machine hits both modes alike
                 sync_times.append(run_step(sync, args, x, repeats))
@@ -129,6 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "engine": prefetched.store.engine_name,
                 "checksums": args.checksums,
                 "compute_threads": args.threads,
+                "pinned": args.pin,
                 "stall_s_prefetch": prefetched.stats.stall_seconds,
             }
             if args.trace:
@@ -139,7 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     bound = max(result["compute_s"], result["io_s"])
     print(f"{args.segments} segments x {args.segment_mib} MiB on nvme ({result['engine']}), tier {args.tier}, "
-          f"checksums {'on' if args.checksums else 'off'}, {args.threads} compute thread(s)")
+          f"checksums {'on' if args.checksums else 'off'}, {args.threads} compute thread(s)"
+          f"{', pinned apart from the I/O' if args.pin else ''}")
     print(f"  compute alone      {result['compute_s']:.3f} s")
     print(f"  I/O alone          {result['io_s']:.3f} s  ({args.segments * seg_bytes / result['io_s'] / 1e9:.2f} GB/s)")
     print(f"  step, synchronous  {result['step_s_sync']:.3f} s  ({result['step_s_sync'] / bound:.2f}x max)")
