@@ -8,6 +8,7 @@ DDP; Fabric's loop (setup, backward, step, save, load) matches plain Fabric's.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -99,6 +100,64 @@ def test_a_model_built_in_configure_model_is_partitioned_as_it_is_built(tmp_path
         assert ours.losses == reference.losses
     finally:
         fit.strategy.engine.close()
+
+
+MEMORY = textwrap.dedent("""
+    import json, sys, torch
+    import lightning as L
+    from torch import nn
+    from zero.integrations.lightning import ZeroStrategy
+
+    def rss(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+
+    class Wide(L.LightningModule):
+        def configure_model(self):
+            open("/proc/self/clear_refs", "w").write("5")  # the peak from here on
+            before = rss("VmRSS")
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(1024, 4096), nn.Linear(4096, 1024))
+                                        for _ in range(8))
+            self.building = rss("VmHWM") - before
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = x + block(x)
+            return x
+
+        def training_step(self, batch, index):
+            return self(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    torch.set_num_threads(1)
+    model = Wide()
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_tiering": {"host_budget": "256MiB"},
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": sys.argv[1]},
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": sys.argv[1]}}}
+    fit = L.Trainer(strategy=ZeroStrategy(config), accelerator="cpu", devices=1, max_steps=1, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    use_distributed_sampler=False)
+    data = torch.utils.data.TensorDataset(torch.randn(2, 1, 1024))
+    fit.fit(model, torch.utils.data.DataLoader(data, batch_size=1))
+    numel = sum(p.ds_numel for p in model.parameters())
+    fit.strategy.engine.close()
+    print(json.dumps({"building": model.building, "numel": numel}))
+""")
+
+
+def test_configure_model_never_holds_the_whole_model_in_memory(tmp_path):
+    """8 blocks of 1024 x 4096 (67M parameters, 268 MB in fp32) built in configure_model under the strategy: the
+    process's peak memory grows by less than half the weights while it builds (zero.Init partitions each module
+    to nvme as it is made), and the model trains a step."""
+    done = subprocess.run([sys.executable, "-c", MEMORY, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, env=child_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["numel"] == 8 * (2 * 1024 * 4096 + 4096 + 1024)
+    assert result["building"] < 4 * result["numel"] / 2
 
 
 RESUME = """
