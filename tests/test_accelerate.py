@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("accelerate")
 
 from conftest import REPO_ROOT, child_env  # noqa: E402
+from stage3_models import free_port  # noqa: E402
 
 
 def readme_block() -> str:
@@ -30,7 +31,8 @@ def test_readme_block_runs_on_two_ranks(tmp_path):
     script = tmp_path / "accelerate_route.py"
     script.write_text(readme_block())
     env = child_env() | {"OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)],
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(free_port()), str(script)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert len(re.findall(r"^loss \d+\.\d+$", done.stdout, re.M)) == 1  # accelerator.print: the main process's
