@@ -77,3 +77,32 @@ def test_a_fetch_while_the_copy_is_written_waits_and_later_writes_are_kept(make_
         mgr.evict(name).wait()
         assert torch.equal(mgr.acquire(name, "host"), torch.full((PAGE // 4,), 20.0))  # (1 + 1) x 10
         mgr.release(name)
+
+
+def test_a_copy_said_to_be_fetched_soon_is_neither_written_nor_evicted_before_later_ones(make_manager, engine):
+    """`expect_fetch` (a gradient that the step running during the backward reads next, off the trace, where the
+    trace places its use at the boundary): released dirty, it is not written behind, and making room evicts the
+    copies the trace needs later before it; its fetch then reads nothing from nvme."""
+    mgr = make(make_manager, engine)
+    order = NAMES[1:] + NAMES[0]  # "a" last: the trace puts its next use after every other segment's
+
+    def traced_step() -> None:
+        for name in order:
+            with mgr.held(name, "host", dirty=True) as view:
+                view.add_(1.0)
+        mgr.end_step()
+
+    traced_step()  # the trace
+    with mgr.untraced(), mgr.held("a", "host", dirty=True) as view:  # written off the trace, read again soon
+        view.add_(1.0)
+        mgr.expect_fetch("a")  # said before the release, as the gradient's last add says it
+    for name in order[:-1]:  # five pages through the four-page budget
+        with mgr.held(name, "host", dirty=True) as view:
+            view.add_(1.0)
+    seg = settled(mgr, "a")
+    assert seg.host is not None and not seg.nvme_current
+    read = mgr.stats.bytes_moved["nvme->host"]
+    with mgr.untraced():
+        assert torch.equal(mgr.acquire("a", "host"), torch.full((PAGE // 4,), 2.0))
+        mgr.release("a")
+    assert mgr.stats.bytes_moved["nvme->host"] == read

@@ -1,7 +1,7 @@
 """Eviction: how the swap manager makes room in a tier (a part of SwapManager, cut out as one concept).
 
-Which copies go (the one needed latest per the trace, Belady's rule; least recently used before a trace
-exists), and how a segment moves one tier down toward its home: a device copy dropped or copied to host, a
+Which copies go (the one needed latest per the trace, Belady's rule, a copy said to be fetched soon counting as
+needed now; least recently used before a trace exists), and how a segment moves one tier down toward its home: a device copy dropped or copied to host, a
 host copy dropped or written back to nvme. A spent segment's copies are dropped unwritten. The methods use
 the manager's state (segments, tiers, store, trace, lock) and its move helpers (`_begin`, `_settle`).
 
@@ -81,7 +81,7 @@ class Eviction:
             started: list[Handle] = []
             blocked = full = None
             for victim in self._victims(tier, keep):
-                later = self.trace.next_use(victim.name)
+                later = self._next_use(victim)
                 if horizon is not None and later <= horizon and not self._expendable(victim, tier):
                     if later < math.inf:
                         break  # a prefetch never evicts what is needed sooner (the rest, sorted, are sooner still)
@@ -131,12 +131,18 @@ class Eviction:
         last of all those off the trace that a read-ahead brought and nobody used yet (`prefetch` was told they
         come next)."""
         def order(seg: Segment) -> tuple:
-            later = self.trace.next_use(seg.name)  # a bisect: once per segment
+            later = self._next_use(seg)  # a bisect: once per segment
             return not self._expendable(seg, tier), seg.prefetched and later == math.inf, -later, seg.last_use
 
         out = [seg for seg in self.segments.values() if seg not in keep and seg.evictable_from(tier)]
         out.sort(key=order)
         return out
+
+    def _next_use(self, seg: Segment) -> float:
+        """When the segment is used next: per the trace, or now where its user said a fetch off the trace comes
+        soon (`expect_fetch`: a gradient a step running during the backward reads next, which the trace places
+        at the step's boundary; evicting it first would write it and read it back)."""
+        return 0.0 if seg.fetch_expected else self.trace.next_use(seg.name)
 
     def _expendable(self, seg: Segment, tier: Tier) -> bool:
         """Its user expects to overwrite it next (`expect_overwrite`) and the tier below holds its current bytes:

@@ -27,7 +27,8 @@ class Intents:
     def expect_fetch(self, name: str) -> None:
         """Say that `name` will be fetched again soon by a thread whose fetches are off the trace (a step
         running during the backward), so the trace's far next use does not get it written early: write-behind
-        leaves it (room still evicts it if needed). Only a hint; lasts until the next fetch."""
+        leaves it, and making room evicts it as one needed now (after every copy the trace needs later; a fetch
+        that must have room still takes it). Only a hint; lasts until the next fetch."""
         with self._lock:
             self._get(name).fetch_expected = True
 
