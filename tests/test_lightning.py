@@ -4,7 +4,8 @@ A LightningModule trained with `strategy="zero3_offload_nvme"` (ZeRO-3, paramete
 accumulation 2, clipping through Lightning's argument) trains bit for bit as the same module under Lightning's
 default strategy with torch AdamW (fused: what CPU-Adam matches). A checkpoint Lightning saves resumes with
 `fit(ckpt_path=...)` in a fresh process bit for bit; two ranks through Lightning's own launcher match Lightning's
-DDP; Fabric's loop (setup, backward, step, save, load) matches plain Fabric's.
+DDP; Fabric's loop (setup, backward, step, save, load) matches plain Fabric's; a model built in configure_model
+never stands whole in memory.
 """
 from __future__ import annotations
 
