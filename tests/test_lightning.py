@@ -189,7 +189,8 @@ def test_a_lightning_checkpoint_resumes_bitwise_in_a_fresh_process(tmp_path):
     def script(epochs, ckpt, save, out):
         nvme = tmp_path / out
         nvme.mkdir()
-        return RESUME.format(tests=TESTS, nvme=str(nvme), epochs=epochs, ckpt=ckpt, save=save, out=str(tmp_path / out) + ".pt")
+        return RESUME.format(tests=TESTS, nvme=str(nvme), epochs=epochs, ckpt=ckpt, save=save,
+                             out=str(tmp_path / out) + ".pt")
 
     checkpoint = str(tmp_path / "epoch1.ckpt")
     run_script(script(2, None, None, "whole"))
@@ -237,7 +238,8 @@ def test_two_ranks_through_lightnings_launcher_train_as_lightnings_ddp(tmp_path)
 # -- Fabric -----------------------------------------------------------------------------------------------------
 
 
-def fabric_loop(fabric: L.Fabric, steps: int, model=None, optimizer=None, start: int = 0) -> tuple[list[float], object, object]:
+def fabric_loop(fabric: L.Fabric, steps: int, model=None, optimizer=None,
+                start: int = 0) -> tuple[list[float], object, object]:
     """`steps` micro-batches of the loop as Fabric's docs write it; our strategy accumulates and clips by its
     config, plain Fabric by hand."""
     ours = isinstance(fabric.strategy, ZeroFabricStrategy)

@@ -1,9 +1,10 @@
 """Eviction: how the swap manager makes room in a tier (a part of SwapManager, cut out as one concept).
 
 Which copies go (the one needed latest per the trace, Belady's rule, a copy said to be fetched soon counting as
-needed now; least recently used before a trace exists), and how a segment moves one tier down toward its home: a device copy dropped or copied to host, a
-host copy dropped or written back to nvme. A spent segment's copies are dropped unwritten. The methods use
-the manager's state (segments, tiers, store, trace, lock) and its move helpers (`_begin`, `_settle`).
+needed now; least recently used before a trace exists), and how a segment moves one tier down toward its home: a
+device copy dropped or copied to host, a host copy dropped or written back to nvme. A spent segment's copies are
+dropped unwritten. The methods use the manager's state (segments, tiers, store, trace, lock) and its move helpers
+(`_begin`, `_settle`).
 
 Every step that may have to wait says what happened as an `Outcome` of a named `Kind`: done, a move of the
 segment started, room being made by other moves (wait, then try again), or blocked (only waiting would do,
