@@ -40,6 +40,7 @@ FORMATS = {  # name: (zero_tiering keys, compute dtype)
     "int8": ({"moments": "int8"}, "fp32"),
     "bf16-moments": ({"moments": "bf16"}, "fp32"),
     "int8-bf16-sr": ({"moments": "int8", "master": "bf16-sr"}, "bf16"),
+    "int8-bf16-kahan": ({"moments": "int8", "master": "bf16-kahan"}, "bf16"),
     "bf16-bf16": ({"moments": "bf16", "master": "bf16"}, "bf16"),
     # fp16 with dynamic loss scaling: the scale folded into the compact step, an overflowing first step skipped
     "int8-fp16": ({"moments": "int8"}, "fp16"),
@@ -114,20 +115,22 @@ def test_every_path_steps_a_format_to_the_same_bits(fmt, tmp_path, exact_run):
     assert ((losses - exact).abs() / exact).max() < 0.03, ((losses - exact).abs() / exact).max()
 
 
-def _rank(rank: int, port: int, root: str) -> None:
+def _rank(rank: int, port: int, root: str, fmt: str) -> None:
     os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    result = train(config("int8-bf16-sr", os.path.join(root, f"nvme{rank}"), micro=1), rows=slice(rank, rank + 1))
+    result = train(config(fmt, os.path.join(root, f"nvme{rank}"), micro=1), rows=slice(rank, rank + 1))
     torch.save(result, os.path.join(root, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
 
 
-def test_two_ranks_agree_and_train_as_one(tmp_path):
+@pytest.mark.parametrize("fmt", ["int8-bf16-sr", "int8-bf16-kahan"])
+def test_two_ranks_agree_and_train_as_one(fmt, tmp_path):
     """Two ranks (each a row of every batch) hold the same full parameters; their losses average to one rank's
     within 1%: int8 blocks start where each rank's shard does, so the bits differ from one rank's; stochastic
     rounding is keyed by an element's place in its unit, not by who holds it."""
-    context = mp.start_processes(_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn")
+    context = mp.start_processes(_rank, args=(free_port(), str(tmp_path), fmt), nprocs=2, join=False,
+                                 start_method="spawn")
     deadline = time.monotonic() + 240
     try:
         while not context.join(timeout=1):
@@ -139,7 +142,7 @@ def test_two_ranks_agree_and_train_as_one(tmp_path):
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for key in ranks[0]["state"]:
         assert torch.equal(ranks[0]["state"][key], ranks[1]["state"][key]), key
-    one = train(config("int8-bf16-sr", tmp_path / "one"))
+    one = train(config(fmt, tmp_path / "one"))
     mean = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"])]
     torch.testing.assert_close(mean, one["losses"], rtol=1e-2, atol=0.0)
 
@@ -155,7 +158,7 @@ def resume(fmt: str, root: str) -> None:
     engine.close()
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int8-bf16-sr"])
+@pytest.mark.parametrize("fmt", ["int8", "int8-bf16-sr", "int8-bf16-kahan"])
 def test_a_save_resumes_bit_for_bit_in_a_fresh_process(fmt, tmp_path):
     engine, *_ = zero.initialize(model=model(0), config=config(fmt, tmp_path / "parent"))
     data = batches(STEPS * ACCUM)

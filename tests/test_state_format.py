@@ -2,7 +2,8 @@
 the block-wise int8 round trip within its bound per block against a float64 reference, decoding and encoding again
 the identity (what a checkpoint relies on), the C kernel and the torch version equal bit for bit for every format
 (the same random bits for stochastic rounding), stochastic rounding unbiased, the keys of its bits, and the config's
-errors; the tiled layout (a codec per tensor) and its step. Compared in bits."""
+errors; the tiled layout (a codec per tensor) and its step; a Kahan master's compensation carrying what bf16 drops.
+Compared in bits."""
 from __future__ import annotations
 
 import itertools
@@ -17,7 +18,7 @@ from zero.optim.adam_math import _kernel
 from zero.optim import compact_step as compact_step_module
 from zero.optim.compact_step import compact_step, kernel_pieces, round_stochastic, sr_key, torch_compact_step
 from zero.optim.state_format import (
-    BF16, FP32, INT8_SIGNED, INT8_UNSIGNED, QBLOCK, SMALLEST_INT8, StateFormat, Tiled, dynamic_map, int8_runs,
+    BF16, FP32, INT8_SIGNED, INT8_UNSIGNED, QBLOCK, SMALLEST_INT8, Kahan, StateFormat, Tiled, dynamic_map, int8_runs,
 )
 
 HYPER = dict(step=3, lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True, grad_scale=0.37)
@@ -97,11 +98,15 @@ def sub_group(codecs, numel: int, seed: int, out_dtype):
     grad = torch.randn(numel, generator=gen) * 10.0 ** torch.randint(-6, 3, (numel,), generator=gen)
     stored = [encoded(codec, x) for codec, x in zip((codecs.master, codecs.exp_avg, codecs.exp_avg_sq), values)]
     out = None if out_dtype is None else torch.zeros(numel, dtype=out_dtype)
-    return [stored[0], grad, stored[1], stored[2]], out
+    compensation = None
+    if codecs.compensated:
+        compensation = torch.empty(numel, dtype=Kahan.dtype)
+        Kahan.encode(values[0], stored[0], compensation)
+    return [stored[0], grad, stored[1], stored[2]], out, compensation
 
 
-FORMATS = [StateFormat(moments, master) for moments, master in itertools.product(("fp32", "bf16", "int8"),
-                                                                                ("fp32", "bf16", "bf16-sr"))]
+FORMATS = [StateFormat(moments, master) for moments, master in itertools.product(
+    ("fp32", "bf16", "int8"), ("fp32", "bf16", "bf16-sr", "bf16-kahan"))]
 
 
 @needs_kernel
@@ -115,15 +120,15 @@ def test_kernel_equals_torch_bit_for_bit(fmt, numel):
                                               (HYPER, {**HYPER, "decoupled": False, "grad_scale": 1.0})):
         if fmt.master != "fp32" and out_dtype is torch.float16:
             continue
-        theirs, their_out = sub_group(codecs, numel, 7, out_dtype)
-        ours, our_out = sub_group(codecs, numel, 7, out_dtype)
-        torch_compact_step(*theirs, codecs=codecs, numel=numel, out=their_out, key=sr_key(5, 2), index=1000,
-                           hyper=hyper)
-        for piece in kernel_pieces(kernel, *ours, codecs=codecs, numel=numel, out=our_out, key=sr_key(5, 2),
-                                   index=1000, hyper=hyper):
+        theirs, their_out, their_comp = sub_group(codecs, numel, 7, out_dtype)
+        ours, our_out, our_comp = sub_group(codecs, numel, 7, out_dtype)
+        torch_compact_step(*theirs, codecs=codecs, numel=numel, out=their_out, compensation=their_comp,
+                           key=sr_key(5, 2), index=1000, hyper=hyper)
+        for piece in kernel_pieces(kernel, *ours, codecs=codecs, numel=numel, out=our_out, compensation=our_comp,
+                                   key=sr_key(5, 2), index=1000, hyper=hyper):
             piece()
-        for name, a, b in zip(("master", "grad", "exp_avg", "exp_avg_sq", "out"), ours + [our_out],
-                              theirs + [their_out]):
+        for name, a, b in zip(("master", "grad", "exp_avg", "exp_avg_sq", "out", "compensation"),
+                              ours + [our_out, our_comp], theirs + [their_out, their_comp]):
             if a is not None:
                 assert torch.equal(bits(a), bits(b)), (name, out_dtype, hyper)
 
@@ -166,6 +171,8 @@ def test_small_tensors_keep_fp32_moments():
     assert fmt.codecs(SMALLEST_INT8).exp_avg is INT8_SIGNED and fmt.codecs(SMALLEST_INT8).exp_avg_sq is INT8_UNSIGNED
     assert fmt.state_bytes(1 << 20) == 4 * (1 << 20) + 2 * ((1 << 20) + 4 * (1 << 12))
     assert StateFormat().state_bytes(1000, master=False) == 8000
+    kahan = StateFormat("fp32", "bf16-kahan")  # its compensation is stored even where the master is the parameter
+    assert kahan.state_bytes(1000, master=False) == 8000 + 2000 and kahan.state_bytes(1000) == 2000 + 8000 + 2000
     # a sub-group of small tensors only (norms, biases): fp32, however large the sub-group
     assert fmt.codecs(3 * 4000, 0, [(k * 4000, 4000) for k in range(3)]).exp_avg is FP32
     # one large tensor covering the sub-group, which starts inside it: plain int8
@@ -207,25 +214,78 @@ def test_tiled_moments_store_each_run_in_its_codec():
 
 
 @needs_kernel
-@pytest.mark.parametrize("master", ["fp32", "bf16-sr"])
+@pytest.mark.parametrize("master", ["fp32", "bf16-sr", "bf16-kahan"])
 def test_a_tiled_sub_group_steps_alike_on_the_kernel_and_torch(master, monkeypatch):
     """compact_step over a tiled sub-group: the kernel's pieces and the torch version (no kernel) give the same
     bits, and each tile's step is that of the tile stepped alone at its index (its own stochastic bits)."""
     codecs = StateFormat("int8", master).codecs(19000, 50, TENSORS)
     out_dtype = torch.bfloat16
-    ours, our_out = sub_group(codecs, 19000, 8, out_dtype)
-    theirs, their_out = sub_group(codecs, 19000, 8, out_dtype)
+    ours, our_out, our_comp = sub_group(codecs, 19000, 8, out_dtype)
+    theirs, their_out, their_comp = sub_group(codecs, 19000, 8, out_dtype)
     step = dict(codecs=codecs, numel=19000, key=sr_key(4, 1), index=50, threads=None, hyper=HYPER)
-    compact_step(*ours, out=our_out, **step)
-    alone, _ = sub_group(codecs, 19000, 8, out_dtype)
-    for args, run_codecs, n, at in compact_step_module.runs(*alone, None, codecs, 19000):
+    compact_step(*ours, out=our_out, compensation=our_comp, **step)
+    alone, _, alone_comp = sub_group(codecs, 19000, 8, out_dtype)
+    for args, run_codecs, n, at in compact_step_module.runs(*alone, None, alone_comp, codecs, 19000):
         torch_compact_step(*args, codecs=run_codecs, numel=n, key=sr_key(4, 1), index=50 + at, hyper=HYPER)
     monkeypatch.setattr(compact_step_module, "_kernel", lambda: (None,))
-    compact_step(*theirs, out=their_out, **step)
-    for name, a, b, c in zip(("master", "grad", "exp_avg", "exp_avg_sq", "out"), ours + [our_out],
-                             theirs + [their_out], alone + [None]):
+    compact_step(*theirs, out=their_out, compensation=their_comp, **step)
+    for name, a, b, c in zip(("master", "grad", "exp_avg", "exp_avg_sq", "out", "compensation"),
+                             ours + [our_out, our_comp], theirs + [their_out, their_comp],
+                             alone + [None, alone_comp]):
+        if a is None:
+            continue
         assert torch.equal(bits(a), bits(b)), name
         assert c is None or torch.equal(bits(a), bits(c)), name
+
+
+def test_a_kahan_master_decodes_and_encodes_to_the_same_bytes():
+    """Weights to nearest and the remainder truncated: decoding and encoding again gives the same bytes (a
+    checkpoint stores decoded values); the pair holds the value to about 16 bits; not finite: no compensation."""
+    gen = torch.Generator().manual_seed(9)
+    values = torch.randn(10_000, generator=gen) * 10.0 ** torch.randint(-30, 30, (10_000,), generator=gen)
+    values[:3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    weights, compensation = torch.empty(10_000, dtype=torch.bfloat16), torch.empty(10_000, dtype=torch.bfloat16)
+    Kahan.encode(values, weights, compensation)
+    out = torch.empty(10_000)
+    Kahan.decode(weights, compensation, out)
+    again_w, again_c = torch.empty_like(weights), torch.empty_like(compensation)
+    Kahan.encode(out, again_w, again_c)
+    assert torch.equal(bits(again_w), bits(weights)) and torch.equal(bits(again_c), bits(compensation))
+    assert torch.equal(bits(weights[:3]), bits(values[:3].to(torch.bfloat16))) and (compensation[:3] == 0).all()
+    finite = values[3:].double()
+    # the weight the nearest bf16, or its neighbour where the pair's sum is a tie
+    assert ((weights[3:].double() - finite).abs() <= finite.abs() * 2.0 ** -8).all()
+    assert ((out[3:].double() - finite).abs() <= finite.abs() * 2.0 ** -15).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("on_kernel", [True, False], ids=["kernel", "torch"])
+def test_kahan_compensation_carries_what_bf16_drops(on_kernel, monkeypatch):
+    """300 Adam steps whose updates (1e-4) are far below half a bf16 step at 1.0 (2^-8): a bf16 master rounded to
+    nearest never moves; a Kahan master moves as the fp32 one does, within 2% (each step rounds the compensation,
+    whose step near 2^-9 is 2^-17: 300 such roundings are a few 1e-4 at worst)."""
+    if not on_kernel:
+        monkeypatch.setattr(compact_step_module, "_kernel", lambda: (None,))
+    numel = 4096
+    hyper = dict(HYPER, lr=1e-4, weight_decay=0.0, grad_scale=1.0)
+    finals = {}
+    for master in ("fp32", "bf16", "bf16-kahan"):
+        codecs = StateFormat("fp32", master).codecs(numel)
+        start = torch.ones(numel)
+        stored = encoded(codecs.master, start)
+        compensation = torch.zeros(numel, dtype=torch.bfloat16) if codecs.compensated else None
+        m, v = torch.zeros(numel), torch.zeros(numel)
+        for step in range(1, 301):
+            grad = torch.full((numel,), 0.5)
+            compact_step(stored, grad, m, v, codecs=codecs, numel=numel, out=None, key=sr_key(step, 0), index=0,
+                         threads=None, hyper=dict(hyper, step=step), compensation=compensation)
+        finals[master] = decoded(codecs.master, stored, numel) if compensation is None else \
+            stored.float() + compensation.float()
+    assert (finals["bf16"] == 1.0).all()
+    assert (finals["fp32"] < 0.975).all()
+    moved = 1.0 - finals["fp32"]
+    assert ((finals["bf16-kahan"] - finals["fp32"]).abs() <= 0.02 * moved).all(), \
+        ((finals["bf16-kahan"] - finals["fp32"]).abs() / moved).max()
 
 
 def config(**sections):
@@ -237,6 +297,8 @@ def config(**sections):
 
 def test_config_reads_ours_and_deepspeed_s_keys():
     assert config().state_format == StateFormat()
+    assert config(zero_tiering={"master": "bf16-kahan"}, bf16={"enabled": True}).state_format \
+        == StateFormat("fp32", "bf16-kahan")
     assert config(zero_tiering={"moments": "int8", "master": "bf16-sr"}, bf16={"enabled": True}).state_format \
         == StateFormat("int8", "bf16-sr")
     assert config(bf16={"enabled": True, "bf16_optimizer_states": True,

@@ -61,9 +61,10 @@ class ZeroTieringSection(Section):
     DeepSpeed's bf16.bf16_optimizer_states, else fp32. Compact moments move fewer bytes a step at a measured price in loss
     (bench/RESULTS.md)."""
 
-    master: Literal["fp32", "bf16", "bf16-sr"] | None = None
+    master: Literal["fp32", "bf16", "bf16-sr", "bf16-kahan"] | None = None
     """How the master weights are stored: "fp32" (exact), "bf16" (rounded to nearest after each step, as DeepSpeed's
-    bf16.bf16_master_weights_and_grads), or "bf16-sr" (rounded stochastically: small updates survive on average);
+    bf16.bf16_master_weights_and_grads), "bf16-sr" (rounded stochastically: small updates survive on average), or
+    "bf16-kahan" (bf16 weights and a bf16 compensation holding what their rounding dropped: 4 bytes, not 6);
     a bf16 master needs bf16 compute, and at stage 3 with parameters in the optimizer's tier it is the parameter
     shard itself, not a copy. null: bf16 with bf16_master_weights_and_grads, else fp32."""
 

@@ -230,9 +230,10 @@ static PyMethodDef methods[] = {
      "compact_step(master, master_kind, grad, exp_avg, exp_avg_kind, exp_avg_sq, exp_avg_sq_kind, out, out_kind, numel, "
      "stochastic, key, index, signed_values, signed_midpoints, signed_buckets, unsigned_values, unsigned_midpoints, "
      "unsigned_buckets, lo, hi, *, step, "
-     "lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale)\n\n"
+     "lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale, compensation=0)\n\n"
      "The step of elements [lo, hi) of a sub-group of numel elements stored in a compact format (see "
-     "compact_kernel.c); lo a multiple of 256. Releases the GIL while it runs. The caller keeps the memory alive."},
+     "compact_kernel.c); lo a multiple of 256; compensation: a bf16-kahan master's (0: none). Releases the GIL "
+     "while it runs. The caller keeps the memory alive."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -8,7 +8,9 @@
  * 16 random bits added below its bf16 part, then truncated), 2 and 3 block-wise int8, signed and unsigned: the
  * segment holds one fp32 absmax per 256-element block, then one code per element; a value is map[code] * absmax,
  * and encoding picks the nearest code (the count of midpoints below value / absmax). A block whose absmax is below
- * 2^-100 is stored as zeros (absmax 0, codes 0). */
+ * 2^-100 is stored as zeros (absmax 0, codes 0). A bf16 master with a `compensation` (bf16-kahan, state_format.py's
+ * Kahan) is its weights plus the compensation, summed in fp32; encoded, the weights and the remainder round to
+ * nearest, twice (see kahan_encode). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -157,6 +159,24 @@ static void bf16_encode(uint16_t *out, const float *in, int n, int stochastic, u
     }
 }
 
+/* A Kahan master's values in[0, n) into its bf16 weights and compensation, as state_format.py's Kahan.encode:
+ * twice (the second time from the pair's own sum), the weight to nearest and the remainder to nearest. */
+static void kahan_encode(uint16_t *weights, uint16_t *compensation, const float *in, int n) {
+    for (int i = 0; i < n; i++) {
+        float x = in[i];
+        for (int pass = 0; pass < 2; pass++) {
+            uint32_t w = (uint32_t)bf16_bits(x) << 16, c;
+            float wf, cf;
+            memcpy(&wf, &w, 4);
+            c = (w & 0x7F800000u) == 0x7F800000u ? 0 : (uint32_t)bf16_bits(x - wf) << 16;
+            memcpy(&cf, &c, 4);
+            weights[i] = (uint16_t)(w >> 16);
+            compensation[i] = (uint16_t)(c >> 16);
+            x = wf + cf;
+        }
+    }
+}
+
 /* Elements [lo, lo + n) of a stored part into `out` (fp32 kind: a pointer into the segment, nothing copied). */
 static float *decode(int kind, void *base, int64_t numel, int64_t lo, int n, float *out, const Maps *maps) {
     if (kind == STORE_FP32) return (float *)base + lo;
@@ -241,18 +261,22 @@ PyObject *compact_step(PyObject *self, PyObject *args, PyObject *kwargs) {
                                "exp_avg_sq_kind", "out", "out_kind", "numel", "stochastic", "key", "index",
                                "signed_values", "signed_midpoints", "signed_buckets", "unsigned_values",
                                "unsigned_midpoints", "unsigned_buckets", "lo", "hi",
-                               "step", "lr", "beta1", "beta2", "eps", "weight_decay", "decoupled", "grad_scale", NULL};
-    unsigned long long p, g, m, v, o, sv, sm, sb, uv, um, ub;
+                               "step", "lr", "beta1", "beta2", "eps", "weight_decay", "decoupled", "grad_scale",
+                               "compensation", NULL};
+    unsigned long long p, g, m, v, o, sv, sm, sb, uv, um, ub, c = 0;
     int p_kind, m_kind, v_kind, out_kind, stochastic, decoupled;
     unsigned long key;
     long long numel, index, lo, hi, step_count;
     double lr, beta1, beta2, eps, weight_decay, grad_scale;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KiKKiKiKiLpkLKKKKKKLL$Ldddddpd", keywords, &p, &p_kind, &g,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KiKKiKiKiLpkLKKKKKKLL$LdddddpdK", keywords, &p, &p_kind, &g,
                                      &m, &m_kind, &v, &v_kind, &o, &out_kind, &numel, &stochastic, &key, &index, &sv,
                                      &sm, &sb, &uv, &um, &ub, &lo, &hi, &step_count, &lr, &beta1, &beta2, &eps, &weight_decay,
-                                     &decoupled, &grad_scale))
+                                     &decoupled, &grad_scale, &c))
         return NULL;
+    if (c && (p_kind != STORE_BF16 || stochastic))
+        return PyErr_Format(PyExc_ValueError, "compact_step: a compensation is a bf16 master's rounded to nearest "
+                            "(master kind 1, not stochastic)");
     if (p_kind < STORE_FP32 || p_kind > STORE_BF16 || m_kind < 0 || m_kind > 3 || v_kind < 0 || v_kind > 3
         || out_kind < OUT_NONE || out_kind > OUT_FP16 || (p_kind == STORE_BF16 && out_kind == OUT_FP16))
         return PyErr_Format(PyExc_ValueError, "compact_step: kinds master %d (0 fp32, 1 bf16), exp_avg %d, exp_avg_sq "
@@ -272,7 +296,7 @@ PyObject *compact_step(PyObject *self, PyObject *args, PyObject *kwargs) {
     VectorSpan vector_span = adam_best_span();
     void *pv = (void *)(uintptr_t)p, *mv = (void *)(uintptr_t)m, *vv = (void *)(uintptr_t)v;
     float *grad = (float *)(uintptr_t)g;
-    uint16_t *out = (uint16_t *)(uintptr_t)o;
+    uint16_t *out = (uint16_t *)(uintptr_t)o, *compensation = (uint16_t *)(uintptr_t)c;
     int64_t body_end = numel - numel % 8; /* torch's vector loop's end: its scalar tail rounds v its own way */
     Py_BEGIN_ALLOW_THREADS
     uint8_t zeros[2];
@@ -285,6 +309,13 @@ PyObject *compact_step(PyObject *self, PyObject *args, PyObject *kwargs) {
         int n = (int)(hi - b < QBLOCK ? hi - b : QBLOCK);
         Step s = base;
         s.p = decode(p_kind, pv, numel, b, n, tp, &maps);
+        if (compensation)
+            for (int i = 0; i < n; i++) {
+                uint32_t u = (uint32_t)compensation[b + i] << 16;
+                float r;
+                memcpy(&r, &u, 4);
+                tp[i] += r;
+            }
         s.m = decode(m_kind, mv, numel, b, n, tm, &maps);
         s.v = decode(v_kind, vv, numel, b, n, tv, &maps);
         s.g = grad + b;
@@ -296,7 +327,10 @@ PyObject *compact_step(PyObject *self, PyObject *args, PyObject *kwargs) {
         encode(v_kind, vv, numel, b, n, s.v, &maps, zeros);
         if (p_kind == STORE_BF16) {
             uint16_t *stored = (uint16_t *)pv + b;
-            bf16_encode(stored, s.p, n, stochastic, (uint32_t)key, (uint32_t)(index + b));
+            if (compensation)
+                kahan_encode(stored, compensation + b, s.p, n);
+            else
+                bf16_encode(stored, s.p, n, stochastic, (uint32_t)key, (uint32_t)(index + b));
             if (out_kind == OUT_BF16) memcpy(out + b, stored, (size_t)n * 2);
         } else if (out_kind == OUT_BF16) {
             for (int i = 0; i < n; i++) out[b + i] = bf16_bits(s.p[i]);

@@ -1,5 +1,6 @@
 """The Adam step of a sub-group stored in a compact state format (state_format.py): decode, torch's fused Adam(W)
-arithmetic, encode (stochastic rounding for a bf16-sr master), and the compute-dtype copy-out, in one pass.
+arithmetic, encode (stochastic rounding for a bf16-sr master, the compensation for a bf16-kahan one), and the
+compute-dtype copy-out, in one pass.
 
 The C kernel (`compact_step` in zero.optim._adam_kernel) runs it block by block in registers, its Adam arithmetic
 the exact kernel's (bit for bit torch's fused kernel); `torch_compact_step` computes the same bits with torch ops
@@ -18,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from .adam_math import AdamThreads, _kernel, torch_fused_step
-from .state_format import FP32, SubGroupCodecs
+from .state_format import FP32, Kahan, SubGroupCodecs
 
 CHUNK = 1 << 16
 """Elements per torch piece: a multiple of QBLOCK and of 8, so the fused kernel's scalar tail is the sub-group's."""
@@ -60,18 +61,19 @@ def round_stochastic(values: torch.Tensor, out: torch.Tensor, key: int, index: i
 
 def compact_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                  codecs: SubGroupCodecs, numel: int, out: torch.Tensor | None, key: int, index: int,
-                 threads: AdamThreads | None, hyper: dict) -> None:
+                 threads: AdamThreads | None, hyper: dict, compensation: torch.Tensor | None = None) -> None:
     """One Adam(W) step of a sub-group of `numel` elements whose parts are stored as `codecs` says (`master`,
-    `exp_avg`, `exp_avg_sq`: its segments' views; `grad` fp32), with `hyper` as `adam_step` takes it. `out` (a
-    bf16/fp16 tensor, or None) receives the stored weights in the compute dtype. `key` and `index` (the first
-    element's index in its unit): the stochastic rounding's bits. On the C kernel where it is built, on `threads`
-    (None: the calling thread); else `torch_compact_step`."""
+    `exp_avg`, `exp_avg_sq`: its segments' views; `grad` fp32; `compensation`: a bf16-kahan master's), with
+    `hyper` as `adam_step` takes it. `out` (a bf16/fp16 tensor, or None) receives the stored weights in the compute
+    dtype. `key` and `index` (the first element's index in its unit): the stochastic rounding's bits. On the C
+    kernel where it is built, on `threads` (None: the calling thread); else `torch_compact_step`."""
     kernel = _kernel()[0]
+    parts = runs(master, grad, exp_avg, exp_avg_sq, out, compensation, codecs, numel)
     if kernel is None or not hasattr(kernel, "compact_step"):
-        for args, run_codecs, n, at in runs(master, grad, exp_avg, exp_avg_sq, out, codecs, numel):
+        for args, run_codecs, n, at in parts:
             torch_compact_step(*args, codecs=run_codecs, numel=n, key=key, index=index + at, hyper=hyper)
         return
-    pieces = [piece for args, run_codecs, n, at in runs(master, grad, exp_avg, exp_avg_sq, out, codecs, numel)
+    pieces = [piece for args, run_codecs, n, at in parts
               for piece in kernel_pieces(kernel, *args, codecs=run_codecs, numel=n, key=key, index=index + at,
                                          hyper=hyper)]
     if threads is None:
@@ -81,25 +83,27 @@ def compact_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
         threads.run(pieces)
 
 
-def runs(master, grad, exp_avg, exp_avg_sq, out, codecs: SubGroupCodecs, numel: int):
-    """((master, grad, exp_avg, exp_avg_sq, out), codecs, numel, start) of each run of the sub-group stored in
-    one codec per part (SubGroupCodecs.runs): the views a step of that run takes."""
+def runs(master, grad, exp_avg, exp_avg_sq, out, compensation, codecs: SubGroupCodecs, numel: int):
+    """((master, grad, exp_avg, exp_avg_sq, out, compensation), codecs, numel, start) of each run of the sub-group
+    stored in one codec per part (SubGroupCodecs.runs): the views a step of that run takes."""
     for start, n, run_codecs, m_tile, v_tile in codecs.runs(numel):
         yield ((master.narrow(0, start, n), grad.narrow(0, start, n),
                 exp_avg if m_tile is None else m_tile.view(exp_avg),
                 exp_avg_sq if v_tile is None else v_tile.view(exp_avg_sq),
-                None if out is None else out.narrow(0, start, n)), run_codecs, n, start)
+                None if out is None else out.narrow(0, start, n),
+                None if compensation is None else compensation.narrow(0, start, n)), run_codecs, n, start)
 
 
-def kernel_pieces(kernel, master, grad, exp_avg, exp_avg_sq, out: torch.Tensor | None, *, codecs: SubGroupCodecs,
-                  numel: int, key: int, index: int, hyper: dict) -> list[Callable[[], None]]:
+def kernel_pieces(kernel, master, grad, exp_avg, exp_avg_sq, out: torch.Tensor | None,
+                  compensation: torch.Tensor | None = None, *, codecs: SubGroupCodecs, numel: int, key: int, index: int,
+                  hyper: dict) -> list[Callable[[], None]]:
     """The C kernel's calls for the step, one per PIECE elements, to run on any threads in any order."""
     maps = _maps()
     call = functools.partial(
         kernel.compact_step, master.data_ptr(), codecs.master.kind, grad.data_ptr(), exp_avg.data_ptr(),
         codecs.exp_avg.kind, exp_avg_sq.data_ptr(), codecs.exp_avg_sq.kind, 0 if out is None else out.data_ptr(),
         0 if out is None else (1 if out.dtype == torch.bfloat16 else 2), numel, int(codecs.stochastic), key, index,
-        *(t.data_ptr() for t in maps), **hyper)
+        *(t.data_ptr() for t in maps), compensation=0 if compensation is None else compensation.data_ptr(), **hyper)
     return [functools.partial(call, lo, min(lo + PIECE, numel)) for lo in range(0, numel, PIECE)]
 
 
@@ -110,8 +114,9 @@ def _maps() -> tuple[torch.Tensor, ...]:
                  for name in ("values", "midpoints", "buckets"))
 
 
-def torch_compact_step(master, grad, exp_avg, exp_avg_sq, out: torch.Tensor | None, *, codecs: SubGroupCodecs,
-                       numel: int, key: int, index: int, hyper: dict) -> None:
+def torch_compact_step(master, grad, exp_avg, exp_avg_sq, out: torch.Tensor | None,
+                       compensation: torch.Tensor | None = None, *, codecs: SubGroupCodecs, numel: int, key: int,
+                       index: int, hyper: dict) -> None:
     """`compact_step` of one run (one codec per part) with torch ops, CHUNK elements at a time (scratch of three
     chunks, fp32)."""
     scratch = torch.empty(3, min(CHUNK, numel), dtype=torch.float32)
@@ -122,6 +127,9 @@ def torch_compact_step(master, grad, exp_avg, exp_avg_sq, out: torch.Tensor | No
                                              (exp_avg_sq, codecs.exp_avg_sq))):
             if codec is FP32:
                 fp32.append(stored.narrow(0, lo, n))
+            elif k == 0 and codecs.compensated:
+                fp32.append(scratch[k, :n])
+                Kahan.decode(stored.narrow(0, lo, n), compensation.narrow(0, lo, n), fp32[-1])
             else:
                 fp32.append(scratch[k, :n])
                 codec.decode(stored, numel, fp32[-1], lo)
@@ -131,7 +139,9 @@ def torch_compact_step(master, grad, exp_avg, exp_avg_sq, out: torch.Tensor | No
             if codec is not FP32:
                 codec.encode(values, stored, numel, lo)
         if codecs.master is not FP32:
-            if codecs.stochastic:
+            if codecs.compensated:
+                Kahan.encode(p, master.narrow(0, lo, n), compensation.narrow(0, lo, n))
+            elif codecs.stochastic:
                 round_stochastic(p, master.narrow(0, lo, n), key, index + lo)
             else:
                 codecs.master.encode(p, master, numel, lo)

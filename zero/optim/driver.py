@@ -17,10 +17,11 @@ from tiering import SwapManager, Tier
 
 from .adam_math import AdamThreads, adam_step, torch_fused_step
 from .compact_step import compact_step, sr_key
-from .state_format import FP32, StateFormat, SubGroupCodecs
+from .state_format import FP32, Kahan, StateFormat, SubGroupCodecs
 
 STATE_PARTS = ("master", "exp_avg", "exp_avg_sq")
-"""The parts of a sub-group's optimizer state (with its gradient, "grad", what a step reads)."""
+"""The parts of a sub-group's optimizer state (with its gradient, "grad", what a step reads). A bf16-kahan master
+is stored in two segments, its weights and a "compensation" (`SubGroup.stored_parts`); its value is one part."""
 
 
 @dataclass(eq=False)
@@ -50,6 +51,12 @@ class SubGroup:
 
     def segment(self, part: str) -> str:
         return f"{self.name}/{part}"
+
+    @property
+    def stored_parts(self) -> tuple[str, ...]:
+        """The parts of its optimizer state as segments store them: STATE_PARTS, and a Kahan master's
+        compensation."""
+        return STATE_PARTS + (("compensation",) if self.codecs.compensated else ())
 
     def place(self, part: str) -> tuple[str, int]:
         """(segment, offset) where `part` of this sub-group lives."""
@@ -93,12 +100,12 @@ class AdamDriver:
     def _add(self, sg: SubGroup, master: torch.Tensor) -> SubGroup:
         shape = (sg.numel,)
         handles = []
-        for part in STATE_PARTS:
+        for part in sg.stored_parts:
             if part == "master" and sg.master_in is not None:
                 continue
             codec = sg.codecs.of(part)
-            data = None
-            if part == "master":
+            data = None  # moments, gradient and a Kahan master's compensation start at zero
+            if part == "master":  # a Kahan master starts at the bf16 parameter, as every placement computes with
                 data = torch.empty(codec.storage_numel(sg.numel), dtype=codec.dtype)
                 codec.encode(master.reshape(-1), data, sg.numel)
             handles.append(self.swap.register(sg.segment(part), dtype=codec.dtype,
@@ -154,23 +161,33 @@ class AdamDriver:
              overwrite: bool = False) -> Iterator[torch.Tensor]:
         """`part` of `sg` in the work tier, its values in fp32 for a state part (the gradient as it is kept),
         released afterwards as asked (see SwapManager.fetch and release), even if the block fails. A part stored
-        compact is decoded into a copy, encoded back after the block when `dirty`."""
+        compact is decoded into a copy, encoded back after the block when `dirty` (a Kahan master from and to
+        its weights and compensation)."""
         codec = sg.codecs.of(part) if part in STATE_PARTS else FP32
-        with self._stored(sg, part, dirty=dirty, discard=discard, overwrite=overwrite) as stored:
+        release = dict(dirty=dirty, discard=discard, overwrite=overwrite)
+        with contextlib.ExitStack() as stack:
+            stored = stack.enter_context(self._stored(sg, part, **release))
             if codec is FP32:
                 yield stored
                 return
+            kahan = part == "master" and sg.codecs.compensated
+            compensation = stack.enter_context(self._stored(sg, "compensation", **release)) if kahan else None
             values = torch.empty(sg.numel, dtype=torch.float32, device=stored.device)
-            codec.decode(stored, sg.numel, values)
+            if kahan:
+                Kahan.decode(stored, compensation, values)
+            else:
+                codec.decode(stored, sg.numel, values)
             yield values
-            if dirty:
+            if dirty and kahan:
+                Kahan.encode(values, stored, compensation)
+            elif dirty:
                 codec.encode(values, stored, sg.numel)
 
     @contextlib.contextmanager
     def _stored(self, sg: SubGroup, part: str, **release) -> Iterator[torch.Tensor]:
         """`part` of `sg` as its segment stores it."""
         name, offset = sg.place(part)
-        codec = sg.codecs.of(part) if part in STATE_PARTS else FP32
+        codec = sg.codecs.of(part) if part in sg.stored_parts else FP32
         with self.swap.held(name, self.work_tier, **release) as tensor:
             yield tensor.narrow(0, offset, codec.storage_numel(sg.numel))
 
@@ -208,10 +225,10 @@ class AdamDriver:
             # A spent grad is dropped unwritten, the next accumulation overwrites it; a fresh one (no gradient
             # since the last step) is zeros, nothing to read.
             spend = not keep_grad
-            master, grad, exp_avg, exp_avg_sq = (
+            master, grad, exp_avg, exp_avg_sq, *compensation = (
                 stack.enter_context(self._stored(sg, part, dirty=part != "grad", discard=part == "grad" and spend,
                                                  overwrite=part == "grad" and sg.grad_fresh))
-                for part in ("master", "grad", "exp_avg", "exp_avg_sq"))
+                for part in ("master", "grad", "exp_avg", "exp_avg_sq") + sg.stored_parts[len(STATE_PARTS):])
             if grad.dtype != torch.float32 or (keep_grad and grad_scale != 1.0):
                 grad = self._in_fp32(grad)  # a scale != 1 is stored back into the grad by the kernel
             if sg.grad_fresh:
@@ -228,6 +245,7 @@ class AdamDriver:
                 low = out if low_precision and not out.is_cuda else None
                 if not sg.codecs.exact:
                     compact_step(*tensors, codecs=sg.codecs, numel=sg.numel, out=low, key=sr_key(step, sg.unit),
+                                 compensation=compensation[0] if compensation else None,
                                  index=sg.index, threads=self.threads, hyper=dict(
                                      step=step, decoupled=hyper["decoupled"], grad_scale=grad_scale, **options))
                 elif master.is_cuda:  # optimizer state kept on the GPU (offload_optimizer none)
@@ -264,7 +282,7 @@ class AdamDriver:
         limit = config.prefetch_bytes if budget is None else min(config.prefetch_bytes, budget // 2)
         names, nbytes = [], 0
         for sg in order:
-            for part in STATE_PARTS + (() if sg.grad_fresh else ("grad",)):
+            for part in sg.stored_parts + (() if sg.grad_fresh else ("grad",)):
                 name = sg.place(part)[0]
                 if name in names:  # a master that is the unit's parameter shard, shared by its sub-groups
                     continue

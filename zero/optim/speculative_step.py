@@ -24,7 +24,7 @@ import torch
 
 from tiering import BudgetExceededError, SwapManager
 
-from .driver import STATE_PARTS, AdamDriver, SubGroup
+from .driver import AdamDriver, SubGroup
 
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "decoupled")
 
@@ -176,7 +176,7 @@ class SpeculativeStep:
     def _keep(self, rnd: _Round, sub_groups: list[SubGroup]) -> bool:
         """Keep every segment stepping `sub_groups` writes that this round has not kept yet; False (none kept)
         where one finds no room."""
-        names = [sg.place(part)[0] for sg in sub_groups for part in STATE_PARTS]
+        names = [sg.place(part)[0] for sg in sub_groups for part in sg.stored_parts]
         names += [name for name in map(self.shard_of, sub_groups) if name is not None]
         kept = []
 

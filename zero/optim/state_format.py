@@ -2,8 +2,8 @@
 
 Exact (fp32 master and moments) is the default and is torch AdamW bit for bit. A compact format stores the
 moments in bf16 or block-wise int8, and the master in bf16 (rounded to nearest, as DeepSpeed's
-`bf16_master_weights_and_grads`, or stochastically): fewer bytes read and written each step, at a price in loss
-that bench/quality.py measures. Each part is a `Codec`: its storage (dtype and element count of its segment),
+`bf16_master_weights_and_grads`; stochastically; or with a bf16 compensation beside it, `Kahan`): fewer bytes read
+and written each step, at a price in loss that bench/quality.py measures. Each part is a `Codec`: its storage (dtype and element count of its segment),
 `encode` and `decode` from and to fp32. The fused step over these codecs is compact_step.py; the driver never
 branches on a format.
 
@@ -23,9 +23,9 @@ from typing import Literal
 import torch
 
 MomentsFormat = Literal["fp32", "bf16", "int8"]
-MasterFormat = Literal["fp32", "bf16", "bf16-sr"]
+MasterFormat = Literal["fp32", "bf16", "bf16-sr", "bf16-kahan"]
 MOMENTS: tuple[str, ...] = ("fp32", "bf16", "int8")
-MASTERS: tuple[str, ...] = ("fp32", "bf16", "bf16-sr")
+MASTERS: tuple[str, ...] = ("fp32", "bf16", "bf16-sr", "bf16-kahan")
 
 QBLOCK = 256
 """Elements sharing one absmax in block-wise int8."""
@@ -122,6 +122,30 @@ class Int8Blocks(Codec):
         codes = torch.where(empty.repeat_interleave(QBLOCK)[:n], 0, codes)
         absmax_all.narrow(0, start // QBLOCK, nblocks).copy_(absmax)
         codes_all.narrow(0, start, n).copy_(codes)
+
+
+class Kahan:
+    """A bf16-kahan master: the bf16 weights (stored as `BF16`, the parameter shard itself where it can be) and a
+    bf16 compensation in a segment of its own, holding what the weights' rounding dropped (Kahan-compensated
+    summation, the sum taken in fp32): the value is weights + compensation, about 16 bits of mantissa, so updates
+    far below a bf16 step accumulate instead of vanishing. Both round to nearest (unbiased); the pair is then
+    rounded once more from its own sum, so that decoding and encoding again gives the same bytes (a checkpoint
+    stores decoded values): a remainder rounded up to half a step would otherwise re-round the weight to its even
+    neighbour. A weight that is not finite gets a zero compensation."""
+
+    dtype = torch.bfloat16
+
+    @staticmethod
+    def decode(weights: torch.Tensor, compensation: torch.Tensor, out: torch.Tensor) -> None:
+        torch.add(weights.float(), compensation.float(), out=out)
+
+    @staticmethod
+    def encode(values: torch.Tensor, weights: torch.Tensor, compensation: torch.Tensor) -> None:
+        for _ in range(2):  # the second pass: the pair's own sum (exact in fp32), re-rounded
+            weights.copy_(values)
+            w = weights.float()
+            compensation.copy_(torch.where(torch.isfinite(w), values - w, 0))  # the difference is exact in fp32
+            values = w + compensation.float()
 
 
 @dataclass(frozen=True)
@@ -278,14 +302,15 @@ class StateFormat:
             else:
                 m, v = (Tiled([(start, n, signed if quantized else FP32) for start, n, quantized in runs])
                         for signed in (INT8_SIGNED, INT8_UNSIGNED))
-        return SubGroupCodecs(FP32 if self.master == "fp32" else BF16, m, v, self.master == "bf16-sr")
+        return SubGroupCodecs(FP32 if self.master == "fp32" else BF16, m, v, self.master == "bf16-sr",
+                              self.master == "bf16-kahan")
 
     def state_bytes(self, numel: int, *, master: bool = True, index: int = 0, extents=None) -> int:
         """Bytes of a sub-group's stored state (with its master, unless the master is the parameter shard);
         `index`, `extents`: as `codecs` takes them."""
         codecs = self.codecs(numel, index, extents)
         return (codecs.master.nbytes(numel) if master else 0) + codecs.exp_avg.nbytes(numel) \
-            + codecs.exp_avg_sq.nbytes(numel)
+            + codecs.exp_avg_sq.nbytes(numel) + (2 * numel if codecs.compensated else 0)
 
     def describe(self) -> str:
         return "exact (fp32 master and moments)" if self.exact else f"moments {self.moments}, master {self.master}"
@@ -300,18 +325,21 @@ class SubGroupCodecs:
     exp_avg_sq: Codec
     stochastic: bool
     """The master is rounded stochastically (bf16-sr) when the step writes it."""
+    compensated: bool = False
+    """The master has a "compensation" part beside it (bf16-kahan: `Kahan`)."""
 
     @property
     def exact(self) -> bool:
         return all(c is FP32 for c in (self.master, self.exp_avg, self.exp_avg_sq))
 
     def of(self, part: str) -> Codec:
-        return getattr(self, part)
+        return BF16 if part == "compensation" else getattr(self, part)
 
     def runs(self, numel: int) -> list[tuple[int, int, SubGroupCodecs, Tile | None, Tile | None]]:
         """(start, numel, codecs, exp_avg tile, exp_avg_sq tile) of each run of a sub-group of `numel` elements
         whose parts are stored in one codec each (the tiles None where the moments are not `Tiled`: one run)."""
         if not isinstance(self.exp_avg, Tiled):
             return [(0, numel, self, None, None)]
-        return [(m.start, m.numel, SubGroupCodecs(self.master, m.codec, v.codec, self.stochastic), m, v)
+        return [(m.start, m.numel, SubGroupCodecs(self.master, m.codec, v.codec, self.stochastic, self.compensated),
+                 m, v)
                 for m, v in zip(self.exp_avg.tiles, self.exp_avg_sq.tiles)]

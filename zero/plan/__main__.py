@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--moments", choices=["fp32", "bf16", "int8"],
                         help="plan this Adam moments format (zero_tiering.moments); default: exact state, and where "
                              "it fits nowhere, the compact formats too")
-    parser.add_argument("--master", choices=["fp32", "bf16", "bf16-sr"],
+    parser.add_argument("--master", choices=["fp32", "bf16", "bf16-sr", "bf16-kahan"],
                         help="plan this master format (zero_tiering.master; bf16 ones need --precision bf16)")
     parser.add_argument("--config", help="predict this DeepSpeed-format config only")
     parser.add_argument("--host-budget", help="zero_tiering.host_budget for --config (as zero.train takes it)")

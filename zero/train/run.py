@@ -151,9 +151,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--moments", choices=["fp32", "bf16", "int8"],
                         help="how the Adam moments are stored (zero_tiering.moments): fp32 is exact; bf16 and int8 "
                              "(block-wise) move fewer bytes a step at a measured price in loss")
-    parser.add_argument("--master", choices=["fp32", "bf16", "bf16-sr"],
+    parser.add_argument("--master", choices=["fp32", "bf16", "bf16-sr", "bf16-kahan"],
                         help="how the master weights are stored (zero_tiering.master): fp32 is exact; bf16 rounds "
-                             "each update to nearest, bf16-sr stochastically; both compute in bf16")
+                             "each update to nearest, bf16-sr stochastically, bf16-kahan keeps what rounding drops in "
+                             "a bf16 compensation; all compute in bf16")
     parser.add_argument("--dtype", choices=sorted(DTYPES),
                         help="compute dtype, overriding the config's bf16/fp16 sections (default: the config's, "
                              "unless it is slow on this device: then bf16 or fp32, with a line saying so)")
