@@ -1,5 +1,6 @@
-"""A small LightningModule for the Lightning strategy tests, in a file of its own so the scripts the tests run in
-fresh processes (a resume, two ranks through Lightning's launcher) import the same one."""
+"""A small LightningModule and a Fabric loop for the Lightning strategy tests, in a file of its own so the scripts
+the tests run in fresh processes (a resume, two ranks through Lightning's and Fabric's launchers) import the same
+ones."""
 from __future__ import annotations
 
 import lightning as L
@@ -76,3 +77,31 @@ def trainer(strategy, **overrides) -> L.Trainer:
                    enable_model_summary=False, use_distributed_sampler=False)
     options.update(overrides)
     return L.Trainer(**options)
+
+
+def fabric_loop(fabric: L.Fabric, steps: int, model=None, optimizer=None,
+                start: int = 0) -> tuple[list[float], object, object]:
+    """`steps` micro-batches of the loop as Fabric's docs write it (each rank every world_size-th batch); our
+    strategy accumulates and clips by its config, plain Fabric by hand."""
+    from zero.integrations.lightning import ZeroFabricStrategy
+
+    ours = isinstance(fabric.strategy, ZeroFabricStrategy)
+    if model is None:
+        with fabric.init_module():
+            module = Regressor()
+        model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.01,
+                                                                  fused=True))
+    batches = list(loader())
+    losses = []
+    for index in range(start, start + steps):
+        x, y = batches[(index * fabric.world_size + fabric.global_rank) % len(batches)]
+        loss = nn.functional.mse_loss(model(x), y)
+        fabric.backward(loss if ours else loss / ACCUM)
+        losses.append(loss.item())
+        if ours:
+            optimizer.step()  # the engine applies it at the accumulation boundary
+        elif (index + 1) % ACCUM == 0:
+            fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+            optimizer.step()
+            optimizer.zero_grad()
+    return losses, model, optimizer

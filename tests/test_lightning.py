@@ -2,10 +2,10 @@
 
 A LightningModule trained with `strategy="zero3_offload_nvme"` (ZeRO-3, parameters and optimizer state on nvme;
 accumulation 2, clipping through Lightning's argument) trains bit for bit as the same module under Lightning's
-default strategy with torch AdamW (fused: what CPU-Adam matches). A checkpoint Lightning saves resumes with
-`fit(ckpt_path=...)` in a fresh process bit for bit; two ranks through Lightning's own launcher match Lightning's
-DDP; Fabric's loop (setup, backward, step, save, load) matches plain Fabric's; a model built in configure_model
-never stands whole in memory.
+default strategy with torch AdamW (fused: what CPU-Adam matches). Two ranks through Lightning's own launcher match
+Lightning's DDP, and a checkpoint Lightning saves resumes with `fit(ckpt_path=...)` in a fresh launch bit for bit;
+Fabric's loop (setup, backward, step, save, load) matches plain Fabric's; a model built in configure_model never
+stands whole in memory.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException  # 
 from zero.integrations.lightning import ZeroFabricStrategy, ZeroStrategy  # noqa: E402
 
 from conftest import REPO_ROOT, child_env  # noqa: E402
-from lightning_models import ACCUM, CLIP, LR, Regressor, loader, trainer  # noqa: E402
+from lightning_models import ACCUM, CLIP, Regressor, fabric_loop, loader, trainer  # noqa: E402
 from stage3_models import one_thread  # noqa: E402
 
 TESTS = os.path.join(REPO_ROOT, "tests")
@@ -161,47 +161,6 @@ def test_configure_model_never_holds_the_whole_model_in_memory(tmp_path):
     assert result["building"] < 4 * result["numel"] / 2
 
 
-RESUME = """
-import sys, json, torch
-sys.path.insert(0, {tests!r})
-from lightning_models import Regressor, loader, trainer
-from zero.integrations.lightning import ZeroStrategy
-torch.set_num_threads(1)
-model = Regressor()
-fit = trainer(ZeroStrategy(offload="nvme", nvme_path={nvme!r}), max_epochs={epochs})
-fit.fit(model, loader(), ckpt_path={ckpt!r})
-if {save!r}:
-    fit.save_checkpoint({save!r})
-torch.save({{"losses": model.losses, "final": model.final}}, {out!r})
-fit.strategy.engine.close()
-"""
-
-
-def run_script(text: str, **env) -> None:
-    done = subprocess.run([sys.executable, "-c", text], capture_output=True, text=True, timeout=300,
-                          env={**child_env(), **env})
-    assert done.returncode == 0, done.stderr[-3000:]
-
-
-def test_a_lightning_checkpoint_resumes_bitwise_in_a_fresh_process(tmp_path):
-    """Two epochs at once, against one epoch, trainer.save_checkpoint, and `fit(ckpt_path=...)` for the second in a
-    fresh process: the second epoch's losses and the final weights are the same bits."""
-    def script(epochs, ckpt, save, out):
-        nvme = tmp_path / out
-        nvme.mkdir()
-        return RESUME.format(tests=TESTS, nvme=str(nvme), epochs=epochs, ckpt=ckpt, save=save,
-                             out=str(tmp_path / out) + ".pt")
-
-    checkpoint = str(tmp_path / "epoch1.ckpt")
-    run_script(script(2, None, None, "whole"))
-    run_script(script(1, None, checkpoint, "first"))
-    assert os.path.isdir(checkpoint)  # the engine's checkpoint: a directory, every rank's part in it
-    run_script(script(2, checkpoint, None, "resumed"))
-    whole, first, resumed = (torch.load(tmp_path / f"{name}.pt") for name in ("whole", "first", "resumed"))
-    assert first["losses"] == whole["losses"][:16] and resumed["losses"] == whole["losses"][16:]
-    assert all(torch.equal(resumed["final"][k], v) for k, v in whole["final"].items())
-
-
 TWO_RANKS = """
 import sys, torch
 sys.path.insert(0, {tests!r})
@@ -210,58 +169,93 @@ from zero.integrations.lightning import ZeroStrategy
 torch.set_num_threads(1)
 model = Regressor()
 strategy = ZeroStrategy(offload="nvme", nvme_path={nvme!r}) if {ours!r} else "ddp"
-fit = trainer(strategy, devices=2, use_distributed_sampler=True)
-fit.fit(model, loader())
+fit = trainer(strategy, devices=2, use_distributed_sampler=True, max_epochs={epochs})
+fit.fit(model, loader(), ckpt_path={ckpt!r})
+if {save!r}:
+    fit.save_checkpoint({save!r})
 state = fit.strategy.engine.module_state_dict() if {ours!r} else model.final
 torch.save({{"losses": model.losses, "final": {{k: v.clone() for k, v in state.items()}}}},
            {out!r} + str(fit.global_rank) + ".pt")
 """
 
 
-def test_two_ranks_through_lightnings_launcher_train_as_lightnings_ddp(tmp_path):
-    """`devices=2` on the CPU: Lightning launches the second rank (its subprocess launcher, gloo) for our strategy as
-    for its DDP; each rank's losses and the weights agree within 1e-6."""
-    for ours in (True, False):
-        script = tmp_path / f"two_ranks_{ours}.py"
-        (tmp_path / f"nvme{ours}").mkdir()
-        script.write_text(TWO_RANKS.format(tests=TESTS, nvme=str(tmp_path / f"nvme{ours}"), ours=ours,
-                                           out=str(tmp_path / f"ranks_{ours}_")))
-        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                              env=child_env(), cwd=str(tmp_path))
-        assert done.returncode == 0, done.stderr[-3000:]
+def launch(tmp_path, name: str, *, ours: bool = True, epochs: int = 2, ckpt: str | None = None,
+           save: str | None = None) -> list[dict]:
+    """TWO_RANKS as a script Lightning launches on 2 ranks (its subprocess launcher, gloo); each rank's result."""
+    script, nvme = tmp_path / f"{name}.py", tmp_path / f"nvme_{name}"
+    nvme.mkdir()
+    script.write_text(TWO_RANKS.format(tests=TESTS, nvme=str(nvme), ours=ours, epochs=epochs, ckpt=ckpt, save=save,
+                                       out=str(tmp_path / f"{name}_")))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env=child_env(), cwd=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [torch.load(tmp_path / f"{name}_{rank}.pt") for rank in range(2)]
+
+
+def test_two_ranks_train_as_lightnings_ddp_and_a_checkpoint_resumes_bitwise(tmp_path):
+    """`devices=2` on the CPU: Lightning launches the second rank for our strategy as for its DDP; each rank's
+    losses and the weights agree within 1e-6 over two epochs. One epoch, trainer.save_checkpoint, and
+    `fit(ckpt_path=...)` for the second in a fresh launch: the second epoch's losses and the final weights are the
+    bits of the two epochs at once, on each rank."""
+    checkpoint = str(tmp_path / "epoch1.ckpt")
+    whole, ddp = launch(tmp_path, "whole"), launch(tmp_path, "ddp", ours=False)
+    first = launch(tmp_path, "first", epochs=1, save=checkpoint)
+    assert os.path.isdir(checkpoint)  # the engine's checkpoint: a directory, every rank's part in it
+    resumed = launch(tmp_path, "resumed", ckpt=checkpoint)
     for rank in range(2):
-        ours, ddp = (torch.load(tmp_path / f"ranks_{flag}_{rank}.pt") for flag in (True, False))
-        assert len(ours["losses"]) == 8 and ours["losses"] == pytest.approx(ddp["losses"], rel=1e-6)
-        close(ours["final"], ddp["final"])
+        assert len(whole[rank]["losses"]) == 16
+        assert whole[rank]["losses"] == pytest.approx(ddp[rank]["losses"], rel=1e-6)
+        close(whole[rank]["final"], ddp[rank]["final"])
+        assert first[rank]["losses"] == whole[rank]["losses"][:8]
+        assert resumed[rank]["losses"] == whole[rank]["losses"][8:]
+        assert all(torch.equal(resumed[rank]["final"][k], v) for k, v in whole[rank]["final"].items())
 
 
 # -- Fabric -----------------------------------------------------------------------------------------------------
 
 
-def fabric_loop(fabric: L.Fabric, steps: int, model=None, optimizer=None,
-                start: int = 0) -> tuple[list[float], object, object]:
-    """`steps` micro-batches of the loop as Fabric's docs write it; our strategy accumulates and clips by its
-    config, plain Fabric by hand."""
-    ours = isinstance(fabric.strategy, ZeroFabricStrategy)
-    if model is None:
-        with fabric.init_module():
-            module = Regressor()
-        model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.01,
-                                                                  fused=True))
-    batches = list(loader())
-    losses = []
-    for index in range(start, start + steps):
-        x, y = batches[index % len(batches)]
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        fabric.backward(loss if ours else loss / ACCUM)
-        losses.append(loss.item())
-        if ours:
-            optimizer.step()  # the engine applies it at the accumulation boundary
-        elif (index + 1) % ACCUM == 0:
-            fabric.clip_gradients(model, optimizer, max_norm=CLIP)
-            optimizer.step()
-            optimizer.zero_grad()
-    return losses, model, optimizer
+FABRIC_RANKS = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import lightning as L
+from lightning_models import fabric_loop
+from zero.integrations.lightning import ZeroFabricStrategy
+torch.set_num_threads(1)
+nvme = {nvme!r}
+config = {{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+          "zero_optimization": {{"stage": 3, "offload_param": {{"device": "nvme", "nvme_path": nvme}},
+                                "offload_optimizer": {{"device": "nvme", "nvme_path": nvme}}}}}}
+fabric = L.Fabric(accelerator="cpu", devices=2, strategy=ZeroFabricStrategy(config) if {ours!r} else "ddp")
+fabric.launch()
+losses, model, optimizer = fabric_loop(fabric, 8)
+if {ours!r}:
+    fabric.save(nvme + "/ckpt", {{"model": model, "optimizer": optimizer, "step": 8}})
+    state = {{"model": model, "optimizer": optimizer, "step": 0}}
+    assert fabric.load(nvme + "/ckpt", state) == {{}} and state["step"] == 8
+more, model, _ = fabric_loop(fabric, 8, model, optimizer, start=8)
+final = fabric.strategy.engine.module_state_dict() if {ours!r} else model.state_dict()
+torch.save({{"losses": losses + more, "final": {{k: v.detach().clone() for k, v in final.items()}}}},
+           {out!r} + str(fabric.global_rank) + ".pt")
+"""
+
+
+def test_fabric_on_two_ranks_trains_saves_and_loads_as_fabrics_ddp(tmp_path):
+    """`L.Fabric(devices=2)`: Fabric launches the second rank for our strategy as for its DDP (each rank its own
+    batches); through a save and a load on both ranks, each rank's losses and weights agree within 1e-6."""
+    results = {}
+    for ours in (True, False):
+        script, nvme = tmp_path / f"fabric_{ours}.py", tmp_path / f"nvme_{ours}"
+        nvme.mkdir()
+        script.write_text(FABRIC_RANKS.format(tests=TESTS, nvme=str(nvme), ours=ours, out=str(tmp_path / f"{ours}_")))
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                              env=child_env(), cwd=str(tmp_path))
+        assert done.returncode == 0, done.stderr[-3000:]
+        results[ours] = [torch.load(tmp_path / f"{ours}_{rank}.pt") for rank in range(2)]
+    for ours, ddp in zip(results[True], results[False]):
+        # within 1e-6 (absolute or relative): the two reductions sum the ranks' gradients in another order
+        assert len(ours["losses"]) == 16 and ours["losses"] == pytest.approx(ddp["losses"], rel=1e-6, abs=1e-6)
+        close(ours["final"], ddp["final"])
+    assert results[True][0]["losses"] != results[True][1]["losses"]  # the ranks saw different batches
 
 
 def test_fabric_on_our_strategy_trains_saves_and_loads_as_plain_fabric(tmp_path):
