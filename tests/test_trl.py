@@ -1,8 +1,8 @@
 """TRL's trainers on our engine (zero.integrations.zero_trainer): SFTTrainer through it trains a tiny Llama with
 ZeRO-3, parameters and optimizer state on nvme, fp32, to the losses plain SFTTrainer gives on the same data; TRL's
-own overrides run (its loss and metrics, its training_step context), and save_model writes what from_pretrained
-loads. DPOTrainer through it, its reference model partitioned into the tiers (no weights outside its forward, no
-optimizer), gives plain DPOTrainer's losses. Local and small: a word-level tokenizer built here, sentences of its
+own overrides run (its loss and metrics, its training_step context), the model generates as the plain one does
+(greedy, the same tokens), and save_model writes what from_pretrained loads. DPOTrainer through it, its reference
+model partitioned into the tiers (no weights outside its forward, no optimizer), gives plain DPOTrainer's losses. Local and small: a word-level tokenizer built here, sentences of its
 words, a 2-layer Llama."""
 from __future__ import annotations
 
@@ -94,6 +94,12 @@ def test_sft_trainer_through_zero_trainer_matches_plain_sft(tmp_path):
         assert losses(ours) == pytest.approx(losses(plain), rel=1e-6, abs=1e-6)
         # TRL's compute_loss ran through the engine: its token metrics are logged beside the loss
         assert all("mean_token_accuracy" in e and "entropy" in e for e in ours.state.log_history if "loss" in e)
+        # generation, as TRL's generating trainers call it on their model, gathers our parameters unit by unit
+        prompt = tok(["the first new time"], return_tensors="pt").input_ids
+        with torch.no_grad():
+            greedy = [trainer.model.generate(prompt, min_new_tokens=6, max_new_tokens=6, do_sample=False)
+                      for trainer in (ours, plain)]
+        assert greedy[0].shape == (1, prompt.shape[1] + 6) and torch.equal(greedy[0], greedy[1])
 
         ours.save_model(str(tmp_path / "saved"))
         loaded = LlamaForCausalLM.from_pretrained(str(tmp_path / "saved"))
