@@ -2,8 +2,8 @@
 ZeRO-3, parameters and optimizer state on nvme, fp32, to the losses plain SFTTrainer gives on the same data; TRL's
 own overrides run (its loss and metrics, its training_step context), the model generates as the plain one does
 (greedy, the same tokens), and save_model writes what from_pretrained loads. DPOTrainer through it, its reference
-model partitioned into the tiers (no weights outside its forward, no optimizer), gives plain DPOTrainer's losses. Local and small: a word-level tokenizer built here, sentences of its
-words, a 2-layer Llama."""
+model partitioned into the tiers (no weights outside its forward, no optimizer), gives plain DPOTrainer's losses.
+Local and small: a word-level tokenizer built here, sentences of its words, a 2-layer Llama."""
 from __future__ import annotations
 
 import copy
