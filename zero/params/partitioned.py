@@ -21,6 +21,9 @@ shard is stored once, gathered, released clean. Its backward gives no gradient t
 gradients of its module's inputs are computed (an identity on them, `_InputsDone`, fires then: every use of the
 frozen weights in the module's backward is behind it) and its module's trained units have theirs; where the
 inputs need no gradient and nothing else ends it, at the backward's end.
+
+A weight tied between an embedding and the head (tied_head.py) has the head's gradient kept on the host through
+the blocks' backward and added back before its unit's reduction.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ from .flat_unit import FlatUnit
 from .frozen import check_frozen, check_unwritten, inputs_done_after
 from .materialize import Materializer, host_empty
 from .placement import Placement
+from .tied_head import TiedHead, tied_heads
 from .unit import Fill, Unit, UnitState
 
 GATHERED = "gathered units"
@@ -81,6 +85,8 @@ class PartitionedPlacement(Placement):
         """The unit prefetched for the next hook's gather."""
         self._trained_of: dict[int, list[Unit]] = {}
         """id(module) -> its trained units: a frozen unit of the module ends its backward after theirs."""
+        self._tied: dict[int, list[TiedHead]] = {}
+        """Unit index -> its weights tied between an embedding and the head (their head gradients)."""
 
     @classmethod
     def build(cls, model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], *, materialize: Materializer,
@@ -144,6 +150,9 @@ class PartitionedPlacement(Placement):
         if self.gradients is not None and not unit.frozen:
             for slot in unit.flat.slots:
                 unit.hooks.append(slot.param.register_post_accumulate_grad_hook(lambda p: self._grad_ready(unit)))
+            tied = [TiedHead(self.swap, *found) for found in tied_heads(unit.module, unit.flat.slots)]
+            if tied:
+                self._tied[unit.index] = tied
 
     @contextlib.contextmanager
     def shard(self, unit: Unit, *, write: bool = False, overwrite: bool = False) -> Iterator[torch.Tensor]:
@@ -397,6 +406,7 @@ class PartitionedPlacement(Placement):
     # -- hooks --------------------------------------------------------------------------------------------
 
     def _pre_forward(self, unit: Unit) -> None:
+        self._land_heads()  # (a recomputation inside the backward)
         self._gather_in_order(unit)
         if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
             # Forward run inside backward (activation checkpointing's recomputation): the saved tensors it
@@ -447,7 +457,15 @@ class PartitionedPlacement(Placement):
         self.release(unit)
         return output
 
+    def _land_heads(self) -> None:
+        """A head gradient's copy to the host, started by the backward just before: its device room comes back
+        before the next unit takes any."""
+        for tied in self._tied.values():
+            for head in tied:
+                head.land()
+
     def _pre_backward(self, unit: Unit) -> None:
+        self._land_heads()
         self._reserve_gradients(unit)  # before the gather prefetches the next unit: the gradients come first
         self._gather_in_order(unit)
         unit.backward_refs += 1
@@ -477,6 +495,8 @@ class PartitionedPlacement(Placement):
     def _finish_backward(self, unit: Unit) -> None:
         unit.to("grads_ready")
         if not unit.frozen:
+            for head in self._tied.get(unit.index, ()):
+                head.add_back()
             last = self.gradients.reduce(unit)  # frees the parameters' gradients
             self.swap.unreserve_device(unit.nbytes, GRADIENTS)
             unit.grads_reserved = False
@@ -545,4 +565,8 @@ class PartitionedPlacement(Placement):
             for hook in unit.hooks:
                 hook.remove()
             unit.hooks.clear()
+        for tied in self._tied.values():
+            for head in tied:
+                head.close()
+        self._tied.clear()
 

@@ -35,6 +35,7 @@ from ..optim.gradient_copies import SLOTS
 from ..optim.gradients import COMM_DTYPES
 from ..params import int8_weights
 from ..params.flat_unit import FlatUnit
+from ..params.tied_head import STAGING, tied_heads
 
 HOMES: dict[str, Tier] = {"none": "device", "cpu": "host", "nvme": "nvme"}
 """The tier an offload device setting ("none", "cpu", "nvme") rests a segment in."""
@@ -220,7 +221,9 @@ def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: n
     Stage 3 gathers: the units that follow the whole model (the root: its module's forward spans the step, and a
     tied embedding is used at both ends), and persistent ones, stay gathered; beside them the largest other unit
     (prefetching the next one needs its full buffer's room on top: without it the engine runs, unprefetched).
-    The gradients of the root and of that unit are on the device at once, until each is reduced. The reduction's
+    The gradients of the root and of that unit are on the device at once, until each is reduced, less a tied
+    embedding's head gradient, which waits on the host meanwhile; the root's whole gradient, and the staging the head
+    part comes back through, only after the blocks' backward (tied_head.py). The reduction's
     scratch, one per gradient copy in flight to the host: where the gradients go there (one rank, or
     reduce-scattered), a sub-group's part from every rank's range and its reduced piece (gradients.py); else the
     largest unit's flattened gradients, its reduced shard when reduce-scattered, and the fp32 cast where the device
@@ -261,7 +264,11 @@ def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: n
         grads: dict[int, int] = {}
         for flat, module in learning:
             grads[id(module)] = grads.get(id(module), 0) + charge(flat.padded_numel * dtype.itemsize)
-        parts["unit gradients"] = grads.pop(id(model), 0) + max(grads.values(), default=0)
+        root = grads.pop(id(model), 0)
+        heads = [slot.numel * dtype.itemsize for flat, module in learning if module is model
+                 for slot, *_ in tied_heads(module, flat.slots)]
+        parts["unit gradients"] = max(root - sum(heads) + max(grads.values(), default=0),
+                                      root + max((min(STAGING, n) for n in heads), default=0))
         if zo.offload_param.device == "none":
             parts["segments"] += sum(charge(flat.shard_numel * dtype.itemsize) for flat, _ in plan)
     if not work_on_host:  # the optimizer's state and gradient live on the device

@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> TrainRun:
     finally:
         if args.summary_json and main_rank:
             with open(args.summary_json, "w") as f:
-                json.dump({"held_out_loss": [held_before, held_after],
+                json.dump({"held_out_loss": [held_before, held_after], "device_peak_bytes": swap.device_tier.peak,
                            "steps": [vars(r) | {"compute_s": r.compute_s, "overlap": r.overlap,
                                                 "bytes_per_param": r.bytes_per_param} for r in reports]},
                           f, indent=1)
