@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians (the first included)")
     parser.add_argument("--host-budget", default="1GiB")
-    parser.add_argument("--device-budget", help="default: the config's (1536MiB in the scale config)")
+    parser.add_argument("--device-budget", help="default: the config's")
     parser.add_argument("--fio-size", default=str(2 * GiB), help="bytes fio reads and writes, per measurement")
     parser.add_argument("--dir", default=None, help="nvme_path (default: a temporary directory)")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
