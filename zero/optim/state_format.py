@@ -3,9 +3,9 @@
 Exact (fp32 master and moments) is the default and is torch AdamW bit for bit. A compact format stores the
 moments in bf16 or block-wise int8, and the master in bf16 (rounded to nearest, as DeepSpeed's
 `bf16_master_weights_and_grads`; stochastically; or with a bf16 compensation beside it, `Kahan`): fewer bytes read
-and written each step, at a price in loss that bench/quality.py measures. Each part is a `Codec`: its storage (dtype and element count of its segment),
-`encode` and `decode` from and to fp32. The fused step over these codecs is compact_step.py; the driver never
-branches on a format.
+and written each step, at a price in loss that bench/quality.py measures. Each part is a `Codec`: its storage
+(dtype and element count of its segment), `encode` and `decode` from and to fp32. The fused step over these codecs is
+compact_step.py; the driver branches on a format only to hold a Kahan master's compensation beside it.
 
 Block-wise int8 (Dettmers et al., "8-bit Optimizers via Block-wise Quantization"): blocks of 256 elements, each
 with its fp32 absmax; an element is the nearest of 256 codes of a dynamic map times its block's absmax, signed for

@@ -64,6 +64,7 @@ class TiedHead:
         self.swap, self.slot, self.name = swap, slot, name
         self.nbytes = slot.numel * slot.param.dtype.itemsize
         self.host = None  # HostBuffer holding the head's part, from its copy until it is added back
+        self.task = -1  # the backward (autograd graph task) whose head part `host` holds
         self.in_flight: tuple[object, torch.Tensor] | None = None  # (copy event, the device gradient it reads)
         self.given_back = 0
         """Device bytes of the unit's gradient reservation given back while the head's part is on the host."""
@@ -80,6 +81,11 @@ class TiedHead:
 
     def _sink(self, grad: torch.Tensor) -> None:
         self.land()
+        task = torch._C._current_graph_task_id()
+        if self.host is not None and task != self.task:  # left by a backward that raised before its reduction
+            self.host.release()
+            self.host = None
+        self.task = task
         if self.host is not None:  # a second head use in one backward: its part joins the first's on the host
             part = self.swap.acquire_host(self.nbytes, f"{self.slot.name} head gradient, a second use")
             try:
