@@ -14,6 +14,7 @@ from torch import nn
 import zero
 from zero.params.flat_unit import ParamSlot
 from zero.params.tied_head import tied_heads
+from zero.params.unit import GRADIENTS
 
 from stage3_models import (
     VOCAB, batches, engine_train, full_state, one_thread, own_gpt, reference_train, stage3_config, tiny_gpt2,
@@ -83,6 +84,6 @@ def test_the_head_gradient_through_the_host_trains_as_plain_pytorch(embed, heads
         state = full_state(engine)
         for name, value in reference.state_dict().items():
             assert torch.equal(state[name], value), name
-        assert engine.swap.device_tier.parts().get("unit gradients", 0) == 0  # every reservation given back
+        assert engine.swap.device_tier.parts().get(GRADIENTS, 0) == 0  # every reservation given back
     finally:
         engine.close()

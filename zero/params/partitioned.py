@@ -46,12 +46,7 @@ from .frozen import check_frozen, check_unwritten, inputs_done_after
 from .materialize import Materializer, host_empty
 from .placement import Placement
 from .tied_head import TiedHead, tied_heads
-from .unit import Fill, Unit, UnitState
-
-GATHERED = "gathered units"
-GRADIENTS = "unit gradients"
-"""The device budget's parts this placement counts (with the segments and the reduction's scratch): the full
-buffers of gathered and prefetched units, and autograd's gradients of a unit in its backward until reduced."""
+from .unit import GATHERED, GRADIENTS, Fill, Unit, UnitState
 SWAPS_STORAGE_BYTES = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 """Whether this torch can hand a storage another's bytes in place; without it (older torch) a CPU full buffer
 is resized, taking fresh pages at each gather."""

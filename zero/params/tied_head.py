@@ -19,10 +19,10 @@ from torch import nn
 from tiering import SwapManager
 
 from .flat_unit import ParamSlot
+from .unit import GRADIENTS
 
 STAGING = 16 << 20
 """Bytes of the device buffer the head's part comes back through, a chunk at a time (at most the weight's)."""
-GRADIENTS = "unit gradients"
 
 
 class _HeadUse(torch.autograd.Function):

@@ -23,6 +23,12 @@ from ..optim.driver import SubGroup
 from .ds_param import ZeroParamStatus, set_status
 from .flat_unit import FlatUnit
 
+GATHERED = "gathered units"
+GRADIENTS = "unit gradients"
+"""The device budget's parts partitioned units count (with the segments and the reduction's scratch): the full
+buffers of gathered and prefetched units, and autograd's gradients of a unit in its backward until reduced (a
+tied head's among them: tied_head.py)."""
+
 
 class UnitState(Enum):
     RELEASED = "released: the full buffer holds no bytes"
