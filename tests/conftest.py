@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -98,6 +99,13 @@ def small_tmpfs_dir():
     """A 1 MiB tmpfs: a real disk that fills up (ENOSPC)."""
     with mounted("tmpfs", "size=1m") as directory:
         yield directory
+
+
+def readme_block(heading: str) -> str:
+    """The first python block under the README's `heading` (a whole heading line, e.g. "### From TRL")."""
+    with open(os.path.join(REPO_ROOT, "README.md")) as f:
+        section = f.read().split(heading + "\n", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
 def child_env() -> dict[str, str]:

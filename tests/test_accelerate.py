@@ -5,7 +5,6 @@ process: Accelerate's state is one per process and would leak into the other tes
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -15,21 +14,13 @@ import pytest
 
 pytest.importorskip("accelerate")
 
-from conftest import REPO_ROOT, child_env  # noqa: E402
+from conftest import child_env, readme_block  # noqa: E402
 from stage3_models import free_port  # noqa: E402
-
-
-def readme_block() -> str:
-    """The python block under the README's "### From Accelerate" heading."""
-    with open(os.path.join(REPO_ROOT, "README.md")) as f:
-        readme = f.read()
-    section = readme.split("### From Accelerate\n", 1)[1]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
 def test_readme_block_runs_on_two_ranks(tmp_path):
     script = tmp_path / "accelerate_route.py"
-    script.write_text(readme_block())
+    script.write_text(readme_block("### From Accelerate"))
     env = child_env() | {"OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_port", str(free_port()), str(script)],

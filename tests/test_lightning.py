@@ -5,12 +5,13 @@ accumulation 2, clipping through Lightning's argument) trains bit for bit as the
 default strategy with torch AdamW (fused: what CPU-Adam matches). Two ranks through Lightning's own launcher match
 Lightning's DDP, and a checkpoint Lightning saves resumes with `fit(ckpt_path=...)` in a fresh launch bit for bit;
 Fabric's loop (setup, backward, step, save, load) matches plain Fabric's; a model built in configure_model never
-stands whole in memory.
+stands whole in memory; the README's block runs as written.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -25,7 +26,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException  # 
 
 from zero.integrations.lightning import ZeroFabricStrategy, ZeroStrategy  # noqa: E402
 
-from conftest import REPO_ROOT, child_env  # noqa: E402
+from conftest import REPO_ROOT, child_env, readme_block  # noqa: E402
 from lightning_models import ACCUM, CLIP, Regressor, fabric_loop, loader, trainer  # noqa: E402
 from stage3_models import one_thread  # noqa: E402
 
@@ -323,3 +324,17 @@ def test_the_trainers_precision_is_the_engines():
         assert fit.strategy.engine.bfloat16_enabled() and fit.strategy.engine.compute_dtype == torch.bfloat16
     finally:
         fit.strategy.engine.close()
+
+
+def test_the_readmes_lightning_block_runs_as_written(tmp_path):
+    """The README's "From Lightning" block, in a fresh process: the Trainer fits, saves, and a second Trainer resumes
+    from the saved checkpoint; Fabric trains and saves."""
+    script = tmp_path / "from_lightning.py"
+    script.write_text(readme_block("### From Lightning"))
+    env = child_env() | {"ZERO_TIERING_NVME_PATH": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Restored all states from the checkpoint at last.ckpt" in done.stdout + done.stderr
+    assert (tmp_path / "last.ckpt").is_dir() and (tmp_path / "fabric.ckpt").is_dir()
+    assert len(re.findall(r"^loss \d+\.\d+$", done.stdout, re.M)) == 1

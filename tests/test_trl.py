@@ -3,11 +3,13 @@ ZeRO-3, parameters and optimizer state on nvme, fp32, to the losses plain SFTTra
 own overrides run (its loss and metrics, its training_step context), the model generates as the plain one does
 (greedy, the same tokens), and save_model writes what from_pretrained loads. DPOTrainer through it, its reference
 model partitioned into the tiers (no weights outside its forward, no optimizer), gives plain DPOTrainer's losses.
-Local and small: a word-level tokenizer built here, sentences of its words, a 2-layer Llama."""
+The README's block runs as written. Local and small: a word-level tokenizer built here, sentences of its words, a 2-layer Llama."""
 from __future__ import annotations
 
 import copy
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast 
 
 from zero.integrations import ZeroTrainer, zero_trainer  # noqa: E402
 
+from conftest import child_env, readme_block  # noqa: E402
 from test_config import HF_ZERO3  # noqa: E402  (the Hugging Face docs' ZeRO-3 ds_config)
 
 WORDS = ("the of and to in is was for on that with as by at from his her it an were are which this be or has had "
@@ -161,3 +164,17 @@ def test_zero_trainer_takes_trainer_subclasses_only():
     with pytest.raises(TypeError, match="a subclass of transformers.Trainer"):
         zero_trainer(dict)
     assert zero_trainer(ZeroTrainer) is ZeroTrainer
+
+
+def test_the_readmes_trl_block_runs_as_written(tmp_path):
+    """The README's "From TRL" block, in a fresh process: SFTTrainer through zero_trainer trains its 8 steps and
+    save_model writes what from_pretrained loads."""
+    script = tmp_path / "from_trl.py"
+    script.write_text(readme_block("### From TRL"))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=child_env() | {"OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (tmp_path / "out" / "checkpoint-8").is_dir()
+    loaded = LlamaForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert loaded.config.num_hidden_layers == 2
+    assert all(torch.isfinite(param).all() for param in loaded.parameters())
