@@ -23,7 +23,8 @@ frozen weights in the module's backward is behind it) and its module's trained u
 inputs need no gradient and nothing else ends it, at the backward's end.
 
 A weight tied between an embedding and the head (tied_head.py) has the head's gradient kept on the host through
-the blocks' backward and added back before its unit's reduction.
+the blocks' backward and added back before its unit's reduction. The root unit is parked between its uses at the
+step's two ends: its bytes given back while the blocks run, though it stays held (root_uses.py).
 """
 from __future__ import annotations
 
@@ -45,7 +46,9 @@ from .flat_unit import FlatUnit
 from .frozen import check_frozen, check_unwritten, inputs_done_after
 from .materialize import Materializer, host_empty
 from .placement import Placement
+from .root_uses import RootUses
 from .tied_head import TiedHead, tied_heads
+from .ds_param import ZeroParamStatus, set_status
 from .unit import GATHERED, GRADIENTS, Fill, Unit, UnitState
 SWAPS_STORAGE_BYTES = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 """Whether this torch can hand a storage another's bytes in place; without it (older torch) a CPU full buffer
@@ -82,6 +85,8 @@ class PartitionedPlacement(Placement):
         """id(module) -> its trained units: a frozen unit of the module ends its backward after theirs."""
         self._tied: dict[int, list[TiedHead]] = {}
         """Unit index -> its weights tied between an embedding and the head (their head gradients)."""
+        self._root_uses: RootUses | None = None
+        """Training: parks the root units between their uses."""
 
     @classmethod
     def build(cls, model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], *, materialize: Materializer,
@@ -121,6 +126,11 @@ class PartitionedPlacement(Placement):
             placement._add(Unit(index, flat, module, full, sub_groups, segment, int8=int8,
                                 persistent=flat.numel <= persistence_threshold, state=UnitState.RELEASED))
         placement.model_hooks.append(model._register_state_dict_hook(placement._state_dict_hook(model)))
+        if placement.gradients is not None:
+            placement._root_uses = RootUses(
+                model, [u for u in placement.units if u.module is model],
+                [u for u in placement.units if u.module is not model], park=placement._park,
+                unpark=placement._unpark, head_done=placement._head_done)
         materialize.rest()
         for module in model.modules():  # buffers: to the device, in the dtype they were built in (a rotary
             for name, buffer in module.named_buffers(recurse=False):  # table's fp32, as DeepSpeed keeps it)
@@ -168,7 +178,9 @@ class PartitionedPlacement(Placement):
 
     def gather(self, unit: Unit) -> None:
         self.wait_for_update(unit.index)
-        if unit.state is UnitState.STALE:
+        if unit.parked:
+            self._unpark(unit)
+        elif unit.state is UnitState.STALE:
             self._refill(unit)
             unit.to("refill")
         elif not unit.gathered:
@@ -186,7 +198,11 @@ class PartitionedPlacement(Placement):
         unit.refs -= 1
         if unit.refs or unit.persistent or not unit.gathered:
             return
-        self._free_bytes(unit)
+        if unit.parked:
+            unit.parked = False  # its bytes went when it was parked
+            unit.flat.unbind()
+        else:
+            self._free_bytes(unit)
         unit.to("release")
 
     def frees_on_release(self, unit: Unit) -> bool:
@@ -201,6 +217,35 @@ class PartitionedPlacement(Placement):
             self._free_bytes(unit)
             raise
         unit.to("prefetch")
+
+    def _park(self, unit: Unit) -> None:
+        """Give back a held unit's bytes until its next use (root_uses.py); it stays held, its parameters views of
+        its empty full buffer."""
+        self._free_bytes(unit, unbind=False)
+        unit.parked = True
+        set_status((slot.param for slot in unit.flat.slots), ZeroParamStatus.NOT_AVAILABLE)
+
+    def _unpark(self, unit: Unit) -> None:
+        """A parked unit's bytes again, filled from its shard (a step since refills a stale one)."""
+        self.wait_for_update(unit.index)
+        self._take_bytes(unit)
+        try:
+            unit.fill = self._start_fill(unit)
+            self._wait_fill(unit)
+        except BaseException:
+            if unit.fill is not None:
+                unit.fill.settle()
+            self._free_bytes(unit, unbind=False)
+            raise
+        unit.parked = False
+        set_status((slot.param for slot in unit.flat.slots), ZeroParamStatus.AVAILABLE)
+        if unit.state is UnitState.STALE:
+            unit.to("refill")
+
+    def _head_done(self, param: torch.Tensor) -> bool:
+        """Whether this backward's head use of a tied `param` has sent its gradient to the host."""
+        task = torch._C._current_graph_task_id()
+        return any(head.slot.param is param and head.task == task for tied in self._tied.values() for head in tied)
 
     def _drop(self, unit: Unit) -> None:
         """Give back the bytes of a prefetched unit nobody gathered, or whose fill failed, once its fill has ended
@@ -244,10 +289,12 @@ class PartitionedPlacement(Placement):
             self.swap.reserve_device(nbytes, f"{unit.name} int8", GATHERED)
             unit.staging = torch.empty(nbytes, dtype=torch.uint8, device=unit.full.device)
 
-    def _free_bytes(self, unit: Unit) -> None:
+    def _free_bytes(self, unit: Unit, *, unbind: bool = True) -> None:
         """Give back the full buffer's bytes, once no copy uses them: with CUDA the caching allocator waits for
-        the streams recorded on them; without CUDA the copy worker may still be writing them, so wait for it."""
-        unit.flat.unbind()  # released parameters hold no bytes a stray read could reach (they are 0-element)
+        the streams recorded on them; without CUDA the copy worker may still be writing them, so wait for it.
+        `unbind` False (a parked unit): the parameters keep their shapes (autograd accumulates their gradients)."""
+        if unbind:
+            unit.flat.unbind()  # released parameters hold no bytes a stray read could reach (they are 0-element)
         storage = unit.full.untyped_storage()
         if unit.full.is_cuda:
             unit.full.record_stream(torch.cuda.current_stream(unit.full.device))  # the compute that read them
@@ -369,7 +416,7 @@ class PartitionedPlacement(Placement):
         """Units still gathered (persistent ones) read the updated shards; a prefetched one is dropped."""
         self._drop_ahead()
         for unit in self.units:
-            if unit.gathered:
+            if unit.gathered and not unit.parked:  # a parked one is filled at its next use
                 self._refill(unit)
                 if unit.state is UnitState.STALE:
                     unit.to("refill")
@@ -402,6 +449,8 @@ class PartitionedPlacement(Placement):
 
     def _pre_forward(self, unit: Unit) -> None:
         self._land_heads()  # (a recomputation inside the backward)
+        if self._root_uses is not None and unit.module is not self._root_uses.model:
+            self._root_uses.block_forward()  # the root's bytes go before the block takes room
         self._gather_in_order(unit)
         if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
             # Forward run inside backward (activation checkpointing's recomputation): the saved tensors it
@@ -461,6 +510,8 @@ class PartitionedPlacement(Placement):
 
     def _pre_backward(self, unit: Unit) -> None:
         self._land_heads()
+        if self._root_uses is not None and unit.module is not self._root_uses.model:
+            self._root_uses.block_backward()
         self._reserve_gradients(unit)  # before the gather prefetches the next unit: the gradients come first
         self._gather_in_order(unit)
         unit.backward_refs += 1
@@ -564,4 +615,6 @@ class PartitionedPlacement(Placement):
             for head in tied:
                 head.close()
         self._tied.clear()
+        if self._root_uses is not None:
+            self._root_uses.close()
 

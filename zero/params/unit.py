@@ -77,6 +77,8 @@ class Unit:
     """An int8 unit's stored bytes on the device while it holds bytes, before they are decoded into `full`."""
     persistent: bool = False
     """Small enough to stay gathered once gathered (stage3_param_persistence_threshold)."""
+    parked: bool = False
+    """Held (gathered, counted in `refs`) but its bytes given back until its next use (root_uses.py)."""
     state: UnitState = UnitState.GATHERED
     refs: int = 0
     """Holders of the gathered bytes: forward, backward, a nested call, gathered_parameters."""

@@ -35,6 +35,7 @@ from ..optim.gradient_copies import SLOTS
 from ..optim.gradients import COMM_DTYPES
 from ..params import int8_weights
 from ..params.flat_unit import FlatUnit
+from ..params.root_uses import parkable
 from ..params.tied_head import STAGING, tied_heads
 
 HOMES: dict[str, Tier] = {"none": "device", "cpu": "host", "nvme": "nvme"}
@@ -218,12 +219,15 @@ def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: n
     names at the backward's peak): `charge(nbytes)` is what one buffer takes from the budget (the CPU stand-in's
     pool hands out whole pages).
 
-    Stage 3 gathers: the units that follow the whole model (the root: its module's forward spans the step, and a
-    tied embedding is used at both ends), and persistent ones, stay gathered; beside them the largest other unit
+    Stage 3 gathers: persistent units stay gathered; the root unit (what follows the whole model: its embeddings
+    and head, used at both ends of the step) is parked while the blocks run where its uses can be seen
+    (root_uses.py), and is gathered beside them where they cannot; the largest other unit is gathered in its turn
     (prefetching the next one needs its full buffer's room on top: without it the engine runs, unprefetched).
     The gradients of the root and of that unit are on the device at once, until each is reduced, less a tied
     embedding's head gradient, which waits on the host meanwhile; the root's whole gradient, and the staging the head
-    part comes back through, only after the blocks' backward (tied_head.py). The reduction's
+    part comes back through, only after the blocks' backward (tied_head.py): parked, the root's peak is at the
+    step's ends, gathered (a module before the blocks may read its weights in its backward) with that whole
+    gradient, or in a block's backward, whichever is larger. The reduction's
     scratch, one per gradient copy in flight to the host: where the gradients go there (one rank, or
     reduce-scattered), a sub-group's part from every rank's range and its reduced piece (gradients.py); else the
     largest unit's flattened gradients, its reduced shard when reduce-scattered, and the fp32 cast where the device
@@ -258,17 +262,28 @@ def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: n
         for flat, module in plan:
             if module is not model and flat.numel > zo.param_persistence_threshold:
                 by_module[id(module)] = by_module.get(id(module), 0) + gathered(flat)
-        staying = sum(gathered(flat) for flat, module in plan
-                      if module is model or flat.numel <= zo.param_persistence_threshold)
-        parts["gathered units"] = staying + max(by_module.values(), default=0)
+        threshold = zo.param_persistence_threshold
+        persistent = sum(gathered(flat) for flat, _ in plan if flat.numel <= threshold)
+        root_units = [flat for flat, module in plan if module is model and flat.numel > threshold]
+        root_gathered = sum(gathered(flat) for flat in root_units)
+        block = max(by_module.values(), default=0)
         grads: dict[int, int] = {}
         for flat, module in learning:
             grads[id(module)] = grads.get(id(module), 0) + charge(flat.padded_numel * dtype.itemsize)
         root = grads.pop(id(model), 0)
+        block_grads = max(grads.values(), default=0)
         heads = [slot.numel * dtype.itemsize for flat, module in learning if module is model
                  for slot, *_ in tied_heads(module, flat.slots)]
-        parts["unit gradients"] = max(root - sum(heads) + max(grads.values(), default=0),
-                                      root + max((min(STAGING, n) for n in heads), default=0))
+        staging = max((min(STAGING, n) for n in heads), default=0)
+        if learning and parkable(model, [slot.param for flat in root_units for slot in flat.slots],
+                                 [module for _, module in plan if module is not model]):
+            # The blocks run with the root parked; at the ends it is gathered with its whole gradient.
+            gathered_part, grads_part = max([(block, root - sum(heads) + block_grads), (root_gathered, root + staging)],
+                                            key=sum)
+        else:
+            gathered_part, grads_part = root_gathered + block, max(root - sum(heads) + block_grads, root + staging)
+        parts["gathered units"] = persistent + gathered_part
+        parts["unit gradients"] = grads_part
         if zo.offload_param.device == "none":
             parts["segments"] += sum(charge(flat.shard_numel * dtype.itemsize) for flat, _ in plan)
     if not work_on_host:  # the optimizer's state and gradient live on the device

@@ -1,0 +1,156 @@
+"""The root unit parked between its uses (zero/params/root_uses.py): while the blocks run, forward and backward, the
+root's full buffer holds no bytes; the head and a module that reads its weight in its backward find it gathered;
+the bits are plain PyTorch's. A root parameter read inside a block gathers it again and ends parking."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zero
+
+from stage3_models import (VOCAB, batches, engine_train, full_state, one_thread, own_gpt, reference_train,
+                           stage3_config, tiny_gpt2, tiny_llama)
+from test_tied_head import TiedToy
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+
+class Parks:
+    """Counts the root's parks and unparks, and notes, as each block's forward and backward begin and as the head's
+    forward begins, whether every root unit is parked."""
+
+    def __init__(self, engine, blocks: list[nn.Module], head: nn.Module):
+        uses = engine.placement._root_uses
+        self.roots = uses.roots
+        self.parks = self.unparks = 0
+        park, unpark = uses.park, uses.unpark
+
+        def counted_park(unit):
+            self.parks += 1
+            park(unit)
+
+        def counted_unpark(unit):
+            self.unparks += 1
+            unpark(unit)
+
+        uses.park, uses.unpark = counted_park, counted_unpark
+        self.seen: list[tuple[str, bool]] = []
+        for block in blocks:  # registered after the engine's hooks: they run after them
+            block.register_forward_pre_hook(lambda m, args: self.note("block forward"))
+            block.register_forward_hook(lambda m, args, out: self._on_grad(out))
+        head.register_forward_pre_hook(lambda m, args: self.note("head forward"))
+
+    def note(self, where: str) -> None:
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1 or where == "block backward":
+            self.seen.append((where, all(u.parked for u in self.roots)))
+
+    def _on_grad(self, out) -> None:
+        out = out[0] if isinstance(out, tuple) else out
+        if out.requires_grad and torch._C._current_graph_task_id() == -1:
+            out.register_hook(lambda grad: self.note("block backward"))
+
+
+def train_both(make, tmp_path, *, tier="nvme", accum=2, clip=1.0, steps=3):
+    """Plain PyTorch's run of `make()` (its losses, the model after), and an engine for another `make()`."""
+    data = batches(steps * accum)
+    reference, model = make(), make()
+    expected = reference_train(reference, data, accum=accum, clip=clip)
+    engine, *_ = zero.initialize(model=model, config=stage3_config(tier, tier, nvme_path=tmp_path, accum=accum,
+                                                                   clip=clip))
+    return engine, data, reference, expected
+
+
+def blocks_and_head(model):
+    if hasattr(model, "blocks"):
+        return list(model.blocks), (model.lm_head if hasattr(model, "lm_head") else model.head)
+    inner = model.transformer if hasattr(model, "transformer") else model.model
+    return list(inner.h if hasattr(inner, "h") else inner.layers), model.lm_head
+
+
+@pytest.mark.parametrize("name", ["tied toy", "lead linear", "main job gpt", "gpt2", "llama"])
+def test_the_root_is_parked_while_the_blocks_run_and_trains_as_plain_pytorch(name, tmp_path):
+    """Three steps of accumulation 2 with clipping, ZeRO-3 on nvme: every block's forward and backward begins with
+    the root parked, the head's forward with it gathered; losses and weights the same bits as plain PyTorch's
+    (a lead Linear: the root gathered again for its backward, which reads its weight)."""
+    make = {"tied toy": TiedToy, "lead linear": lambda: TiedToy("one-hot"), "main job gpt": own_gpt,
+            "gpt2": tiny_gpt2, "llama": tiny_llama}[name]
+    engine, data, reference, expected = train_both(make, tmp_path)
+    try:
+        parks = Parks(engine, *blocks_and_head(engine.module))
+        assert engine_train(engine, data) == expected
+        state = full_state(engine)
+        for key, value in reference.state_dict().items():
+            assert torch.equal(state[key], value), key
+        assert parks.parks > 0 and all(parked == (where != "head forward") for where, parked in parks.seen), parks.seen
+        assert {where for where, _ in parks.seen} == {"block forward", "block backward", "head forward"}
+        # a lead Linear's backward reads its weight: gathered for it (one more unpark a micro-batch)
+        assert parks.unparks == len(data) * (2 if name == "lead linear" else 1)
+        assert all(not u.parked and not u.gathered for u in parks.roots)
+    finally:
+        engine.close()
+
+
+class ReadsTheEmbedding(nn.Module):
+    """A block scaling its output by a row of the embedding's weight (a root parameter) through a closure."""
+
+    def __init__(self, dim: int, row_of):
+        super().__init__()
+        self.row_of = row_of
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x)) * self.row_of()
+
+
+class RootReadInBlocks(nn.Module):
+    def __init__(self, dim: int = 32, layers: int = 3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(ReadsTheEmbedding(dim, lambda: self.embed.weight[0]) for _ in range(layers))
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, idx, targets):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.reshape(-1))
+
+
+def test_a_root_parameter_read_inside_a_block_gathers_it_again_and_ends_parking(tmp_path):
+    engine, data, reference, expected = train_both(RootReadInBlocks, tmp_path, tier="cpu")
+    try:
+        uses = engine.placement._root_uses
+        assert uses.enabled
+        assert engine_train(engine, data) == expected
+        assert not uses.enabled and not uses.watching
+        state = full_state(engine)
+        for key, value in reference.state_dict().items():
+            assert torch.equal(state[key], value), key
+    finally:
+        engine.close()
+
+
+class OwnsAParameter(TiedToy):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, idx, targets):
+        return super().forward(idx, targets) * self.scale
+
+
+def test_a_model_holding_root_parameters_itself_is_never_parked(tmp_path):
+    """The model's own forward may read its parameter anywhere: the root stays gathered, and trains as before."""
+    engine, data, reference, expected = train_both(OwnsAParameter, tmp_path, tier="cpu", steps=2)
+    try:
+        assert not engine.placement._root_uses.enabled
+        assert engine_train(engine, data) == expected
+    finally:
+        engine.close()
