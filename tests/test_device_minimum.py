@@ -1,5 +1,6 @@
 """The least device budget a plan runs in (budgets.device_minimum): a budget below it is refused at `initialize`,
-naming the minimum and its parts, before any byte is written; a budget of exactly the minimum trains."""
+naming the minimum and its parts, before any byte is written; a budget of exactly the minimum trains. With the root
+unit held (park_root false) and parked (true: root_uses.py)."""
 from __future__ import annotations
 
 import pytest
@@ -18,14 +19,15 @@ def model(seed: int = 0) -> GPT:
 
 
 def config(tmp_path, *, stage: int = 3, offload: str = "nvme", budget: int | None = None, accum: int = 1,
-           persistence: int = 0, prefetch: bool = True, bf16: bool = False) -> dict:
+           persistence: int = 0, prefetch: bool = True, bf16: bool = False, park: bool = False) -> dict:
     place = {"device": offload, **({"nvme_path": str(tmp_path)} if offload == "nvme" else {})}
     zo = {"stage": stage, "offload_optimizer": dict(place), "sub_group_size": 20_000}
     if stage == 3:
         zo.update(offload_param=dict(place), stage3_param_persistence_threshold=persistence)
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accum, "gradient_clipping": 1.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zo, "bf16": {"enabled": bf16},
-            "zero_tiering": {"prefetch": prefetch, **({"device_budget": budget} if budget is not None else {})}}
+            "zero_tiering": {"prefetch": prefetch, "park_root": park,
+                             **({"device_budget": budget} if budget is not None else {})}}
 
 
 def minimum(tmp_path, **options) -> int:
@@ -38,6 +40,8 @@ def minimum(tmp_path, **options) -> int:
 
 CASES = {
     "stage3-nvme": dict(),
+    "stage3-nvme-root-parked": dict(park=True),
+    "stage3-cpu-accumulation-root-parked": dict(offload="cpu", accum=3, park=True),
     "stage3-cpu-accumulation": dict(offload="cpu", accum=3),
     "stage3-persistent-blocks": dict(offload="cpu", persistence=60_000),
     "stage3-bf16": dict(bf16=True),

@@ -1,6 +1,8 @@
-"""The root unit parked between its uses (zero/params/root_uses.py): while the blocks run, forward and backward, the
-root's full buffer holds no bytes; the head and a module that reads its weight in its backward find it gathered;
-the bits are plain PyTorch's. A root parameter read inside a block gathers it again and ends parking."""
+"""The root unit parked between its uses (zero/params/root_uses.py, zero_tiering.park_root): while the blocks run,
+forward and backward, the root's full buffer holds no bytes; the head and a module that reads its weight in its
+backward find it gathered; the bits are plain PyTorch's. A root parameter read inside a block gathers it again and
+ends parking. The device peak and the least budget fall by the root's bytes; by default the root is parked only
+where the device budget is below what holding it takes (test_stage3_memory.py: the peaks held)."""
 from __future__ import annotations
 
 import pytest
@@ -10,8 +12,9 @@ from torch import nn
 
 import zero
 
-from stage3_models import (VOCAB, batches, engine_train, full_state, one_thread, own_gpt, reference_train,
+from stage3_models import (VOCAB, batches, engine_train, full_state, loss_of, one_thread, own_gpt, reference_train,
                            stage3_config, tiny_gpt2, tiny_llama)
+from test_stage3_memory import PEAK_CONFIG, measure_device_peak, unit_bytes
 from test_tied_head import TiedToy
 
 
@@ -62,7 +65,7 @@ def train_both(make, tmp_path, *, tier="nvme", accum=2, clip=1.0, steps=3):
     reference, model = make(), make()
     expected = reference_train(reference, data, accum=accum, clip=clip)
     engine, *_ = zero.initialize(model=model, config=stage3_config(tier, tier, nvme_path=tmp_path, accum=accum,
-                                                                   clip=clip))
+                                                                   clip=clip, zero_tiering={"park_root": True}))
     return engine, data, reference, expected
 
 
@@ -123,8 +126,28 @@ class RootReadInBlocks(nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), targets.reshape(-1))
 
 
-def test_a_root_parameter_read_inside_a_block_gathers_it_again_and_ends_parking(tmp_path):
-    engine, data, reference, expected = train_both(RootReadInBlocks, tmp_path, tier="cpu")
+class BorrowingHead(nn.Module):
+    """A head with a bias of its own that reads the embedding's weight through a closure."""
+
+    def __init__(self, weight_of):
+        super().__init__()
+        self.weight_of = weight_of
+        self.bias = nn.Parameter(torch.zeros(VOCAB))
+
+    def forward(self, x):
+        return x @ self.weight_of().t() + self.bias
+
+
+class RootReadInTheHead(RootReadInBlocks):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3))
+        self.head = BorrowingHead(lambda: self.embed.weight)
+
+
+@pytest.mark.parametrize("make", [RootReadInBlocks, RootReadInTheHead], ids=["in a block", "in another's module"])
+def test_a_root_parameter_read_outside_its_module_gathers_it_again_and_ends_parking(make, tmp_path):
+    engine, data, reference, expected = train_both(make, tmp_path, tier="cpu")
     try:
         uses = engine.placement._root_uses
         assert uses.enabled
@@ -147,10 +170,62 @@ class OwnsAParameter(TiedToy):
 
 
 def test_a_model_holding_root_parameters_itself_is_never_parked(tmp_path):
-    """The model's own forward may read its parameter anywhere: the root stays gathered, and trains as before."""
+    """The model's own forward may read its parameter anywhere: the root stays gathered (park_root true or not),
+    and trains as before."""
     engine, data, reference, expected = train_both(OwnsAParameter, tmp_path, tier="cpu", steps=2)
     try:
-        assert not engine.placement._root_uses.enabled
+        assert engine.placement._root_uses is None
         assert engine_train(engine, data) == expected
     finally:
         engine.close()
+
+
+TIED = VOCAB * 64 * 4
+"""The tied embedding's head gradient in PEAK_CONFIG's GPT (it waits on the host: tied_head.py)."""
+
+
+def test_parked_the_device_peak_is_a_block_and_the_gradients(tmp_path):
+    """test_stage3_memory's peaks less the root's weights: in a block's backward the block, its gradients and the
+    root's but the tied head's part, 32,768 + 2 x 200,704 - 24,576 = 409,600 bytes; one block more, prefetched,
+    after the first micro-batch."""
+    engine, *_ = zero.initialize(model=own_gpt(0, None, PEAK_CONFIG), config=stage3_config(
+        "nvme", "cpu", nvme_path=tmp_path, accum=2, zero_tiering={"park_root": True}))
+    try:
+        root, block, _ = unit_bytes(engine)
+        baseline, peaks = measure_device_peak(engine, 6)
+        assert baseline == 0
+        assert peaks == [root + 2 * block - TIED] + [root + 3 * block - TIED] * 5, (peaks, root, block)
+    finally:
+        engine.close()
+
+
+def test_a_budget_below_holding_the_root_parks_it_and_the_parked_minimum_is_enough(tmp_path):
+    """The root held, a block's backward needs 442,368 bytes above the scratch (2 x 200,704): at that budget the
+    root is held (park_root null); a page under it, parked. The least budget parked is 409,600 above the scratch: a
+    run there completes its steps, the peak at the budget, and trains as plain PyTorch; a page under it is refused,
+    naming the parked minimum's parts."""
+    scratch, held, parked = 401_408, 442_368, 409_600
+    data = batches(4)
+    expected = reference_train(own_gpt(0, None, PEAK_CONFIG), data)
+    for budget, parks in ((scratch + held, False), (scratch + held - 4096, True), (scratch + parked, True)):
+        engine, *_ = zero.initialize(model=own_gpt(0, None, PEAK_CONFIG), config=stage3_config(
+            "cpu", "cpu", zero_tiering={"device_budget": budget}))
+        try:
+            assert (engine.placement._root_uses is not None) == parks, budget
+            assert sum(engine.device_minimum.values()) == scratch + (parked if parks else held)
+            tier, losses = engine.swap.device_tier, []
+            for ids in data:
+                tier.peak = tier.in_use
+                loss = loss_of(engine, ids, hf=False)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+                assert tier.peak <= budget
+            assert losses == expected
+            if budget == scratch + parked:
+                assert tier.peak == budget
+        finally:
+            engine.close()
+    with pytest.raises(zero.config.ConfigError, match=r"gathered units 196.0 KiB, unit gradients 204.0 KiB"):
+        zero.initialize(model=own_gpt(0, None, PEAK_CONFIG), config=stage3_config(
+            "cpu", "cpu", zero_tiering={"device_budget": scratch + parked - 4096}))

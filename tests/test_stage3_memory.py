@@ -119,11 +119,11 @@ CHECKPOINTING = [
 def test_device_peak_is_root_plus_one_block_and_the_next(offload_param, checkpointing, tmp_path):
     """Shards rest on host or nvme: the device tier holds nothing but gathered and prefetched units, the
     gradients of units in their backward, and the reduction's scratch (baseline 0). Above the scratch its peak
-    in the first micro-batch is, in a block's backward, the block and its gradients, and the root's gradients
+    in the first micro-batch is, in a block's backward, the root unit and the block, and the gradients of both,
     less the head's gradient of the tied embedding (96 x 64 x 4 = 24,576 bytes: it waits on the host for the
-    embedding's, tied_head.py); the root's weights are parked while the blocks run (root_uses.py):
-    32,768 + 2 x 200,704 - 24,576 = 409,600 bytes; in every later one (forward, backward with recomputation,
-    optimizer step) one block more, prefetched: 610,304 bytes, under half of all units."""
+    embedding's, tied_head.py): 2 x 32,768 + 2 x 200,704 - 24,576 = 442,368 bytes; in every later one (forward,
+    backward with recomputation, optimizer step) one block more, prefetched: 643,072 bytes, about half of all
+    units."""
     model = own_gpt(0, checkpointing, PEAK_CONFIG)
     config = stage3_config(offload_param, "cpu", nvme_path=tmp_path, accum=2)
     engine, *_ = zero.initialize(model=model, config=config)
@@ -133,7 +133,7 @@ def test_device_peak_is_root_plus_one_block_and_the_next(offload_param, checkpoi
         baseline, peaks = measure_device_peak(engine, 6)
         assert baseline == 0
         tied = VOCAB * 64 * 4
-        assert peaks == [root + 2 * block - tied] + [root + 3 * block - tied] * 5, (peaks, root, block)
+        assert peaks == [2 * root + 2 * block - tied] + [2 * root + 3 * block - tied] * 5, (peaks, root, block)
         assert max(peaks) < everything
     finally:
         engine.close()
@@ -142,18 +142,18 @@ def test_device_peak_is_root_plus_one_block_and_the_next(offload_param, checkpoi
 @pytest.mark.parametrize("offload_param", ["cpu", "nvme"])
 def test_prefetch_stays_within_the_device_budget(offload_param, tmp_path):
     """A device budget of what a block's backward needs without prefetch (the reduction's scratch, 2 x 200,704
-    bytes; the block, its gradients and the root's but the tied head's, the root parked: 409,600) leaves prefetch
-    no room in the backward:
+    bytes; the root and the block, and the gradients of both but the tied head's: 442,368) leaves prefetch no room
+    in the backward:
     the peak stays there, every micro-batch, through full steps with prefetch on, and training matches torch.
     The budget counts every part (a part left out would let the peak pass it)."""
     data = batches(6)
     ref_losses = reference_train(own_gpt(0, None, PEAK_CONFIG), data)
-    budget = 401_408 + 409_600
+    budget = 401_408 + 442_368
     engine, *_ = zero.initialize(model=own_gpt(0, None, PEAK_CONFIG), config=stage3_config(
         offload_param, "cpu", nvme_path=tmp_path, zero_tiering={"device_budget": budget}))
     try:
         root, block, _ = unit_bytes(engine)
-        assert 2 * block + root + 2 * block - VOCAB * 64 * 4 == budget
+        assert 2 * block + 2 * root + 2 * block - VOCAB * 64 * 4 == budget
         tier = engine.swap.device_tier
         losses = []
         for ids in data:
@@ -169,25 +169,25 @@ def test_prefetch_stays_within_the_device_budget(offload_param, tmp_path):
 
 
 def test_a_device_budget_too_small_for_the_backward_names_its_parts(tmp_path):
-    """A page under what a block's backward needs (as above) is refused at initialize, naming the budget, the
-    minimum and each part; at the minimum, activations kept on the device on top of it overflow it (in the
-    backward: with the root parked the forward has room to spare): the typed budget error, with the budget, what was asked and the bytes of every part that held it."""
+    """A page under what a block's backward needs (as above, the root held: park_root false) is refused at
+    initialize, naming the budget, the minimum and each part; at the minimum, activations kept on the device on top of it overflow it in the
+    forward: the typed budget error, with the budget, what was asked and the bytes of every part that held it."""
     from tiering import BudgetExceededError
 
-    need = 401_408 + 409_600
-    with pytest.raises(ConfigError, match=rf"below the {fmt_bytes(need)}.*\(gathered units {fmt_bytes(200_704)}, "
+    need = 401_408 + 442_368
+    with pytest.raises(ConfigError, match=rf"below the {fmt_bytes(need)}.*\(gathered units {fmt_bytes(233_472)}, "
                                           rf"unit gradients {fmt_bytes(208_896)}, reduction scratch "
                                           rf"{fmt_bytes(401_408)};.*at least {need} bytes"):
         zero.initialize(model=own_gpt(0, None, PEAK_CONFIG), config=stage3_config(
-            "cpu", "cpu", zero_tiering={"device_budget": need - 4096}))
+            "cpu", "cpu", zero_tiering={"device_budget": need - 4096, "park_root": False}))
     engine, *_ = zero.initialize(model=own_gpt(0, None, PEAK_CONFIG), config=stage3_config(
-        "cpu", "cpu", zero_tiering={"device_budget": need, "activation_offload": "device"}))
+        "cpu", "cpu", zero_tiering={"device_budget": need, "activation_offload": "device", "park_root": False}))
     try:
         with pytest.raises(BudgetExceededError) as info:
             engine_train(engine, batches(1))
         err = info.value
         assert err.tier == "device" and err.budget == need and err.in_use + err.requested > need
-        assert sum(err.parts.values()) == err.in_use and err.parts["segments"]  # the activations kept there
+        assert sum(err.parts.values()) == err.in_use and err.parts[GATHERED]
         assert f"({', '.join(f'{k} {fmt_bytes(v)}' for k, v in err.parts.items() if v)})" in str(err), str(err)
     finally:
         engine.close()
@@ -197,8 +197,8 @@ def test_device_peak_with_shards_homed_on_the_device():
     """offload_param none: each unit's shard (world size 1: the whole padded unit) rests in the device tier,
     charged in whole 4 KiB pages on the CPU stand-in (align_up), so the baseline is the sum of the shards'
     charges; the optimizer state is on the host (offload_optimizer cpu). Above the baseline and the scratch:
-    as with shards on the host, a block and its gradients and the root's (but the tied head's), the root parked,
-    one more block prefetched after the first micro-batch."""
+    as with shards on the host, the root and a block and their gradients (but the tied head's), one more block
+    prefetched after the first micro-batch."""
     model = own_gpt(0, None, PEAK_CONFIG)
     engine, *_ = zero.initialize(model=model, config=stage3_config("none", "cpu", accum=2))
     try:
@@ -208,7 +208,7 @@ def test_device_peak_with_shards_homed_on_the_device():
         baseline, peaks = measure_device_peak(engine, 4)
         assert baseline == shards, (baseline, shards)
         tied = VOCAB * 64 * 4
-        assert peaks == [root + 2 * block - tied] + [root + 3 * block - tied] * 3, peaks
+        assert peaks == [2 * root + 2 * block - tied] + [2 * root + 3 * block - tied] * 3, peaks
     finally:
         engine.close()
 

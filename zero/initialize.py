@@ -23,7 +23,7 @@ from .accumulation.unit_major import UnitMajor
 from .services.activations import HOMES as ACTIVATION_HOMES, ActivationOffload
 from .services.budgets import (
     HOMES, compute_dtype, device_minimum, grad_dtype, host_minimum, largest_sub_group, largest_window,
-    masters_are_params, nvme_segments, reduce_dtype, swap_config)
+    masters_are_params, nvme_segments, parks_root, reduce_dtype, swap_config)
 from .comm import DataParallel, local_device
 from .services.compute_speed import SlowComputeWarning, dtype_speed, fast_alternative, slow_dtype_line
 from .config import Config, ConfigError, load_config
@@ -87,7 +87,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
     swap = SwapManager(swap_config(cfg, [flat for flat, _ in plan], dtype))
     driver = overlap = speculation = None
     try:
-        device_need = check_device_budget(cfg, plan, model, dtype, swap)  # before any byte is written
+        device_need, park_root = check_device_budget(cfg, plan, model, dtype, swap)  # before any byte is written
         check_host_budget(cfg, [flat for flat, _ in plan], dtype, swap.config.host_budget)
         if swap.store is not None:  # a disk too small is one error now, before any byte is written
             check_room(swap.store, nvme_segments(cfg, [flat for flat, _ in plan], dtype))
@@ -116,7 +116,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
         materialize = Materializer(model, PretrainedWeights(weights) if weights is not None else None)
         placement = build_placement(model, plan, cfg, materialize=materialize, swap=swap, driver=driver,
                                     gradients=gradients, dp=dp, device=device, dtype=dtype, overlap=overlap,
-                                    speculation=speculation)
+                                    speculation=speculation, park_root=park_root)
         zero_opt = ZeroOptimizer(groups)
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(zero_opt)
@@ -184,18 +184,20 @@ def device_need(model: nn.Module, config: str | os.PathLike | Mapping, world_siz
 
 
 def check_device_budget(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: nn.Module, dtype: torch.dtype,
-                        swap: SwapManager) -> dict[str, int]:
-    """The least device budget the plan runs in, by part (budgets.device_minimum); a budget below it is refused
-    here, naming the minimum and its parts, rather than met in the middle of the first backward."""
+                        swap: SwapManager) -> tuple[dict[str, int], bool]:
+    """The least device budget the plan runs in, by part (budgets.device_minimum), and whether the root unit is
+    parked between its uses to run in it (budgets.parks_root); a budget below it is refused here, naming the
+    minimum and its parts, rather than met in the middle of the first backward."""
     budget = cfg.zero_tiering.device_budget
-    parts = device_minimum(cfg, plan, model, dtype, charge=swap.device_tier.charge)
+    parks = parks_root(cfg, plan, model, dtype, charge=swap.device_tier.charge)
+    parts = device_minimum(cfg, plan, model, dtype, charge=swap.device_tier.charge, parked=parks)
     need = sum(parts.values())
     if budget is not None and budget < need:
         held = ", ".join(f"{part} {fmt_bytes(n)}" for part, n in parts.items() if n)
         raise ConfigError("zero_tiering.device_budget", f"{fmt_bytes(budget)} is below the {fmt_bytes(need)} this "
                           f"model and config need on the device ({held}; activations kept there come on top): "
                           f"raise it to at least {need} bytes", value=fmt_bytes(budget))
-    return parts
+    return parts, parks
 
 
 def check_host_budget(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, budget: int) -> None:
@@ -214,16 +216,16 @@ def check_host_budget(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, bu
 def build_placement(model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], cfg: Config, *,
                     materialize: Materializer, swap: SwapManager, driver: AdamDriver, gradients: Gradients, dp: DataParallel,
                     device: torch.device, dtype: torch.dtype, overlap: OverlappedStep | None,
-                    speculation: SpeculativeStep | None) -> Placement:
-    """The placement the stage asks for, its units built: partitioned parameters for stage 3, resident ones
-    below."""
+                    speculation: SpeculativeStep | None, park_root: bool = False) -> Placement:
+    """The placement the stage asks for, its units built: partitioned parameters for stage 3 (`park_root`: the root
+    unit parked between its uses), resident ones below."""
     zo = cfg.zero_optimization
     if zo.stage == 3:
         return PartitionedPlacement.build(
             model, plan, materialize=materialize, driver=driver, param_home=HOMES[zo.offload_param.device], dtype=dtype,
             sub_group_size=zo.sub_group_size, persistence_threshold=zo.param_persistence_threshold,
             masters_are_params=masters_are_params(cfg, dtype), int8_frozen=zo.zero_quantized_nontrainable_weights,
-            swap=swap, dp=dp, device=device,
+            park_root=park_root, swap=swap, dp=dp, device=device,
             gradients=gradients, wait_for_update=waits_for_update(overlap, speculation),
             update_pending=speculation.pending if speculation is not None else None)
     return ResidentPlacement.build(model, plan, materialize=materialize, driver=driver, gradients=gradients, dp=dp, device=device,

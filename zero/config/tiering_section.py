@@ -89,6 +89,14 @@ class ZeroTieringSection(Section):
     prefetch: bool = True
     """Prefetch segments along the recorded trace; false fetches each on demand (for debugging)."""
 
+    park_root: bool | None = None
+    """Stage 3: give the root unit's device bytes (the embeddings and head, what no block holds) back while the blocks
+    run, gathering it again for the head and where a module before the blocks reads its weight in its backward
+    (zero/params/root_uses.py). It lowers the least device budget by up to the root's size, at the price
+    of one more gather of the root a step (a read from nvme where the host budget does not keep its shard). null:
+    where the device budget is below what holding the root takes; true, false: always, never (a model whose forward
+    reads root parameters outside the modules holding them is never parked)."""
+
     collective_timeout: float = setting(600.0, gt=0)
     """Seconds a collective waits for the other ranks before this rank gives up with RankLostError (a rank that
     died closes its connections and is noticed at once; this bounds the wait for one that hangs or whose host

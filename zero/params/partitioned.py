@@ -23,8 +23,9 @@ frozen weights in the module's backward is behind it) and its module's trained u
 inputs need no gradient and nothing else ends it, at the backward's end.
 
 A weight tied between an embedding and the head (tied_head.py) has the head's gradient kept on the host through
-the blocks' backward and added back before its unit's reduction. The root unit is parked between its uses at the
-step's two ends: its bytes given back while the blocks run, though it stays held (root_uses.py).
+the blocks' backward and added back before its unit's reduction. Where the device budget needs it, the root unit is
+parked between its uses at the step's two ends: its bytes given back while the blocks run, though it stays held
+(root_uses.py).
 """
 from __future__ import annotations
 
@@ -86,17 +87,19 @@ class PartitionedPlacement(Placement):
         self._tied: dict[int, list[TiedHead]] = {}
         """Unit index -> its weights tied between an embedding and the head (their head gradients)."""
         self._root_uses: RootUses | None = None
-        """Training: parks the root units between their uses."""
+        """Training with park_root: parks the root units between their uses."""
 
     @classmethod
     def build(cls, model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], *, materialize: Materializer,
               driver: AdamDriver | None, param_home: Tier, dtype: torch.dtype, sub_group_size: int, persistence_threshold: int,
-              masters_are_params: bool, int8_frozen: bool = False, **collaborators) -> PartitionedPlacement:
+              masters_are_params: bool, int8_frozen: bool = False, park_root: bool = False,
+              **collaborators) -> PartitionedPlacement:
         """Unit by unit: materialize (a model built on meta), flatten, keep this rank's shard (the fp32
         master, unless `masters_are_params`, and moments, and the compute-dtype parameter shard, each in its
         tier), and leave the parameters as views of an empty full buffer. Peak host memory is one unit plus
         the tiers' budgets. `driver` None (inference): no optimizer state. `int8_frozen`: frozen units' shards
-        rest as block-wise int8 (int8_weights.py). `collaborators`: the constructor's arguments."""
+        rest as block-wise int8 (int8_weights.py). `park_root`: the root unit parked between its uses, in training
+        (root_uses.py). `collaborators`: the constructor's arguments."""
         shard_tier: Tier = "device" if param_home == "device" else "host"
         placement = cls(shard_tier=shard_tier, **collaborators)
         swap, device = placement.swap, placement.device
@@ -126,7 +129,7 @@ class PartitionedPlacement(Placement):
             placement._add(Unit(index, flat, module, full, sub_groups, segment, int8=int8,
                                 persistent=flat.numel <= persistence_threshold, state=UnitState.RELEASED))
         placement.model_hooks.append(model._register_state_dict_hook(placement._state_dict_hook(model)))
-        if placement.gradients is not None:
+        if park_root and placement.gradients is not None:
             placement._root_uses = RootUses(
                 model, [u for u in placement.units if u.module is model],
                 [u for u in placement.units if u.module is not model], park=placement._park,

@@ -148,7 +148,7 @@ class RootUses:
 
     def unforeseen_read(self, param: nn.Parameter) -> None:
         """A root parameter read outside the modules holding it: gathered again, and parked no more."""
-        if self.inside and param in self.inside[-1]._parameters.values():
+        if self.inside and any(param is p for p in self.inside[-1]._parameters.values()):
             return
         self.enabled = False  # (the mode leaves the stack at the forward's end: not from inside its own call)
         for unit in self.roots:

@@ -213,15 +213,36 @@ def host_minimum(cfg: Config, units: list[FlatUnit], dtype: torch.dtype) -> dict
     return parts
 
 
+def parks_root(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: nn.Module, dtype: torch.dtype,
+               *, charge: Callable[[int], int]) -> bool:
+    """Whether the engine parks the root unit between its uses (zero_tiering.park_root; null: where the device budget
+    is below what holding the root takes). Only at stage 3, for a model whose root's uses can be seen (parkable)."""
+    asked = cfg.zero_tiering.park_root
+    if asked is False or cfg.zero_optimization.stage != 3 or not root_parkable(plan, model, cfg):
+        return False
+    budget = cfg.zero_tiering.device_budget
+    return asked or (budget is not None and budget < sum(device_minimum(cfg, plan, model, dtype, charge=charge,
+                                                                        parked=False).values()))
+
+
+def root_parkable(plan: list[tuple[FlatUnit, nn.Module]], model: nn.Module, cfg: Config) -> bool:
+    """Whether the plan has a root unit to park and its uses can be seen (root_uses.parkable)."""
+    threshold = cfg.zero_optimization.param_persistence_threshold
+    roots = [flat for flat, module in plan if module is model and flat.numel > threshold]
+    return bool(roots) and parkable(model, [slot.param for flat in roots for slot in flat.slots],
+                                    [module for _, module in plan if module is not model])
+
+
 def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: nn.Module, dtype: torch.dtype,
-                   *, charge: Callable[[int], int]) -> dict[str, int]:
+                   *, charge: Callable[[int], int], parked: bool | None = None) -> dict[str, int]:
     """The least device budget the engine runs this plan in, by the device tier's parts (what `DeviceTier.parts`
     names at the backward's peak): `charge(nbytes)` is what one buffer takes from the budget (the CPU stand-in's
     pool hands out whole pages).
 
     Stage 3 gathers: persistent units stay gathered; the root unit (what follows the whole model: its embeddings
-    and head, used at both ends of the step) is parked while the blocks run where its uses can be seen
-    (root_uses.py), and is gathered beside them where they cannot; the largest other unit is gathered in its turn
+    and head, used at both ends of the step) is held beside the blocks, or, `parked` (None: wherever it can be,
+    the least budget; parks_root says whether it will be), parked while they run (root_uses.py); the largest
+    other unit is gathered in its turn
     (prefetching the next one needs its full buffer's room on top: without it the engine runs, unprefetched).
     The gradients of the root and of that unit are on the device at once, until each is reduced, less a tied
     embedding's head gradient, which waits on the host meanwhile; the root's whole gradient, and the staging the head
@@ -275,8 +296,9 @@ def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: n
         heads = [slot.numel * dtype.itemsize for flat, module in learning if module is model
                  for slot, *_ in tied_heads(module, flat.slots)]
         staging = max((min(STAGING, n) for n in heads), default=0)
-        if learning and parkable(model, [slot.param for flat in root_units for slot in flat.slots],
-                                 [module for _, module in plan if module is not model]):
+        if parked is None:
+            parked = cfg.zero_tiering.park_root is not False and root_parkable(plan, model, cfg)
+        if learning and parked:
             # The blocks run with the root parked; at the ends it is gathered with its whole gradient.
             gathered_part, grads_part = max([(block, root - sum(heads) + block_grads), (root_gathered, root + staging)],
                                             key=sum)
