@@ -229,3 +229,34 @@ def test_a_budget_below_holding_the_root_parks_it_and_the_parked_minimum_is_enou
     with pytest.raises(zero.config.ConfigError, match=r"gathered units 196.0 KiB, unit gradients 204.0 KiB"):
         zero.initialize(model=own_gpt(0, None, PEAK_CONFIG), config=stage3_config(
             "cpu", "cpu", zero_tiering={"device_budget": scratch + parked - 4096}))
+
+
+@pytest.mark.parametrize("name", ["main job gpt", "llama"])
+def test_unit_major_steps_with_the_root_parked_are_the_held_roots_bits(name, tmp_path):
+    """engine.train_batch (the unit-major schedule), accumulation 4, clipping, ZeRO-3 on nvme: the root parked while
+    the blocks run their slices gives the losses and weights of the root held, bit for bit."""
+    from test_unit_major import micro_batch
+
+    make = {"main job gpt": own_gpt, "llama": tiny_llama}[name]
+    data = batches(8)
+    runs = []
+    for park in (False, True):
+        model = make()
+        (tmp_path / str(park)).mkdir()
+        engine, *_ = zero.initialize(model=model, config=stage3_config(
+            "nvme", "nvme", nvme_path=tmp_path / str(park), accum=4, clip=1.0, zero_tiering={"park_root": park}))
+        try:
+            uses = engine.placement._root_uses
+            parks = Parks(engine, *blocks_and_head(engine.module)) if park else None
+            losses = [engine.train_batch([micro_batch(model, ids) for ids in data[i:i + 4]]).item()
+                      for i in (0, 4)]
+            assert engine.schedule == "unit-major"
+            runs.append((losses, full_state(engine)))
+            if park:
+                assert uses.enabled and parks.parks > 0
+        finally:
+            engine.close()
+    (held_losses, held), (losses, parked) = runs
+    assert losses == held_losses
+    for key, value in held.items():
+        assert torch.equal(parked[key], value), key

@@ -23,9 +23,8 @@ frozen weights in the module's backward is behind it) and its module's trained u
 inputs need no gradient and nothing else ends it, at the backward's end.
 
 A weight tied between an embedding and the head (tied_head.py) has the head's gradient kept on the host through
-the blocks' backward and added back before its unit's reduction. Where the device budget needs it, the root unit is
-parked between its uses at the step's two ends: its bytes given back while the blocks run, though it stays held
-(root_uses.py).
+the blocks' backward and added back before its unit's reduction. Where the device budget needs it, the root unit
+is parked while the blocks run: held, its bytes given back until its next use (root_uses.py).
 """
 from __future__ import annotations
 
@@ -45,10 +44,11 @@ from ..optim.gradients import Gradients
 from . import int8_weights
 from .flat_unit import FlatUnit
 from .frozen import check_frozen, check_unwritten, inputs_done_after
+from .full_state_dict import full_values_hook
 from .materialize import Materializer, host_empty
 from .placement import Placement
 from .root_uses import RootUses
-from .tied_head import TiedHead, tied_heads
+from .tied_head import TiedHead, sent_this_backward, tied_heads
 from .ds_param import ZeroParamStatus, set_status
 from .unit import GATHERED, GRADIENTS, Fill, Unit, UnitState
 SWAPS_STORAGE_BYTES = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
@@ -128,12 +128,14 @@ class PartitionedPlacement(Placement):
             full = torch.empty(flat.padded_numel, dtype=dtype, device=device)
             placement._add(Unit(index, flat, module, full, sub_groups, segment, int8=int8,
                                 persistent=flat.numel <= persistence_threshold, state=UnitState.RELEASED))
-        placement.model_hooks.append(model._register_state_dict_hook(placement._state_dict_hook(model)))
+        placement.model_hooks.append(model._register_state_dict_hook(
+            full_values_hook(model, placement.units, placement.gather, placement.release)))
         if park_root and placement.gradients is not None:
             placement._root_uses = RootUses(
                 model, [u for u in placement.units if u.module is model],
                 [u for u in placement.units if u.module is not model], park=placement._park,
-                unpark=placement._unpark, head_done=placement._head_done)
+                unpark=placement._unpark,
+                head_done=lambda p: sent_this_backward((h for t in placement._tied.values() for h in t), p))
         materialize.rest()
         for module in model.modules():  # buffers: to the device, in the dtype they were built in (a rotary
             for name, buffer in module.named_buffers(recurse=False):  # table's fp32, as DeepSpeed keeps it)
@@ -235,20 +237,14 @@ class PartitionedPlacement(Placement):
         try:
             unit.fill = self._start_fill(unit)
             self._wait_fill(unit)
-        except BaseException:
-            if unit.fill is not None:
-                unit.fill.settle()
+        except BaseException:  # parked as it was, once the fill has ended (it may be copying into the bytes)
+            unit.fill.settle()
             self._free_bytes(unit, unbind=False)
             raise
         unit.parked = False
         set_status((slot.param for slot in unit.flat.slots), ZeroParamStatus.AVAILABLE)
         if unit.state is UnitState.STALE:
             unit.to("refill")
-
-    def _head_done(self, param: torch.Tensor) -> bool:
-        """Whether this backward's head use of a tied `param` has sent its gradient to the host."""
-        task = torch._C._current_graph_task_id()
-        return any(head.slot.param is param and head.task == task for tied in self._tied.values() for head in tied)
 
     def _drop(self, unit: Unit) -> None:
         """Give back the bytes of a prefetched unit nobody gathered, or whose fill failed, once its fill has ended
@@ -582,25 +578,6 @@ class PartitionedPlacement(Placement):
             if unit.state is UnitState.BACKWARD:
                 self._finish_backward(unit)
         self.gradients.drain()
-
-    def _state_dict_hook(self, model: nn.Module):
-        """A state_dict hook for `model` that fills the entries of partitioned parameters with their full
-        values, one unit gathered at a time (the entries torch put there are views of empty storage)."""
-        def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-            keys: dict[int, list[str]] = {}
-            for name, p in model.named_parameters(remove_duplicate=False):
-                keys.setdefault(id(p), []).append(prefix + name)
-            for unit in self.units:
-                self.gather(unit)
-                try:
-                    for slot in unit.flat.slots:
-                        value = slot.param.detach().clone()
-                        for key in keys.get(id(slot.param), ()):
-                            if key in state_dict:
-                                state_dict[key] = value
-                finally:
-                    self.release(unit)
-        return hook
 
     def close(self) -> None:
         self._drop_ahead()

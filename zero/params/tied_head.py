@@ -11,7 +11,7 @@ the one add autograd would have made (addition commutes), so the gradient's bits
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -55,6 +55,12 @@ def tied_heads(module: nn.Module, slots: list[ParamSlot]) -> list[tuple[ParamSlo
             (head, name), = [(m, n) for m, n in held if not isinstance(m, nn.Embedding)]
             found.append((slot, head, name, embeddings[0][0]))
     return found
+
+
+def sent_this_backward(heads: Iterable[TiedHead], param: torch.Tensor) -> bool:
+    """Whether, in the backward running now, the head reading `param` has sent its gradient to the host."""
+    task = torch._C._current_graph_task_id()
+    return any(head.slot.param is param and head.task == task for head in heads)
 
 
 class TiedHead:
