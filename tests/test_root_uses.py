@@ -12,9 +12,9 @@ from torch import nn
 
 import zero
 
-from stage3_models import (VOCAB, batches, engine_train, full_state, loss_of, one_thread, own_gpt, reference_train,
+from stage3_models import (VOCAB, batches, engine_train, full_state, one_thread, own_gpt, reference_train,
                            stage3_config, tiny_gpt2, tiny_llama)
-from test_stage3_memory import PEAK_CONFIG, measure_device_peak, unit_bytes
+from test_stage3_memory import PEAK_CONFIG, measure_device_peak, train_recording_peaks, unit_bytes
 from test_tied_head import TiedToy
 
 
@@ -213,17 +213,10 @@ def test_a_budget_below_holding_the_root_parks_it_and_the_parked_minimum_is_enou
         try:
             assert (engine.placement._root_uses is not None) == parks, budget
             assert sum(engine.device_minimum.values()) == scratch + (parked if parks else held)
-            tier, losses = engine.swap.device_tier, []
-            for ids in data:
-                tier.peak = tier.in_use
-                loss = loss_of(engine, ids, hf=False)
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-                assert tier.peak <= budget
-            assert losses == expected
+            losses, peaks = train_recording_peaks(engine, data)
+            assert losses == expected and max(peaks) <= budget, peaks
             if budget == scratch + parked:
-                assert tier.peak == budget
+                assert max(peaks) == budget
         finally:
             engine.close()
     with pytest.raises(zero.config.ConfigError, match=r"gathered units 196.0 KiB, unit gradients 204.0 KiB"):

@@ -107,6 +107,19 @@ def unit_bytes(engine) -> tuple[int, int, int]:
     return root, max(blocks), root + sum(blocks)
 
 
+def train_recording_peaks(engine, data: list[torch.Tensor]) -> tuple[list[float], list[int]]:
+    """Each micro-batch trained (forward, backward, step): its loss, and the device tier's peak while it ran."""
+    tier, losses, peaks = engine.swap.device_tier, [], []
+    for ids in data:
+        tier.peak = tier.in_use
+        loss = loss_of(engine, ids, hf=False)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        peaks.append(tier.peak)
+    return losses, peaks
+
+
 CHECKPOINTING = [
     None,
     "reentrant",
@@ -154,16 +167,8 @@ def test_prefetch_stays_within_the_device_budget(offload_param, tmp_path):
     try:
         root, block, _ = unit_bytes(engine)
         assert 2 * block + 2 * root + 2 * block - VOCAB * 64 * 4 == budget
-        tier = engine.swap.device_tier
-        losses = []
-        for ids in data:
-            tier.peak = tier.in_use
-            loss = loss_of(engine, ids, hf=False)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-            assert tier.peak == budget, tier.peak
-        assert losses == ref_losses
+        losses, peaks = train_recording_peaks(engine, data)
+        assert peaks == [budget] * len(data) and losses == ref_losses, peaks
     finally:
         engine.close()
 
