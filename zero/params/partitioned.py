@@ -42,6 +42,7 @@ from ..comm import DataParallel
 from ..optim.driver import AdamDriver, SubGroup
 from ..optim.gradients import Gradients
 from . import int8_weights
+from .ds_param import ZeroParamStatus, set_status
 from .flat_unit import FlatUnit
 from .frozen import check_frozen, check_unwritten, inputs_done_after
 from .full_state_dict import full_values_hook
@@ -49,7 +50,6 @@ from .materialize import Materializer, host_empty
 from .placement import Placement
 from .root_uses import RootUses
 from .tied_head import TiedHead, sent_this_backward, tied_heads
-from .ds_param import ZeroParamStatus, set_status
 from .unit import GATHERED, GRADIENTS, Fill, Unit, UnitState
 SWAPS_STORAGE_BYTES = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 """Whether this torch can hand a storage another's bytes in place; without it (older torch) a CPU full buffer
