@@ -25,24 +25,14 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from .holders import holders
 from .unit import Unit, UnitState
-
-
-def holders(model: nn.Module, root_params: list[nn.Parameter]) -> dict[nn.Module, list[nn.Parameter]]:
-    """Each module of `model` holding some of `root_params` -> those it holds."""
-    wanted = {id(p) for p in root_params}
-    found = {}
-    for module in model.modules():
-        held = [p for p in module._parameters.values() if p is not None and id(p) in wanted]
-        if held:
-            found[module] = held
-    return found
 
 
 def parkable(model: nn.Module, root_params: list[nn.Parameter], block_modules: list[nn.Module]) -> bool:
     """Whether the root can be parked at all (its uses are seen): the model holds none of its parameters itself
     and no module holding them encloses a block."""
-    owners = holders(model, root_params)
+    owners = {owner for held in holders(model, root_params).values() for owner, _ in held}
     blocks = {id(m) for m in block_modules}
     return bool(owners) and model not in owners and not any(
         id(m) in blocks for owner in owners for m in owner.modules())
@@ -60,9 +50,12 @@ class RootUses:
         self.roots = [u for u in roots if not u.persistent]
         self.unit_of = {id(slot.param): unit for unit in self.roots for slot in unit.flat.slots}
         params = [slot.param for unit in self.roots for slot in unit.flat.slots]
-        self.owned = {owner: sorted({self.unit_of[id(p)] for p in held}, key=lambda u: u.index)
-                      for owner, held in holders(model, params).items()}
+        self.owned: dict[nn.Module, list[Unit]] = {}
         """Each module holding root parameters -> the root units they are in."""
+        for pid, held in holders(model, params).items():
+            for owner, _ in held:
+                if self.unit_of[pid] not in self.owned.setdefault(owner, []):
+                    self.owned[owner].append(self.unit_of[pid])
         self.enabled = parkable(model, params, [b.module for b in blocks])
         self.hooks: list = []
         self.reads = _UnforeseenReads(self)

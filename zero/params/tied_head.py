@@ -19,6 +19,7 @@ from torch import nn
 from tiering import SwapManager
 
 from .flat_unit import ParamSlot
+from .holders import holders
 from .unit import GRADIENTS
 
 STAGING = 16 << 20
@@ -42,11 +43,7 @@ class _HeadUse(torch.autograd.Function):
 def tied_heads(module: nn.Module, slots: list[ParamSlot]) -> list[tuple[ParamSlot, nn.Module, str, nn.Module]]:
     """(slot, head, the head's name for it, embedding) for each of `slots` whose parameter two submodules of
     `module` hold: an nn.Embedding and one other (the head)."""
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    for sub in module.modules():
-        for name, param in sub._parameters.items():
-            if param is not None:
-                owners.setdefault(id(param), []).append((sub, name))
+    owners = holders(module, [slot.param for slot in slots])
     found = []
     for slot in slots:
         held = owners.get(id(slot.param), [])
