@@ -6,6 +6,7 @@ errors; the tiled layout (a codec per tensor) and its step; a Kahan master's com
 Compared in bits."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -105,6 +106,24 @@ def sub_group(codecs, numel: int, seed: int, out_dtype):
     return [stored[0], grad, stored[1], stored[2]], out, compensation
 
 
+def int8_lookups() -> list[str | None]:
+    """Both ways the kernel's int8 codecs read their tables (compact_kernel.c times both at import and keeps the
+    faster, so one CPU would otherwise run one only); [None] without AVX2 (their scalar loops)."""
+    return [None] if kernel is None or kernel.int8_lookup() == "scalar" else ["gathers", "loads"]
+
+
+@contextlib.contextmanager
+def reading_tables(how: str | None):
+    before = kernel.int8_lookup()
+    if how is not None:
+        kernel.int8_lookup(how)
+    try:
+        yield
+    finally:
+        if how is not None:
+            kernel.int8_lookup(before)
+
+
 FORMATS = [StateFormat(moments, master) for moments, master in itertools.product(
     ("fp32", "bf16", "int8"), ("fp32", "bf16", "bf16-sr", "bf16-kahan"))]
 
@@ -114,23 +133,75 @@ FORMATS = [StateFormat(moments, master) for moments, master in itertools.product
 @pytest.mark.parametrize("numel", [SMALLEST_INT8 + 3 * QBLOCK + 5, 70001])
 def test_kernel_equals_torch_bit_for_bit(fmt, numel):
     """Every part, the scaled gradient and the copy-out; sizes with a partial last block and a scalar tail, and
-    more than one kernel piece and torch chunk."""
+    more than one kernel piece and torch chunk; int8 moments with both ways of reading the tables."""
     codecs = fmt.codecs(numel)
-    for out_dtype, hyper in itertools.product((None, torch.bfloat16, torch.float16),
-                                              (HYPER, {**HYPER, "decoupled": False, "grad_scale": 1.0})):
+    for how, out_dtype, hyper in itertools.product(int8_lookups() if fmt.moments == "int8" else [None],
+                                                   (None, torch.bfloat16, torch.float16),
+                                                   (HYPER, {**HYPER, "decoupled": False, "grad_scale": 1.0})):
         if fmt.master != "fp32" and out_dtype is torch.float16:
             continue
         theirs, their_out, their_comp = sub_group(codecs, numel, 7, out_dtype)
         ours, our_out, our_comp = sub_group(codecs, numel, 7, out_dtype)
         torch_compact_step(*theirs, codecs=codecs, numel=numel, out=their_out, compensation=their_comp,
                            key=sr_key(5, 2), index=1000, hyper=hyper)
-        for piece in kernel_pieces(kernel, *ours, codecs=codecs, numel=numel, out=our_out, compensation=our_comp,
-                                   key=sr_key(5, 2), index=1000, hyper=hyper):
-            piece()
+        with reading_tables(how):
+            for piece in kernel_pieces(kernel, *ours, codecs=codecs, numel=numel, out=our_out,
+                                       compensation=our_comp, key=sr_key(5, 2), index=1000, hyper=hyper):
+                piece()
         for name, a, b in zip(("master", "grad", "exp_avg", "exp_avg_sq", "out", "compensation"),
                               ours + [our_out, our_comp], theirs + [their_out, their_comp]):
             if a is not None:
-                assert torch.equal(bits(a), bits(b)), (name, out_dtype, hyper)
+                assert torch.equal(bits(a), bits(b)), (name, how, out_dtype, hyper)
+
+
+def beside(values: torch.Tensor) -> torch.Tensor:
+    """Each value, and the floats one and two ulps either side of it."""
+    out = [values]
+    for direction in (torch.inf, -torch.inf):
+        step = values
+        for _ in range(2):
+            step = torch.nextafter(step, torch.full_like(step, direction))
+            out.append(step)
+    return torch.cat(out)
+
+
+def blocks_led_by_one(values: torch.Tensor) -> torch.Tensor:
+    """`values` (|x| <= 1) in blocks whose first element is 1.0: each block's absmax is 1, so it encodes x / 1."""
+    rows = values.split(QBLOCK - 1)
+    return torch.cat([torch.cat([torch.ones(1), row]) for row in rows])
+
+
+@needs_kernel
+@pytest.mark.parametrize("how", int8_lookups())
+def test_the_kernel_picks_the_nearest_code_at_and_beside_every_midpoint(how):
+    """The kernel's one-read bucket search (state_format.buckets) against torch's searchsorted, for every midpoint
+    of both maps and the floats beside it. With beta1 and beta2 0 the step's moments are the gradient and its
+    square, encoded; the gradient holds the signed map's midpoints and the roots of the unsigned map's (the square
+    of a root and of its neighbours lands on both sides of the midpoint), in blocks led by 1.0 (absmax 1)."""
+    signed = beside(dynamic_map(True)[1])
+    roots = beside(beside(dynamic_map(False)[1]).sqrt())
+    grad = blocks_led_by_one(torch.cat([signed, roots, -roots]).clamp(-1, 1))
+    numel = grad.numel()
+    codecs = StateFormat("int8", "fp32").codecs(numel)
+    hyper = dict(HYPER, beta1=0.0, beta2=0.0, weight_decay=0.0, grad_scale=1.0)
+    moments = []
+    for on_kernel in (False, True):
+        state = [torch.zeros(numel), grad.clone(), encoded(codecs.exp_avg, torch.zeros(numel)),
+                 encoded(codecs.exp_avg_sq, torch.zeros(numel))]
+        args = dict(codecs=codecs, numel=numel, key=0, index=0, hyper=hyper)
+        if on_kernel:
+            with reading_tables(how):
+                for piece in kernel_pieces(kernel, *state, None, **args):
+                    piece()
+        else:
+            torch_compact_step(*state, None, **args)
+        moments.append(state[2:])
+    torch_codes, kernel_codes = moments
+    # the premise: the moments encoded are the gradient and its square
+    assert torch.equal(torch_codes[0], encoded(codecs.exp_avg, grad))
+    assert torch.equal(torch_codes[1], encoded(codecs.exp_avg_sq, grad * grad))
+    for theirs, ours in zip(torch_codes, kernel_codes):
+        assert torch.equal(ours, theirs)
 
 
 def test_stochastic_rounding_is_unbiased():

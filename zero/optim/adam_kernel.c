@@ -137,6 +137,7 @@ VectorSpan adam_best_span(void) { return path_spans[0]; }
 
 /* compact_kernel.c: the step of a sub-group stored in a compact state format. */
 PyObject *compact_step(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *int8_lookup(PyObject *self, PyObject *args);
 void compact_init(void);
 
 static void step_all(const Step *s, int64_t n, VectorSpan vector_span) {
@@ -228,12 +229,14 @@ static PyMethodDef methods[] = {
      "`team` is 1 (torch's libgomp was found). The caller keeps the memory alive and valid."},
     {"compact_step", (PyCFunction)(void (*)(void))compact_step, METH_VARARGS | METH_KEYWORDS,
      "compact_step(master, master_kind, grad, exp_avg, exp_avg_kind, exp_avg_sq, exp_avg_sq_kind, out, out_kind, numel, "
-     "stochastic, key, index, signed_values, signed_midpoints, signed_buckets, unsigned_values, unsigned_midpoints, "
-     "unsigned_buckets, lo, hi, *, step, "
+     "stochastic, key, index, signed_values, signed_buckets, unsigned_values, unsigned_buckets, lo, hi, *, step, "
      "lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale, compensation=0)\n\n"
      "The step of elements [lo, hi) of a sub-group of numel elements stored in a compact format (see "
      "compact_kernel.c); lo a multiple of 256; compensation: a bf16-kahan master's (0: none). Releases the GIL "
      "while it runs. The caller keeps the memory alive."},
+    {"int8_lookup", int8_lookup, METH_VARARGS,
+     "int8_lookup([how]) -> 'gathers', 'loads' or 'scalar': how the int8 codecs read their tables (timed at import: "
+     "the faster here); how='gathers' or 'loads' sets it."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -7,12 +7,14 @@
  * Storage kinds: 0 fp32 (stepped in place), 1 bf16 (rounded to nearest even; a master with `stochastic`:
  * 16 random bits added below its bf16 part, then truncated), 2 and 3 block-wise int8, signed and unsigned: the
  * segment holds one fp32 absmax per 256-element block, then one code per element; a value is map[code] * absmax,
- * and encoding picks the nearest code (the count of midpoints below value / absmax). A block whose absmax is below
- * 2^-100 is stored as zeros (absmax 0, codes 0). A bf16 master with a `compensation` (bf16-kahan, state_format.py's
- * Kahan) is its weights plus the compensation, summed in fp32; encoded, the weights and the remainder round to
- * nearest, twice (see kahan_encode). */
+ * and encoding picks the nearest code (the count of midpoints below value / absmax: one read of the map's bucket
+ * table and one comparison, see Maps). A block whose absmax is below 2^-100 is stored as zeros (absmax 0, codes 0).
+ * A bf16 master with a `compensation` (bf16-kahan, state_format.py's Kahan) is its weights plus the compensation,
+ * summed in fp32; encoded, the weights and the remainder round to nearest, twice (see kahan_encode). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+#include <time.h>
 
 #include "adam_spans.h"
 
@@ -21,11 +23,12 @@ enum { STORE_FP32 = 0, STORE_BF16 = 1, STORE_INT8_SIGNED = 2, STORE_INT8_UNSIGNE
 #define TINY 0x1p-100f
 
 typedef struct {
-    /* [0] signed, [1] unsigned: 256 values, 255 midpoints, and for each of the 2^17 buckets of floats sharing their
-     * top 17 bits (sign, exponent, 8 bits of mantissa) how many midpoints lie below the bucket; the maps are built
-     * so that no bucket holds two midpoints (state_format.py checks), so one comparison finishes the count. */
-    const float *values[2], *midpoints[2];
-    const uint8_t *buckets[2];
+    /* [0] signed, [1] unsigned: 256 values, and for each of the 2^17 buckets of floats sharing their top 17 bits
+     * (sign, exponent, 8 bits of mantissa) one entry (state_format.py's buckets): bits 0-7 how many midpoints lie
+     * below the bucket, bit 8 whether the bucket holds the next one, bits 16-30 its low 15 bits. No bucket holds
+     * two midpoints, so comparing with that one finishes the count. */
+    const float *values[2];
+    const uint32_t *buckets[2];
 } Maps;
 
 /* A 32-bit integer hash (Chris Wellons' lowbias32); compact_step.py's `_mix` computes the same. */
@@ -44,14 +47,21 @@ static inline int64_t blocks_of(int64_t numel) { return (numel + QBLOCK - 1) / Q
 #define HAVE_AVX2_CODECS 1
 
 /* The int8 and bf16 codecs' loops 8 elements at a time, the same operations as the scalar ones above (so the same
- * bits); each returns how many elements it did, a multiple of 8, the caller finishing the rest. */
+ * bits); each returns how many elements it did, a multiple of 8, the caller finishing the rest. The int8 ones read
+ * their tables with `gathers` (one instruction for 8 reads) or with 8 scalar loads: gathers are microcoded and the
+ * slower on some CPUs (AMD Zen 1: scalar loads made the int8 step 1.7x faster), so compact_init times both. */
 __attribute__((target("avx2,fma")))
-static int int8_decode_avx2(const uint8_t *codes, int n, const float *map, float absmax, float *out) {
+static int int8_decode_avx2(const uint8_t *codes, int n, const float *map, float absmax, float *out, int gathers) {
     const __m256 a = _mm256_set1_ps(absmax);
     int i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + i)));
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_i32gather_ps(map, c, 4), a));
+        __m256 x;
+        if (gathers)
+            x = _mm256_i32gather_ps(map, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + i))), 4);
+        else
+            x = _mm256_setr_ps(map[codes[i]], map[codes[i + 1]], map[codes[i + 2]], map[codes[i + 3]],
+                               map[codes[i + 4]], map[codes[i + 5]], map[codes[i + 6]], map[codes[i + 7]]);
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(x, a));
     }
     return i;
 }
@@ -76,20 +86,29 @@ static int absmax_avx2(const float *in, int n, float *absmax, int *nan) {
 }
 
 __attribute__((target("avx2,fma")))
-static int int8_encode_avx2(const float *in, int n, float scale, const float *mid, const uint8_t *buckets,
-                            uint8_t zero, uint8_t *codes) {
+static int int8_encode_avx2(const float *in, int n, float scale, const uint32_t *buckets, uint8_t zero,
+                            uint8_t *codes, int gathers) {
     const __m256 s = _mm256_set1_ps(scale);
-    const __m256i low_byte = _mm256_set1_epi32(0xFF), last = _mm256_set1_epi32(254), count = _mm256_set1_epi32(255);
-    const __m256i zero_code = _mm256_set1_epi32(zero);
+    const __m256i low_byte = _mm256_set1_epi32(0xFF), held = _mm256_set1_epi32(0x100);
+    const __m256i top = _mm256_set1_epi32(~0x7FFF), zero_code = _mm256_set1_epi32(zero);
     int i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 y = _mm256_div_ps(_mm256_loadu_ps(in + i), s);
-        __m256i bucket = _mm256_srli_epi32(_mm256_castps_si256(y), 15);
-        /* 4 bytes read at each bucket's byte (the table has 3 bytes of padding), the first kept */
-        __m256i k = _mm256_and_si256(_mm256_i32gather_epi32((const int *)buckets, bucket, 1), low_byte);
-        __m256 m = _mm256_i32gather_ps(mid, _mm256_min_epi32(k, last), 4);
+        __m256i bits = _mm256_castps_si256(y);
+        __m256i at = _mm256_srli_epi32(bits, 15), entry;
+        if (gathers) {
+            entry = _mm256_i32gather_epi32((const int *)buckets, at, 4);
+        } else {
+            uint32_t b[8];
+            _mm256_storeu_si256((__m256i *)b, at);
+            entry = _mm256_setr_epi32((int)buckets[b[0]], (int)buckets[b[1]], (int)buckets[b[2]], (int)buckets[b[3]],
+                                      (int)buckets[b[4]], (int)buckets[b[5]], (int)buckets[b[6]], (int)buckets[b[7]]);
+        }
+        __m256i k = _mm256_and_si256(entry, low_byte);
+        /* the bucket's midpoint: y's top 17 bits and the entry's 15 */
+        __m256 m = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(bits, top), _mm256_srli_epi32(entry, 16)));
         __m256i below = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(m, y, _CMP_LT_OQ)),
-                                         _mm256_cmpgt_epi32(count, k));
+                                         _mm256_cmpeq_epi32(_mm256_and_si256(entry, held), held));
         k = _mm256_sub_epi32(k, below); /* below is -1 where the midpoint lies below: one code up */
         k = _mm256_blendv_epi8(k, zero_code, _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q)));
         __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(k), _mm256_extracti128_si256(k, 1));
@@ -142,6 +161,7 @@ static int bf16_encode_avx2(const float *in, int n, int stochastic, uint32_t key
 #endif
 
 static int use_avx2; /* the CPU runs AVX2: set once at import (compact_init) */
+static int use_gathers; /* the int8 codecs read their tables with gathers: the faster way here (compact_init) */
 
 /* bf16 of in[0, n) into out: to nearest even, or stochastically (see bf16_encode_avx2). */
 static void bf16_encode(uint16_t *out, const float *in, int n, int stochastic, uint32_t key, uint32_t index) {
@@ -196,18 +216,21 @@ static float *decode(int kind, void *base, int64_t numel, int64_t lo, int n, flo
     float absmax = ((const float *)base)[lo / QBLOCK];
     const uint8_t *codes = (const uint8_t *)base + 4 * blocks_of(numel) + lo;
 #ifdef HAVE_AVX2_CODECS
-    if (use_avx2) i = int8_decode_avx2(codes, n, map, absmax, out);
+    if (use_avx2) i = int8_decode_avx2(codes, n, map, absmax, out, use_gathers);
 #endif
     for (; i < n; i++) out[i] = map[codes[i]] * absmax;
     return out;
 }
 
 /* The nearest code of y: how many of the 255 midpoints lie below it (NaN: the code of 0). */
-static inline uint8_t nearest(const float *mid, const uint8_t *buckets, float y, uint8_t zero) {
-    uint32_t bits;
+static inline uint8_t nearest(const uint32_t *buckets, float y, uint8_t zero) {
+    uint32_t bits, entry, mid_bits;
+    float mid;
     memcpy(&bits, &y, 4);
-    unsigned k = buckets[bits >> 15];
-    k += k < 255 && mid[k < 255 ? k : 0] < y;
+    entry = buckets[bits >> 15];
+    mid_bits = (bits & ~0x7FFFu) | entry >> 16;
+    memcpy(&mid, &mid_bits, 4);
+    unsigned k = (entry & 0xFF) + ((entry & 0x100) && mid < y);
     return y != y ? zero : (uint8_t)k;
 }
 
@@ -239,39 +262,80 @@ static void encode(int kind, void *base, int64_t numel, int64_t lo, int n, const
     }
     ((float *)base)[lo / QBLOCK] = absmax;
     float scale = absmax > 0 ? absmax : 1.0f;
-    const float *mid = maps->midpoints[u];
-    const uint8_t *buckets = maps->buckets[u];
+    const uint32_t *buckets = maps->buckets[u];
     i = 0;
 #ifdef HAVE_AVX2_CODECS
-    if (use_avx2) i = int8_encode_avx2(in, n, scale, mid, buckets, zeros[u], codes);
+    if (use_avx2) i = int8_encode_avx2(in, n, scale, buckets, zeros[u], codes, use_gathers);
 #endif
-    for (; i < n; i++) codes[i] = nearest(mid, buckets, in[i] / scale, zeros[u]);
+    for (; i < n; i++) codes[i] = nearest(buckets, in[i] / scale, zeros[u]);
 }
 
+
+#ifdef HAVE_AVX2_CODECS
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Whether the int8 decode runs faster with gathers than with scalar loads on this CPU: the best of 9 alternating
+ * timings of each over 16K codes (~0.1 ms). Either way the bits are the same. */
+static int gathers_are_faster(void) {
+    enum { N = 1 << 14 };
+    static float map[256], out[N];
+    static uint8_t codes[N];
+    for (int i = 0; i < 256; i++) map[i] = (float)i / 255.0f;
+    for (uint32_t i = 0; i < N; i++) codes[i] = (uint8_t)(mix32(i) >> 24);
+    double best[2] = {1e9, 1e9};
+    for (int round = 0; round < 9; round++)
+        for (int gathers = 0; gathers < 2; gathers++) {
+            double start = now();
+            int8_decode_avx2(codes, N, map, 1.0f, out, gathers);
+            double took = now() - start;
+            if (took < best[gathers]) best[gathers] = took;
+        }
+    return best[1] < best[0];
+}
+#endif
+
+/* int8_lookup([how]): how the int8 codecs read their tables, "gathers" or "loads" (AVX2), "scalar" without AVX2;
+ * given "gathers" or "loads", use that from now on (the tests run both; the bits are the same). */
+PyObject *int8_lookup(PyObject *self, PyObject *args) {
+    const char *how = NULL;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "|s", &how)) return NULL;
+    if (how) {
+        if (!use_avx2 || (strcmp(how, "gathers") && strcmp(how, "loads")))
+            return PyErr_Format(PyExc_ValueError, "int8_lookup(%R): 'gathers' or 'loads', on a CPU with AVX2 (%s)",
+                                PyTuple_GET_ITEM(args, 0), use_avx2 ? "this one has" : "this one has not");
+        use_gathers = !strcmp(how, "gathers");
+    }
+    return PyUnicode_FromString(!use_avx2 ? "scalar" : use_gathers ? "gathers" : "loads");
+}
 
 void compact_init(void) {
 #ifdef HAVE_AVX2_CODECS
     __builtin_cpu_init();
     use_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (use_avx2) use_gathers = gathers_are_faster();
 #endif
 }
 
 PyObject *compact_step(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"master", "master_kind", "grad", "exp_avg", "exp_avg_kind", "exp_avg_sq",
                                "exp_avg_sq_kind", "out", "out_kind", "numel", "stochastic", "key", "index",
-                               "signed_values", "signed_midpoints", "signed_buckets", "unsigned_values",
-                               "unsigned_midpoints", "unsigned_buckets", "lo", "hi",
+                               "signed_values", "signed_buckets", "unsigned_values", "unsigned_buckets", "lo", "hi",
                                "step", "lr", "beta1", "beta2", "eps", "weight_decay", "decoupled", "grad_scale",
                                "compensation", NULL};
-    unsigned long long p, g, m, v, o, sv, sm, sb, uv, um, ub, c = 0;
+    unsigned long long p, g, m, v, o, sv, sb, uv, ub, c = 0;
     int p_kind, m_kind, v_kind, out_kind, stochastic, decoupled;
     unsigned long key;
     long long numel, index, lo, hi, step_count;
     double lr, beta1, beta2, eps, weight_decay, grad_scale;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KiKKiKiKiLpkLKKKKKKLL$LdddddpdK", keywords, &p, &p_kind, &g,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KiKKiKiKiLpkLKKKKLL$LdddddpdK", keywords, &p, &p_kind, &g,
                                      &m, &m_kind, &v, &v_kind, &o, &out_kind, &numel, &stochastic, &key, &index, &sv,
-                                     &sm, &sb, &uv, &um, &ub, &lo, &hi, &step_count, &lr, &beta1, &beta2, &eps, &weight_decay,
+                                     &sb, &uv, &ub, &lo, &hi, &step_count, &lr, &beta1, &beta2, &eps, &weight_decay,
                                      &decoupled, &grad_scale, &c))
         return NULL;
     if (c && (p_kind != STORE_BF16 || stochastic))
@@ -285,12 +349,10 @@ PyObject *compact_step(PyObject *self, PyObject *args, PyObject *kwargs) {
     if (lo < 0 || lo % QBLOCK || hi < lo || hi > numel || step_count < 1 || !(grad_scale > 0))
         return PyErr_Format(PyExc_ValueError, "compact_step: [lo %lld, hi %lld) of %lld elements (lo a multiple of "
                             "%d), step %lld (>= 1), grad_scale > 0", lo, hi, numel, QBLOCK, step_count);
-    if (hi > lo && (!p || !g || !m || !v || (out_kind != OUT_NONE && !o) || !sv || !sm || !sb || !uv || !um
-                    || !ub))
+    if (hi > lo && (!p || !g || !m || !v || (out_kind != OUT_NONE && !o) || !sv || !sb || !uv || !ub))
         return PyErr_Format(PyExc_ValueError, "compact_step: a null address");
     Maps maps = {{(const float *)(uintptr_t)sv, (const float *)(uintptr_t)uv},
-                 {(const float *)(uintptr_t)sm, (const float *)(uintptr_t)um},
-                 {(const uint8_t *)(uintptr_t)sb, (const uint8_t *)(uintptr_t)ub}};
+                 {(const uint32_t *)(uintptr_t)sb, (const uint32_t *)(uintptr_t)ub}};
     Step base = derive_step(step_count, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale);
     base.out = OUT_NONE;
     VectorSpan vector_span = adam_best_span();

@@ -111,7 +111,7 @@ def kernel_pieces(kernel, master, grad, exp_avg, exp_avg_sq, out: torch.Tensor |
 def _maps() -> tuple[torch.Tensor, ...]:
     from .state_format import INT8_SIGNED, INT8_UNSIGNED
     return tuple(getattr(codec, name) for codec in (INT8_SIGNED, INT8_UNSIGNED)
-                 for name in ("values", "midpoints", "buckets"))
+                 for name in ("values", "buckets"))
 
 
 def torch_compact_step(master, grad, exp_avg, exp_avg_sq, out: torch.Tensor | None,

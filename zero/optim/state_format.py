@@ -248,8 +248,10 @@ def dynamic_map(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 def buckets(midpoints: torch.Tensor) -> torch.Tensor:
     """For each of the 2^17 buckets of fp32 values sharing their top 17 bits (sign, exponent, 8 bits of mantissa),
-    how many midpoints lie below the bucket (uint8): the C kernel's nearest-code search starts there and needs one
-    comparison, as no bucket holds two midpoints (checked here)."""
+    the C kernel's nearest-code search in one 32-bit entry (int32): bits 0-7 how many midpoints lie below the
+    bucket, bit 8 set where the bucket holds the next one, bits 16-30 that midpoint's low 15 bits (its top 17 are
+    the bucket's). No bucket holds two midpoints (checked here), so one table read and one comparison find the
+    nearest code, with no second read of the midpoint."""
     import numpy as np
 
     mid = midpoints.numpy()
@@ -259,11 +261,13 @@ def buckets(midpoints: torch.Tensor) -> torch.Tensor:
     least, most = np.where(negative, high, low), np.where(negative, low, high)
     below = np.searchsorted(mid, least, side="left")
     finite = np.isfinite(least) & np.isfinite(most)
-    inside = np.searchsorted(mid, most, side="right") - below
-    if inside[finite].max() > 1:
+    inside = np.where(finite, np.searchsorted(mid, most, side="right") - below, 0)
+    if inside.max() > 1:
         raise AssertionError("a bucket of the int8 map holds two midpoints: the kernel's search would miss one")
-    # 3 bytes of padding: the kernel's vector loop reads 4 bytes at a bucket's place and keeps the first
-    return torch.from_numpy(np.concatenate([np.minimum(below, 255), np.zeros(3)]).astype(np.uint8))
+    held = inside == 1
+    low_bits = mid.view(np.uint32)[np.minimum(below, mid.size - 1)] & 0x7FFF
+    entry = np.minimum(below, 255).astype(np.uint32) | held.astype(np.uint32) << 8 | np.where(held, low_bits, 0) << 16
+    return torch.from_numpy(entry.astype(np.int32))
 
 
 FP32, BF16 = Fp32(), Bf16()
