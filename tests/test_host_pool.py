@@ -49,6 +49,41 @@ def test_aligned_empty(nbytes):
     assert int(t.sum()) == 0  # touched (zeroed) once
 
 
+def smaps_entry(address: int) -> dict[str, str]:
+    """/proc/self/smaps' fields of the mapping holding `address`."""
+    entry, inside = {}, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+                start, end = (int(x, 16) for x in head.split("-"))
+                if inside:
+                    break
+                inside = start <= address < end
+            elif inside:
+                key, _, value = line.partition(":")
+                entry[key] = value.strip()
+    return entry
+
+
+def thp_mode() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+@pytest.mark.skipif(thp_mode() in (None, "never"), reason="no transparent huge pages on this kernel")
+def test_large_buffers_may_use_huge_pages_and_small_ones_are_not_asked_to():
+    """Huge pages keep an O_DIRECT block physically contiguous, so the device gets large requests (aligned.py)."""
+    large, small = aligned_empty(16 * MiB), aligned_empty(64 * KiB)
+    assert smaps_entry(large.data_ptr()).get("THPeligible") == "1"
+    assert "hg" in smaps_entry(large.data_ptr()).get("VmFlags", "").split()  # MADV_HUGEPAGE
+    assert "hg" not in smaps_entry(small.data_ptr()).get("VmFlags", "").split()
+    assert int(large.sum()) == 0 and int(small.sum()) == 0
+
+
 def test_budget_is_hard_and_the_error_carries_the_numbers():
     p = pool(1 * MiB)
     held = p.acquire(768 * KiB, "layers.6/shard0")
