@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from fio import fio_binary, fio_rate  # noqa: E402  (bench/ is the script's directory)
+from fio import PAGES, fio_binary, fio_rate, memory as fio_memory  # noqa: E402  (bench/ is the script's directory)
 
 GiB = 1 << 30
 SEVEN_B = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
         after = fio_rate(directory, int(args.fio_size), "read")
     rate = (before + after) / 2
     compute = statistics.median(s["s"] for s in memory[0]["steps"][1:]) if memory else 0.0
-    result = {"fio_read_gbps": {"before": before / 1e9, "after": after / 1e9}, "layers": args.layers,
+    result = {"fio_read_gbps": {"before": before / 1e9, "after": after / 1e9}, "fio_memory": fio_memory(), "layers": args.layers,
               "seq_len": args.seq_len, "in_memory_step_s": compute,
               "in_memory_peak_rss_bytes": memory[1] if memory else None,
               "runs": {name: measured_run(ours, rss, compute, rate) for name, (ours, rss) in runs.items()}}
@@ -243,7 +243,8 @@ def measured_run(ours: dict, rss: int, compute: float, rate: float) -> dict:
 
 def print_result(r: dict) -> None:
     fio = r["fio_read_gbps"]
-    print(f"fio read on the nvme_path: {fio['before']:.2f} GB/s before, {fio['after']:.2f} GB/s after")
+    print(f"fio read on the nvme_path: {fio['before']:.2f} GB/s before, {fio['after']:.2f} GB/s after "
+          f"(its buffers: {PAGES[r['fio_memory']]})")
     if r["in_memory_peak_rss_bytes"]:
         print(f"in memory (plain PyTorch): {r['in_memory_step_s']:.2f} s/step, peak RSS "
               f"{r['in_memory_peak_rss_bytes'] / GiB:.2f} GiB")

@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from fio import fio_binary, fio_rate  # noqa: E402  (bench/ is the script's directory)
+from fio import PAGES, fio_binary, fio_rate, memory as fio_memory  # noqa: E402  (bench/ is the script's directory)
 
 GiB = 1 << 30
 
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "model": {"preset": args.preset, "layers": args.layers, "seq_len": args.seq_len, "dtype": args.dtype},
         "config": os.path.relpath(args.config, ROOT), "host_budget": args.host_budget,
-        "fio_mixed_gbps": {"before": mixed_before / 1e9, "after": mixed_after / 1e9},
+        "fio_mixed_gbps": {"before": mixed_before / 1e9, "after": mixed_after / 1e9}, "fio_memory": fio_memory(),
         "in_memory_step_s": compute, "in_memory_peak_rss_bytes": memory_rss,
         "formats": {name: measured_run(ours, rss, mixed, compute, args.warmup) for name, (ours, rss) in runs.items()},
     }
@@ -174,7 +174,8 @@ def measured_run(ours: dict, rss: int, mixed: float, compute: float, warmup: int
 
 def print_result(r: dict) -> None:
     fio = r["fio_mixed_gbps"]
-    print(f"fio mixed on the nvme_path: {fio['before']:.2f} GB/s before, {fio['after']:.2f} GB/s after")
+    print(f"fio mixed on the nvme_path: {fio['before']:.2f} GB/s before, {fio['after']:.2f} GB/s after "
+          f"(its buffers: {PAGES[r['fio_memory']]})")
     print(f"in memory: {r['in_memory_step_s']:.2f} s/step, peak RSS {r['in_memory_peak_rss_bytes'] / GiB:.2f} GiB")
     first = None
     for name, run in r["formats"].items():
