@@ -14,8 +14,7 @@ import secrets
 import shutil
 import subprocess
 
-HUGE_PAGE = 2 << 20
-
+from tiering.aligned import HUGE_PAGE
 
 PAGES = {"shmhuge": "huge pages", "malloc": "4 KiB pages, understating a request-bound disk: see bench/fio.py"}
 

@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
         after = fio_rate(directory, int(args.fio_size), "read")
     rate = (before + after) / 2
     compute = statistics.median(s["s"] for s in memory[0]["steps"][1:]) if memory else 0.0
-    result = {"fio_read_gbps": {"before": before / 1e9, "after": after / 1e9}, "fio_memory": fio_memory(), "layers": args.layers,
+    result = {"fio_read_gbps": {"before": before / 1e9, "after": after / 1e9}, "fio_memory": fio_memory(),
+              "layers": args.layers,
               "seq_len": args.seq_len, "in_memory_step_s": compute,
               "in_memory_peak_rss_bytes": memory[1] if memory else None,
               "runs": {name: measured_run(ours, rss, compute, rate) for name, (ours, rss) in runs.items()}}

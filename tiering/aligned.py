@@ -26,9 +26,9 @@ def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
     (RSS) beyond any budget. A mapping of 2 MiB or more asks for transparent huge pages (madvise): an O_DIRECT
     request is cut where its buffer's pages are not physically contiguous (the device's segment limit), and on
     4 KiB pages an 8 MiB block reached this VM's virtio disk as ~1 MiB requests at ~1 GB/s; on huge pages as
-    ~3.4 MiB ones, and the disk-bound step ran 1.7x faster (bench/RESULTS.md, session 22). `pin`: the mapping is page-locked with the CUDA runtime, exactly its size (torch's
-    pinned allocator rounds each request up to a power of two: a 2^k buffer would pin 2^(k+1)), and unlocked when
-    it is unmapped.
+    ~3.4 MiB ones, and the disk-bound step ran 1.7x faster (bench/RESULTS.md, session 22). `pin`: the mapping is
+    page-locked with the CUDA runtime, exactly its size (torch's pinned allocator rounds each request up to a power
+    of two: a 2^k buffer would pin 2^(k+1)), and unlocked when it is unmapped.
     """
     size = align_up(max(nbytes, 1))
     mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
