@@ -123,6 +123,34 @@ def _seeded(cls):
     return cls()
 
 
+def test_the_state_stepped_first_last_round_is_read_before_the_backward_reaches_it(tmp_path):
+    """A round starts reading the state of the sub-groups the last round stepped first (the worker reads ahead only
+    once it runs: until the backward's first unit is final the disk would wait), and stays exact."""
+    clip, data = CLIPS["never"], batches(3)
+    asked, submits = [], []
+
+    def watch(engine) -> None:  # after the first backward: the next round is the one watched
+        if engine.swap.prefetch.__name__ == "read_ahead":
+            return
+        prefetch, submit, speculation = engine.swap.prefetch, engine.speculation.submit, engine.speculation
+
+        def read_ahead(names, tier="device"):
+            if speculation._order:  # the first round has settled: these are the next round's
+                watch.first = getattr(watch, "first", speculation._order[0])
+                asked.append(list(names))
+            return prefetch(names, tier)
+
+        engine.swap.prefetch = read_ahead
+        engine.speculation.submit = lambda sub_groups: submits.append(len(asked)) or submit(sub_groups)
+
+    losses, state, stats, ref_losses, ref_state = train_both(
+        lambda: own_gpt(0), data, config("nvme", tmp_path, clip=clip), accum=1, clip=clip, between=watch)
+    assert submits[0] >= 1, "nothing was read ahead before the first unit's gradient was final"
+    assert watch.first.place("exp_avg")[0] in asked[0] and watch.first.place("exp_avg_sq")[0] in asked[0]
+    assert losses == ref_losses and stats.rolled_back == 0
+    assert_state_equal(state, ref_state)
+
+
 def test_reading_the_state_between_backward_and_step_rolls_the_bet_back(tmp_path):
     """A state_dict between backward and step (a gather of every unit) must see the state before the step: the
     round is abandoned (rolled back), the boundary steps every sub-group serially, and training stays exact."""
