@@ -8,13 +8,17 @@ Three measurements, in one run:
 3. ours with the given config (default: the README's scale config), step by step, once per state format asked
    (--formats: exact fp32 state and compact ones, side by side against the same yardstick).
 
+The config's gradient_clipping decides which step is measured: where it strikes, the step runs after the backward
+(serially); where it does not (--gradient-clipping 1e9), the step is speculated inside the backward. The step column
+"optimizer" says which each step was (early, rolled back, serial).
+
 Per measured step: bytes read and written, realized GB/s against fio's, the disk's idle fraction (1 - the union
 of the nvme lanes' busy time / the step), and step / max(compute, bytes / fio mixed). Medians over the measured
 steps; the first step against a later one (the first runs without a trace). Each run is its own process, so
 peak RSS is its own.
 
     python bench/stream.py [--quick] [--preset 1b --layers 4 --host-budget 1GiB] [--formats fp32/fp32,int8/fp32]
-                           [--json PATH]
+                           [--gradient-clipping 1e9] [--json PATH]
 """
 from __future__ import annotations
 
@@ -84,7 +88,9 @@ def per_step(step: dict, mixed: float, compute: float) -> dict:
     written = step["bytes_moved"].get("host->nvme", 0)
     moved = read + written
     bound = max(compute, moved / mixed)
-    return {"step": step["step"], "step_s": step["step_s"], "read_bytes": read, "write_bytes": written,
+    bets = step.get("speculation") or {}
+    how = "rolled" if bets.get("rolled_back") else "early" if bets.get("stepped_early") else "serial"
+    return {"step": step["step"], "step_s": step["step_s"], "read_bytes": read, "write_bytes": written, "how": how,
             "realized_gbps": moved / step["step_s"] / 1e9, "of_fio": moved / step["step_s"] / mixed,
             "disk_idle": 1 - min(step["io_s"], step["step_s"]) / step["step_s"],
             "bound_s": bound, "vs_bound": step["step_s"] / bound}
@@ -112,6 +118,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--schedules", default="unit-major",
                         help="accumulation schedules to run each format with, comma-separated (zero.train "
                              "--accumulation): unit-major,micro-batch; they differ only with gradient accumulation")
+    parser.add_argument("--gradient-clipping", type=float, default=None,
+                        help="the config's gradient_clipping replaced: e.g. 1e9, on but never striking (the step is "
+                             "speculated inside the backward); the scale config's 1.0 strikes at every step of this "
+                             "model, and each step then runs serially after the backward (the step column says which)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     schedules = args.schedules.split(",")
@@ -127,6 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("bench/stream.py needs fio (apt-get install fio): it is the yardstick")
     with open(args.config) as f:
         config = json.load(f)
+    if args.gradient_clipping is not None:
+        config["gradient_clipping"] = args.gradient_clipping
     if args.dir:
         os.makedirs(args.dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
@@ -146,6 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
     compute = statistics.median(s["step_s"] for s in memory["steps"][args.warmup:])
     result = {
         "model": {"preset": args.preset, "layers": args.layers, "seq_len": args.seq_len, "dtype": args.dtype},
+        "gradient_clipping": config.get("gradient_clipping", 0.0),
         "config": os.path.relpath(args.config, ROOT), "host_budget": args.host_budget,
         "fio_mixed_gbps": {"before": mixed_before / 1e9, "after": mixed_after / 1e9}, "fio_memory": fio_memory(),
         "in_memory_step_s": compute, "in_memory_peak_rss_bytes": memory_rss,
@@ -184,11 +197,11 @@ def print_result(r: dict) -> None:
               f"{run['bytes_per_param']:.1f} bytes per parameter per step, median step "
               f"{run['median']['step_s'] / first['median']['step_s']:.2f}x the first format's")
         print(f"{'step':>4} {'s':>7} {'read GB':>8} {'write GB':>8} {'GB/s':>6} {'of fio':>7} {'idle':>6} "
-              f"{'bound s':>8} {'vs bound':>8}")
-        for s in run["steps"] + [dict(run["median"], step="med")]:
+              f"{'bound s':>8} {'vs bound':>8}  optimizer (gradient_clipping {r['gradient_clipping']:g})")
+        for s in run["steps"] + [dict(run["median"], step="med", how="")]:
             print(f"{s['step']:>4} {s['step_s']:7.2f} {s['read_bytes'] / 1e9:8.2f} {s['write_bytes'] / 1e9:8.2f} "
                   f"{s['realized_gbps']:6.2f} {s['of_fio']:7.2f} {s['disk_idle']:6.0%} {s['bound_s']:8.2f} "
-                  f"{s['vs_bound']:8.2f}")
+                  f"{s['vs_bound']:8.2f}  {s['how']}")
         print(f"first step / later steps: {run['first_vs_later']:.2f}")
 
 
