@@ -9,7 +9,7 @@ Three measurements, in one run:
    (--formats: exact fp32 state and compact ones, side by side against the same yardstick).
 
 The config's gradient_clipping decides which step is measured: where it strikes, the step runs after the backward
-(serially); where it does not (--gradient-clipping 1e9), the step is speculated inside the backward. The step column
+(serially); where it does not (--gradient-clipping 1e9), the step is speculated inside the backward. The column
 "optimizer" says which each step was (early, rolled back, serial).
 
 Per measured step: bytes read and written, realized GB/s against fio's, the disk's idle fraction (1 - the union
