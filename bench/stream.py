@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--gradient-clipping", type=float, default=None,
                         help="the config's gradient_clipping replaced: e.g. 1e9, on but never striking (the step is "
                              "speculated inside the backward); the scale config's 1.0 strikes at every step of this "
-                             "model, and each step then runs serially after the backward (the step column says which)")
+                             "model, and each step then runs serially after the backward (the column 'optimizer' "
+                             "says which)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     schedules = args.schedules.split(",")

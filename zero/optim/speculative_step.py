@@ -90,9 +90,9 @@ class SpeculativeStep:
         """Open a round for the boundary's backward: sub-groups submitted step with these hyperparameters."""
         self.abandon()
         self._round = _Round(hyperparameters(groups), [dict(group) for group in groups], step, grad_scale)
-        # The state of the sub-groups the last round stepped first, read while the backward reaches them: the
-        # worker reads ahead only once it runs, and until then the disk would wait on the backward's first units.
-        self.swap.prefetch(self.driver._ahead(self._order), self.driver.work_tier)
+        if self._order:  # the state the last round stepped first, read while the backward reaches it: the worker
+            # reads ahead only once it runs, and until then the disk would wait on the backward's first units
+            self.swap.prefetch(self.driver._ahead(self._order), self.driver.work_tier)
 
     def submit(self, sub_groups: list[SubGroup]) -> None:
         """These sub-groups' gradients (one unit's) are final: step them on the worker, together (a unit's
