@@ -9,11 +9,12 @@ sees, the disk the bound). In a child process, so its peak RSS is its own. Measu
 2. the same PEFT model's step in plain PyTorch, everything in memory (the compute), unless --skip-in-memory;
 3. ours, step by step: seconds, nvme bytes read (the frozen ones apart) and written, the step against
    max(compute, bytes read / fio's read rate), once per way of storing the base asked (--bases: as computed, fp32,
-   and block-wise int8, zero_quantized_nontrainable_weights); with int8, the format's effect on the base's logits: the same batch through
+   bf16 (bf16 compute, the base stored in bf16: half fp32's bytes) and block-wise int8,
+   zero_quantized_nontrainable_weights); with int8, the format's effect on the base's logits: the same batch through
    the base with its weights in bf16 and through int8 and back (plain PyTorch, fp32 arithmetic), max |difference|
    over max |bf16 logit| and mean |difference| over mean |bf16 logit|; bf16's own against fp32 for scale.
 
-    python bench/lora.py [--quick] [--layers 4] [--host-budget 1536MiB] [--dir DIR] [--bases fp32,int8] [--json PATH]
+    python bench/lora.py [--quick] [--layers 4] [--host-budget 1536MiB] [--dir DIR] [--bases fp32,bf16,int8] [--json PATH]
 """
 from __future__ import annotations
 
@@ -52,11 +53,15 @@ def lora(base):
                                                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
 
 
-def engine_config(args: argparse.Namespace, int8: bool) -> dict:
-    return {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
+BASES = ("fp32", "bf16", "int8")
+"""How the base is stored: fp32 as computed, bf16 (the compute dtype bf16 too), int8 (computed in fp32)."""
+
+
+def engine_config(args: argparse.Namespace, base: str) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "bf16": {"enabled": base == "bf16"},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
             "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": args.dir},
-                                  "offload_optimizer": {"device": "cpu"}, "zero_quantized_nontrainable_weights": int8},
+                                  "offload_optimizer": {"device": "cpu"}, "zero_quantized_nontrainable_weights": base == "int8"},
             "zero_tiering": {"host_budget": args.host_budget}}
 
 
@@ -67,7 +72,7 @@ def batch(args: argparse.Namespace, vocab: int, step: int):
     return torch.randint(0, vocab, (1, args.seq_len), generator=generator)
 
 
-def run_ours(args: argparse.Namespace, int8: bool) -> dict:
+def run_ours(args: argparse.Namespace) -> dict:
     """The child: build under zero.Init, apply LoRA, train; one JSON line with every step's figures."""
     import torch
     from transformers import LlamaForCausalLM
@@ -76,7 +81,7 @@ def run_ours(args: argparse.Namespace, int8: bool) -> dict:
     from zero.train.run import frozen_read
 
     torch.manual_seed(0)
-    config = engine_config(args, int8)
+    config = engine_config(args, args.base)
     start = time.perf_counter()
     with zero.zero.Init(config_dict_or_path=config):
         base = LlamaForCausalLM(model_config(args))
@@ -113,12 +118,15 @@ def run_ours(args: argparse.Namespace, int8: bool) -> dict:
 
 
 def run_in_memory(args: argparse.Namespace) -> dict:
-    """The child: the same PEFT model in plain PyTorch, in memory; torch AdamW on the adapters."""
+    """The child: the same PEFT model in plain PyTorch, in memory, computed in fp32 or (base bf16) bf16; torch
+    AdamW on the adapters."""
     import torch
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
     model = lora(LlamaForCausalLM(model_config(args)))
+    if args.base == "bf16":
+        model.to(torch.bfloat16)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     steps = []
     for step in range(args.steps):
@@ -175,7 +183,7 @@ def child(args: argparse.Namespace, role: str) -> tuple[dict, int]:
     """Run this script as `role` in a child process: its result and its peak RSS in bytes."""
     command = [sys.executable, os.path.abspath(__file__), "--role", role, "--layers", str(args.layers),
                "--steps", str(args.steps), "--seq-len", str(args.seq_len), "--host-budget", args.host_budget,
-               "--dir", args.dir] + (["--quick"] if args.quick else [])
+               "--dir", args.dir, "--base", args.base] + (["--quick"] if args.quick else [])
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=err, text=True)
         _, status, usage = os.wait4(process.pid, 0)
@@ -196,10 +204,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--fio-size", default=str(2 * GiB))
     parser.add_argument("--skip-in-memory", action="store_true", help="no in-memory yardstick (the base whole in RAM)")
     parser.add_argument("--bases", default="fp32",
-                        help="how the base is stored, one run each: fp32 (as computed), int8 (and its effect on the "
-                             "logits)")
+                        help="how the base is stored, one run each: fp32 (as computed), bf16 (computed in bf16), int8 (and "
+                             "its effect on the logits)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--role", choices=list(ROLES), help=argparse.SUPPRESS)
+    parser.add_argument("--base", choices=BASES, default="fp32", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.steps, args.host_budget, args.fio_size = 3, 3, "1MiB", str(64 << 20)
@@ -211,19 +220,25 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         args.dir = directory
         before = fio_rate(directory, int(args.fio_size), "read")
-        memory = None if args.skip_in_memory else child(args, "in-memory")
         bases = args.bases.split(",")
-        if not set(bases) <= {"fp32", "int8"}:
-            raise SystemExit(f"--bases {args.bases}: fp32, int8 or both")
-        runs = {base: child(args, "ours" if base == "fp32" else "ours-int8") for base in bases}
+        if not set(bases) <= set(BASES):
+            raise SystemExit(f"--bases {args.bases}: some of {', '.join(BASES)}")
+        memory = {}  # compute dtype -> the in-memory child's (result, peak RSS)
+        for compute in [] if args.skip_in_memory else sorted({computed(base) for base in bases}):
+            args.base = compute
+            memory[compute] = child(args, "in-memory")
+        runs = {}
+        for base in bases:
+            args.base = base
+            runs[base] = child(args, "ours")
         after = fio_rate(directory, int(args.fio_size), "read")
     rate = (before + after) / 2
-    compute = statistics.median(s["s"] for s in memory[0]["steps"][1:]) if memory else 0.0
+    step = {compute: statistics.median(s["s"] for s in result["steps"][1:]) for compute, (result, _) in memory.items()}
     result = {"fio_read_gbps": {"before": before / 1e9, "after": after / 1e9}, "fio_memory": fio_memory(),
-              "layers": args.layers,
-              "seq_len": args.seq_len, "in_memory_step_s": compute,
-              "in_memory_peak_rss_bytes": memory[1] if memory else None,
-              "runs": {name: measured_run(ours, rss, compute, rate) for name, (ours, rss) in runs.items()}}
+              "layers": args.layers, "seq_len": args.seq_len, "in_memory_step_s": step,
+              "in_memory_peak_rss_bytes": {compute: rss for compute, (_, rss) in memory.items()},
+              "runs": {name: measured_run(ours, rss, step.get(computed(name), 0.0), rate)
+                       for name, (ours, rss) in runs.items()}}
     if "int8" in runs:
         result["int8_logits"] = child(args, "logits")[0]
     print_result(result)
@@ -231,6 +246,11 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return result
+
+
+def computed(base: str) -> str:
+    """The dtype a base stored as `base` is computed in."""
+    return "bf16" if base == "bf16" else "fp32"
 
 
 def measured_run(ours: dict, rss: int, compute: float, rate: float) -> dict:
@@ -246,9 +266,9 @@ def print_result(r: dict) -> None:
     fio = r["fio_read_gbps"]
     print(f"fio read on the nvme_path: {fio['before']:.2f} GB/s before, {fio['after']:.2f} GB/s after "
           f"(its buffers: {PAGES[r['fio_memory']]})")
-    if r["in_memory_peak_rss_bytes"]:
-        print(f"in memory (plain PyTorch): {r['in_memory_step_s']:.2f} s/step, peak RSS "
-              f"{r['in_memory_peak_rss_bytes'] / GiB:.2f} GiB")
+    for compute, seconds in r["in_memory_step_s"].items():
+        print(f"in memory (plain PyTorch, {compute}): {seconds:.2f} s/step, peak RSS "
+              f"{r['in_memory_peak_rss_bytes'][compute] / GiB:.2f} GiB")
     for name, run in r["runs"].items():
         print_run(name, run)
     if "int8_logits" in r:
@@ -274,8 +294,7 @@ def print_run(name: str, r: dict) -> None:
         print(f"median step / max(in-memory step, bytes read / fio read), after the first: {r['median_vs_bound']:.2f}x")
 
 
-ROLES = {"ours": lambda args: run_ours(args, int8=False), "ours-int8": lambda args: run_ours(args, int8=True),
-         "in-memory": run_in_memory, "logits": run_logits}
+ROLES = {"ours": run_ours, "in-memory": run_in_memory, "logits": run_logits}
 
 if __name__ == "__main__":
     main()
