@@ -90,40 +90,6 @@ def test_lora_trains_as_plain_pytorch_and_the_base_is_never_written(name, home, 
             engine.close()
 
 
-def test_the_next_blocks_frozen_unit_is_read_ahead_with_its_adapters(tmp_path):
-    """A block's units (its LoRA adapters', its frozen base's) are gathered one after the other: prefetching one unit
-    ahead would read ahead only the adapters, and the frozen shard, the bulk of the bytes, only when its gather asks.
-    Once the order is known, gathering a block's units starts the fills of all the next block's, so its shard is
-    read while this block computes; training is still plain PyTorch's bit for bit."""
-    data = batches(3)
-    with one_thread():
-        expected = reference_train(lora("llama", num_hidden_layers=4), data)
-        model = lora("llama", num_hidden_layers=4)
-        engine, *_ = deepspeed.initialize(model=model, config=stage3_config("nvme", "nvme", nvme_path=tmp_path),
-                                          model_parameters=trainable(model))
-        placement = engine.placement
-        blocks = list(dict.fromkeys(u.module for u in engine.units if u.module is not engine.module))
-        gather_in_order, ahead_of = placement._gather_in_order, []
-
-        def recording(unit):
-            gather_in_order(unit)
-            if unit.module in blocks and torch._C._current_graph_task_id() == -1:  # a block's, in the forward
-                ahead_of.append((blocks.index(unit.module), {u.index for u in placement._ahead}))
-
-        placement._gather_in_order = recording
-        try:
-            losses = engine_train(engine, data)
-            assert losses == expected
-        finally:
-            placement._gather_in_order = gather_in_order
-            engine.close()
-    units_of = [{u.index for u in engine.units if u.module is block} for block in blocks]
-    assert all(len(units) == 2 for units in units_of)  # the adapters' unit and the frozen one
-    later = ahead_of[2 * len(blocks):]  # the steps after the first, whose order the hooks know
-    assert later and all(units_of[b + 1] <= ahead <= units_of[b] | units_of[b + 1]  # the next block's, no further
-                         for b, ahead in later if b + 1 < len(blocks)), later
-
-
 @pytest.mark.parametrize("checkpointing", ["nonreentrant", "reentrant"])
 def test_a_frozen_unit_is_released_as_its_modules_backward_ends(checkpointing, tmp_path):
     """Six layers, gradient checkpointing either way: at no time are two blocks' units gathered at once (the frozen

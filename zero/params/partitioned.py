@@ -77,11 +77,11 @@ class PartitionedPlacement(Placement):
         self.update_pending = update_pending or (lambda index: False)
         self.units: list[Unit] = []
         self.model_hooks: list = []
-        self._after: dict[tuple[bool, int], tuple[bool, int]] = {}
-        """(in backward, unit index) -> the same of the unit a hook gathered next, the last time."""
+        self._after: dict[tuple[bool, int], int] = {}
+        """(in backward, unit index) -> the index of the unit a hook gathered next, the last time."""
         self._last: tuple[bool, int] | None = None
-        self._ahead: list[Unit] = []
-        """The units prefetched for the next hooks' gathers, in the order they are expected."""
+        self._ahead: Unit | None = None
+        """The unit prefetched for the next hook's gather."""
         self._trained_of: dict[int, list[Unit]] = {}
         """id(module) -> its trained units: a frozen unit of the module ends its backward after theirs."""
         self._tied: dict[int, list[TiedHead]] = {}
@@ -369,67 +369,47 @@ class PartitionedPlacement(Placement):
 
     def _gather_in_order(self, unit: Unit) -> None:
         """Gather for a module's forward or backward hook, where units come in the model's order: note that
-        order, and prefetch the units that came after this one last time while this one computes. Prefetched
-        units that do not come next are dropped."""
+        order, and prefetch the unit that came after this one last time while this one computes. A prefetched
+        unit that does not come next is dropped."""
         fresh = not unit.gathered
         if fresh:
             key = (torch._C._current_graph_task_id() != -1, unit.index)  # backward runs the other way
             if self._last is not None:
-                self._after[self._last] = key
+                self._after[self._last] = unit.index
             self._last = key
-            if self._ahead and self._ahead[0] is unit:
-                self._ahead.pop(0)
-            else:
+            if self._ahead is not unit:
                 self._drop_ahead()
+            self._ahead = None
         self.gather(unit)
         if fresh:
-            self._prefetch_ahead(key, unit)
+            self._prefetch_ahead(self._after.get(key))
 
-    def _prefetch_ahead(self, key: tuple[bool, int], current: Unit) -> None:
-        """Prefetch along the order the hooks saw last time, after `key`: the rest of `current`'s module's units
-        and the next module's, however large (a module's units are gathered together: a 7b-wide block's frozen
-        shard, 4x the default prefetch bucket in bf16, comes after its LoRA adapters' unit, and one unit ahead
-        would read ahead only that). The prefetch bucket switches it (0: off). In the backward the room for
-        `current`'s gradients, allocated after this, stays free."""
-        if not self.swap.config.prefetch_bytes:
+    def _prefetch_ahead(self, index: int | None) -> None:
+        if index is None:
             return
-        keep = self.swap.device_tier.charge(current.nbytes) if key[0] and not current.frozen else 0
-        ahead = {id(u) for u in self._ahead}
-        modules = [current.module]
-        key = self._after.get(key)
-        while key is not None:
-            unit = self.units[key[1]]
-            if unit is current:
-                return  # the order came round
-            if unit.module is not modules[-1]:
-                if len(modules) == 2:
-                    return  # a module beyond the next
-                modules.append(unit.module)
-            key = self._after.get(key)
-            if id(unit) in ahead or unit.gathered or unit.parked:
-                continue
-            if unit.state is not UnitState.RELEASED or not self._room_for(unit, keep):
-                return
-            if self.swap.moving(unit.segment) or self.update_pending(unit.index):
-                return  # its fetch (or its update) would be waited for here, before this unit computes: its gather
-            self.wait_for_update(unit.index)
-            self._prefetch(unit)
-            self._ahead.append(unit)
+        unit = self.units[index]
+        if unit.state is not UnitState.RELEASED or not self._room_for(unit):
+            return
+        if self.swap.moving(unit.segment) or self.update_pending(index):
+            return  # its fetch (or its update) would be waited for here, before this unit computes: its gather will
+        self.wait_for_update(index)
+        self._prefetch(unit)
+        self._ahead = unit
 
-    def _room_for(self, unit: Unit, keep: int = 0) -> bool:
-        """Whether prefetching `unit` fits in the device tier's free room less `keep` bytes (it never evicts) and
-        the live bytes cap (stage3_max_live_parameters)."""
+    def _room_for(self, unit: Unit) -> bool:
+        """Whether prefetching `unit` fits in the device tier's free room (it never evicts) and the prefetch
+        limits: the prefetch bucket (0 with prefetch off) and the live bytes cap (stage3_max_live_parameters)."""
         tier, config = self.swap.device_tier, self.swap.config
-        need = tier.charge(unit.nbytes) + keep
+        need = tier.charge(unit.nbytes)
         free = tier.free_bytes()
         live = config.max_live_bytes
-        return (free is None or need <= free) and (live is None or tier.in_use + need <= live)
+        return (need <= config.prefetch_bytes and (free is None or need <= free)
+                and (live is None or tier.in_use + need <= live))
 
     def _drop_ahead(self) -> None:
-        ahead, self._ahead = self._ahead, []
-        for unit in ahead:
-            if unit.state is UnitState.PREFETCHED:
-                self._drop(unit)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.state is UnitState.PREFETCHED:
+            self._drop(ahead)
 
     def shards_changed(self) -> None:
         """Units still gathered (persistent ones) read the updated shards; a prefetched one is dropped."""

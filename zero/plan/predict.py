@@ -287,10 +287,9 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     io_rate = IO_EFFICIENCY * machine.disk.mixed_gbps * 1e9 if reads or writes else 1.0
     fb_io = (moved * (read_fb + write_bwd) + 2 * accumulation * spilled) / io_rate
     opt_io = moved * (read_opt + write_opt) / io_rate
-    # Behind compute: the parameter reads prefetch covers (every unit's shard, with prefetch on: at least the next
-    # unit is read ahead, however large), and the backward's gradient writes (write-behind starts them as each
-    # unit's gradient is released).
-    ahead = sum(2 * p * flat.shard_numel for flat in every) if budgets.prefetch_bytes else 0
+    # Behind compute: the parameter reads prefetch covers (a unit's shard within the prefetch budget), and the
+    # backward's gradient writes (write-behind starts them as each unit's gradient is released).
+    ahead = sum(2 * p * flat.shard_numel for flat in every if p * flat.shard_numel <= budgets.prefetch_bytes)
     behind = moved * ((passes * ahead if param_home == "nvme" else 0) + write_bwd) + 2 * accumulation * spilled
     hidden = min(compute, behind / io_rate)
     optimizer = max(adam, opt_io)

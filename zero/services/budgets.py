@@ -242,8 +242,8 @@ def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: n
     Stage 3 gathers: persistent units stay gathered; the root unit (what follows the whole model: its embeddings
     and head, used at both ends of the step) is held beside the blocks, or, `parked` (None: wherever it can be,
     the least budget; parks_root says whether it will be), parked while they run (root_uses.py); the largest
-    other unit is gathered in its turn (prefetching the next module's units needs their full buffers' room on top:
-    without it the engine runs, unprefetched).
+    other unit is gathered in its turn (prefetching the next one needs its full buffer's room on top: without it
+    the engine runs, unprefetched).
     The gradients of the root and of that unit are on the device at once, until each is reduced, less a tied
     embedding's head gradient, which waits on the host meanwhile; the root's whole gradient, and the staging the head
     part comes back through, only after the blocks' backward (tied_head.py): parked, the root's peak is at the
