@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from zero.optim.adam_math import AdamThreads, adam_step  # noqa: E402  (the checkout's zero/, also when not installed)
-from zero.optim.compact_step import compact_step  # noqa: E402
+from zero.optim.adam_math import AdamThreads, adam_step, kernel_choice  # noqa: E402  (the checkout's zero/, also when not installed)
+from zero.optim.compact_step import compact_choice, compact_step  # noqa: E402
 from zero.optim.state_format import StateFormat  # noqa: E402
 
 IMPLS = ("ours", "torch-fused", "torch-foreach", "deepspeed", "ours-bf16", "ours-int8")
@@ -231,6 +231,9 @@ def main(argv: list[str] | None = None) -> None:
         impls.remove("deepspeed")
     print(f"note: {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{torch.backends.cpu.get_cpu_capability()}", file=sys.stderr)
+    print(f"note: ours runs {kernel_choice()}", file=sys.stderr)
+    if any(impl.startswith("ours-") for impl in impls):
+        print(f"note: ours-bf16 and ours-int8 run {compact_choice()}", file=sys.stderr)
     records, paired = [], {}
     for numel in args.sizes:
         size_records, size_paired = measure(numel, impls, args.threads, args.steps, OUT_DTYPES[args.out_dtype])

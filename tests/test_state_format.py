@@ -389,3 +389,12 @@ def test_a_format_the_run_cannot_serve_names_the_key(sections, key, words):
     with pytest.raises(ConfigError) as info:
         config(**sections)
     assert info.value.key == key and words in str(info.value), str(info.value)
+
+
+@needs_kernel
+def test_compact_choice_names_the_implementation_the_step_runs(monkeypatch):
+    """What bench/adam.py prints beside its figures: the kernel and its int8 lookup, or the pure-torch step (an
+    unbuilt kernel made an H200 host's int8 figure 9 M/s with nothing saying why)."""
+    assert compact_step_module.compact_choice() == f"the C kernel (int8 tables read with {kernel.int8_lookup()})"
+    monkeypatch.setattr(compact_step_module, "_kernel", lambda: (None,))
+    assert compact_step_module.compact_choice().startswith("torch_compact_step (pure torch")

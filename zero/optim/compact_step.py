@@ -83,6 +83,15 @@ def compact_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
         threads.run(pieces)
 
 
+def compact_choice() -> str:
+    """Which implementation `compact_step` runs here: the C kernel (and how its int8 codecs read their tables), or
+    `torch_compact_step` where the kernel is not built (the same bits, tens of times slower)."""
+    kernel = _kernel()[0]
+    if kernel is None or not hasattr(kernel, "compact_step"):
+        return "torch_compact_step (pure torch: the C kernel is not built or not used here)"
+    return f"the C kernel (int8 tables read with {kernel.int8_lookup()})"
+
+
 def runs(master, grad, exp_avg, exp_avg_sq, out, compensation, codecs: SubGroupCodecs, numel: int):
     """((master, grad, exp_avg, exp_avg_sq, out, compensation), codecs, numel, start) of each run of the sub-group
     stored in one codec per part (SubGroupCodecs.runs): the views a step of that run takes."""
