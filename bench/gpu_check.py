@@ -13,7 +13,8 @@ check runs on its own (an error is recorded, the next check runs):
 3. torch.profiler on one streamed step: the share of copy time that overlaps kernels, of step time with no kernel;
 4. budgets after streamed steps: host bytes (pinned with CUDA) against the host budget, device bytes against the
    device budget (torch.cuda.max_memory_allocated with CUDA);
-5. bench/train.py against plain PyTorch and, where it imports, DeepSpeed: GPT 124M and the 1b preset at 4 layers.
+5. bench/train.py against plain PyTorch and, where it imports, DeepSpeed: GPT 124M and the 1b preset at 4 layers;
+   each system's disk bytes a step, and the bytes of our gradients through nvme.
 --quick: small models, bench/train.py --quick (~3 minutes on a GPU); the full run fits 10 minutes on an H100.
 
 On a device machine with torch+CUDA, transformers and pytest but no package index, install the project without
@@ -376,10 +377,15 @@ def bench_runs(plan: Plan) -> dict:
         steps = {r["system"]: r["step_s"] for r in records}
         for r in records:
             ds = steps.get("deepspeed-" + r["system"].split("-")[1]) if r["system"].startswith("ours") else None
+            disk, kinds = r["disk_bytes"], r["segment_kinds"]
             result["runs"].append({"run": label, "system": r["system"], "params": r["params"], "step_s": r["step_s"],
                                    "vs_torch": r["step_s"] / steps["torch"] if "torch" in steps else None,
                                    "vs_deepspeed": r["step_s"] / ds if ds else None, "tokens_per_s": r["tokens_per_s"],
-                                   "peak_device_bytes": r["peak_device_bytes"], "peak_rss_bytes": r["peak_rss_bytes"]})
+                                   "peak_device_bytes": r["peak_device_bytes"], "peak_rss_bytes": r["peak_rss_bytes"],
+                                   # a step's disk bytes (any system's), and ours by kind: the gradients' nvme trip
+                                   "disk_read_bytes": int(disk["read"]), "disk_written_bytes": int(disk["write"]),
+                                   "grad_nvme_bytes": int(sum(n for key, n in kinds.items()
+                                                              if "nvme" in key and key.endswith(" grad")))})
     return result
 
 

@@ -100,7 +100,11 @@ def test_gpu_check_runs_on_cpu_and_says_what_it_skipped(tmp_path):
     assert budgets["status"] == "passed"
     assert budgets["host_held_bytes"] <= budgets["host_budget_bytes"]
     assert 0 < budgets["device_tier_peak_bytes"] <= budgets["device_budget_bytes"]
-    assert {r["system"] for r in checks["bench/train.py"]["runs"]} == {"torch", "ours-cpu", "ours-nvme"}
+    trained = {r["system"]: r for r in checks["bench/train.py"]["runs"]}
+    assert set(trained) == {"torch", "ours-cpu", "ours-nvme"}
+    for run in trained.values():  # a step's disk bytes and ours' gradients through nvme (none: no host budget here)
+        assert [type(run[k]) for k in ("disk_read_bytes", "disk_written_bytes", "grad_nvme_bytes")] == [int] * 3
+        assert run["grad_nvme_bytes"] == 0
     report = (tmp_path / "gpu_check.md").read_text()
     assert "skipped: cuda-marked tests — no CUDA" in report and "## 2. ZeRO-3 parity: passed" in report
 
