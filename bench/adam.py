@@ -28,7 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from zero.optim.adam_math import AdamThreads, adam_step, kernel_choice  # noqa: E402  (the checkout's zero/, also when not installed)
+# the checkout's zero/, also when not installed
+from zero.optim.adam_math import AdamThreads, adam_step, kernel_choice  # noqa: E402
 from zero.optim.compact_step import compact_choice, compact_step  # noqa: E402
 from zero.optim.state_format import StateFormat  # noqa: E402
 

@@ -14,7 +14,8 @@ sees, the disk the bound). In a child process, so its peak RSS is its own. Measu
    the base with its weights in bf16 and through int8 and back (plain PyTorch, fp32 arithmetic), max |difference|
    over max |bf16 logit| and mean |difference| over mean |bf16 logit|; bf16's own against fp32 for scale.
 
-    python bench/lora.py [--quick] [--layers 4] [--host-budget 1536MiB] [--dir DIR] [--bases fp32,bf16,int8] [--json PATH]
+    python bench/lora.py [--quick] [--layers 4] [--host-budget 1536MiB] [--dir DIR] [--bases fp32,bf16,int8]
+                         [--json PATH]
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def engine_config(args: argparse.Namespace, base: str) -> dict:
     return {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "bf16": {"enabled": base == "bf16"},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
             "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": args.dir},
-                                  "offload_optimizer": {"device": "cpu"}, "zero_quantized_nontrainable_weights": base == "int8"},
+                                  "offload_optimizer": {"device": "cpu"},
+                                  "zero_quantized_nontrainable_weights": base == "int8"},
             "zero_tiering": {"host_budget": args.host_budget}}
 
 
@@ -204,8 +206,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--fio-size", default=str(2 * GiB))
     parser.add_argument("--skip-in-memory", action="store_true", help="no in-memory yardstick (the base whole in RAM)")
     parser.add_argument("--bases", default="fp32",
-                        help="how the base is stored, one run each: fp32 (as computed), bf16 (computed in bf16), int8 (and "
-                             "its effect on the logits)")
+                        help="how the base is stored, one run each: fp32 (as computed), bf16 (computed in bf16), "
+                             "int8 (and its effect on the logits)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--role", choices=list(ROLES), help=argparse.SUPPRESS)
     parser.add_argument("--base", choices=BASES, default="fp32", help=argparse.SUPPRESS)
