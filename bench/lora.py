@@ -181,11 +181,12 @@ def run_logits(args: argparse.Namespace) -> dict:
             "tokens": ids.numel(), "vocab": model.config.vocab_size}
 
 
-def child(args: argparse.Namespace, role: str) -> tuple[dict, int]:
-    """Run this script as `role` in a child process: its result and its peak RSS in bytes."""
+def child(args: argparse.Namespace, role: str, base: str = "fp32") -> tuple[dict, int]:
+    """Run this script as `role` (with the base stored as `base`) in a child process: its result and its peak RSS
+    in bytes."""
     command = [sys.executable, os.path.abspath(__file__), "--role", role, "--layers", str(args.layers),
                "--steps", str(args.steps), "--seq-len", str(args.seq_len), "--host-budget", args.host_budget,
-               "--dir", args.dir, "--base", args.base] + (["--quick"] if args.quick else [])
+               "--dir", args.dir, "--base", base] + (["--quick"] if args.quick else [])
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=err, text=True)
         _, status, usage = os.wait4(process.pid, 0)
@@ -225,14 +226,9 @@ def main(argv: list[str] | None = None) -> dict:
         bases = args.bases.split(",")
         if not set(bases) <= set(BASES):
             raise SystemExit(f"--bases {args.bases}: some of {', '.join(BASES)}")
-        memory = {}  # compute dtype -> the in-memory child's (result, peak RSS)
-        for compute in [] if args.skip_in_memory else sorted({computed(base) for base in bases}):
-            args.base = compute
-            memory[compute] = child(args, "in-memory")
-        runs = {}
-        for base in bases:
-            args.base = base
-            runs[base] = child(args, "ours")
+        memory = {compute: child(args, "in-memory", compute)  # compute dtype -> (result, peak RSS)
+                  for compute in ([] if args.skip_in_memory else sorted({computed(base) for base in bases}))}
+        runs = {base: child(args, "ours", base) for base in bases}
         after = fio_rate(directory, int(args.fio_size), "read")
     rate = (before + after) / 2
     step = {compute: statistics.median(s["s"] for s in result["steps"][1:]) for compute, (result, _) in memory.items()}
