@@ -9,7 +9,7 @@ from setuptools import Extension, setup
 setup(ext_modules=[Extension(
     "zero.optim._adam_kernel",
     ["zero/optim/adam_kernel.c", "zero/optim/compact_kernel.c"],
-    depends=["zero/optim/adam_spans.h"],
+    depends=["zero/optim/adam_spans.h", "zero/optim/compact_codecs.h"],
     include_dirs=["zero/optim"],
     # -ffp-contract=off: the kernel writes out each FMA torch's kernel makes; the compiler must add none.
     extra_compile_args=["-O3", "-ffp-contract=off"],

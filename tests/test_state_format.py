@@ -106,22 +106,22 @@ def sub_group(codecs, numel: int, seed: int, out_dtype):
     return [stored[0], grad, stored[1], stored[2]], out, compensation
 
 
-def int8_lookups() -> list[str | None]:
-    """Both ways the kernel's int8 codecs read their tables (compact_kernel.c times both at import and keeps the
-    faster, so one CPU would otherwise run one only); [None] without AVX2 (their scalar loops)."""
-    return [None] if kernel is None or kernel.int8_lookup() == "scalar" else ["gathers", "loads"]
+def int8_paths() -> list[str | None]:
+    """Every way this CPU runs the kernel's int8 codecs (compact_kernel.c picks one at import, so the others would
+    otherwise never run): the widths it has, each with gathers and with scalar loads, and the scalar loops."""
+    return [None] if kernel is None else kernel.int8_paths()
 
 
 @contextlib.contextmanager
-def reading_tables(how: str | None):
-    before = kernel.int8_lookup()
-    if how is not None:
-        kernel.int8_lookup(how)
+def int8_path(name: str | None):
+    before = kernel.int8_path()
+    if name is not None:
+        kernel.int8_path(name)
     try:
         yield
     finally:
-        if how is not None:
-            kernel.int8_lookup(before)
+        if name is not None:
+            kernel.int8_path(before)
 
 
 FORMATS = [StateFormat(moments, master) for moments, master in itertools.product(
@@ -135,7 +135,7 @@ def test_kernel_equals_torch_bit_for_bit(fmt, numel):
     """Every part, the scaled gradient and the copy-out; sizes with a partial last block and a scalar tail, and
     more than one kernel piece and torch chunk; int8 moments with both ways of reading the tables."""
     codecs = fmt.codecs(numel)
-    for how, out_dtype, hyper in itertools.product(int8_lookups() if fmt.moments == "int8" else [None],
+    for path, out_dtype, hyper in itertools.product(int8_paths() if fmt.moments == "int8" else [None],
                                                    (None, torch.bfloat16, torch.float16),
                                                    (HYPER, {**HYPER, "decoupled": False, "grad_scale": 1.0})):
         if fmt.master != "fp32" and out_dtype is torch.float16:
@@ -144,14 +144,14 @@ def test_kernel_equals_torch_bit_for_bit(fmt, numel):
         ours, our_out, our_comp = sub_group(codecs, numel, 7, out_dtype)
         torch_compact_step(*theirs, codecs=codecs, numel=numel, out=their_out, compensation=their_comp,
                            key=sr_key(5, 2), index=1000, hyper=hyper)
-        with reading_tables(how):
+        with int8_path(path):
             for piece in kernel_pieces(kernel, *ours, codecs=codecs, numel=numel, out=our_out,
                                        compensation=our_comp, key=sr_key(5, 2), index=1000, hyper=hyper):
                 piece()
         for name, a, b in zip(("master", "grad", "exp_avg", "exp_avg_sq", "out", "compensation"),
                               ours + [our_out, our_comp], theirs + [their_out, their_comp]):
             if a is not None:
-                assert torch.equal(bits(a), bits(b)), (name, how, out_dtype, hyper)
+                assert torch.equal(bits(a), bits(b)), (name, path, out_dtype, hyper)
 
 
 def beside(values: torch.Tensor) -> torch.Tensor:
@@ -172,8 +172,8 @@ def blocks_led_by_one(values: torch.Tensor) -> torch.Tensor:
 
 
 @needs_kernel
-@pytest.mark.parametrize("how", int8_lookups())
-def test_the_kernel_picks_the_nearest_code_at_and_beside_every_midpoint(how):
+@pytest.mark.parametrize("path", int8_paths())
+def test_the_kernel_picks_the_nearest_code_at_and_beside_every_midpoint(path):
     """The kernel's one-read bucket search (state_format.buckets) against torch's searchsorted, for every midpoint
     of both maps and the floats beside it. With beta1 and beta2 0 the step's moments are the gradient and its
     square, encoded; the gradient holds the signed map's midpoints and the roots of the unsigned map's (the square
@@ -190,7 +190,7 @@ def test_the_kernel_picks_the_nearest_code_at_and_beside_every_midpoint(how):
                  encoded(codecs.exp_avg_sq, torch.zeros(numel))]
         args = dict(codecs=codecs, numel=numel, key=0, index=0, hyper=hyper)
         if on_kernel:
-            with reading_tables(how):
+            with int8_path(path):
                 for piece in kernel_pieces(kernel, *state, None, **args):
                     piece()
         else:
@@ -393,8 +393,8 @@ def test_a_format_the_run_cannot_serve_names_the_key(sections, key, words):
 
 @needs_kernel
 def test_compact_choice_names_the_implementation_the_step_runs(monkeypatch):
-    """What bench/adam.py prints beside its figures: the kernel and its int8 lookup, or the pure-torch step (an
+    """What bench/adam.py prints beside its figures: the kernel and its int8 codecs' path, or the pure-torch step (an
     unbuilt kernel made an H200 host's int8 figure 9 M/s with nothing saying why)."""
-    assert compact_step_module.compact_choice() == f"the C kernel (int8 tables read with {kernel.int8_lookup()})"
+    assert compact_step_module.compact_choice() == f"the C kernel (int8 codecs: {kernel.int8_path()})"
     monkeypatch.setattr(compact_step_module, "_kernel", lambda: (None,))
     assert compact_step_module.compact_choice().startswith("torch_compact_step (pure torch")

@@ -137,7 +137,8 @@ VectorSpan adam_best_span(void) { return path_spans[0]; }
 
 /* compact_kernel.c: the step of a sub-group stored in a compact state format. */
 PyObject *compact_step(PyObject *self, PyObject *args, PyObject *kwargs);
-PyObject *int8_lookup(PyObject *self, PyObject *args);
+PyObject *int8_paths(PyObject *self, PyObject *args);
+PyObject *int8_path(PyObject *self, PyObject *args);
 void compact_init(void);
 
 static void step_all(const Step *s, int64_t n, VectorSpan vector_span) {
@@ -229,14 +230,18 @@ static PyMethodDef methods[] = {
      "`team` is 1 (torch's libgomp was found). The caller keeps the memory alive and valid."},
     {"compact_step", (PyCFunction)(void (*)(void))compact_step, METH_VARARGS | METH_KEYWORDS,
      "compact_step(master, master_kind, grad, exp_avg, exp_avg_kind, exp_avg_sq, exp_avg_sq_kind, out, out_kind, numel, "
-     "stochastic, key, index, signed_values, signed_buckets, unsigned_values, unsigned_buckets, lo, hi, *, step, "
+     "stochastic, key, index, signed_values, signed_planes, signed_buckets, unsigned_values, unsigned_planes, "
+     "unsigned_buckets, lo, hi, *, step, "
      "lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale, compensation=0)\n\n"
      "The step of elements [lo, hi) of a sub-group of numel elements stored in a compact format (see "
      "compact_kernel.c); lo a multiple of 256; compensation: a bf16-kahan master's (0: none). Releases the GIL "
      "while it runs. The caller keeps the memory alive."},
-    {"int8_lookup", int8_lookup, METH_VARARGS,
-     "int8_lookup([how]) -> 'gathers', 'loads' or 'scalar': how the int8 codecs read their tables (timed at import: "
-     "the faster here); how='gathers' or 'loads' sets it."},
+    {"int8_paths", int8_paths, METH_NOARGS,
+     "int8_paths() -> the ways this CPU runs the int8 codecs: 'avx512-gathers', 'avx512-loads' (AVX-512 with VBMI), "
+     "'avx2-gathers', 'avx2-loads', 'scalar'."},
+    {"int8_path", int8_path, METH_VARARGS,
+     "int8_path([name]) -> the way the int8 codecs run (at import: the widest, its table reads timed for the faster); "
+     "name, one of int8_paths(), sets it. The bits are the same."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -84,12 +84,12 @@ def compact_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
 
 
 def compact_choice() -> str:
-    """Which implementation `compact_step` runs here: the C kernel (and how its int8 codecs read their tables), or
+    """Which implementation `compact_step` runs here: the C kernel (and the way its int8 codecs run), or
     `torch_compact_step` where the kernel is not built (the same bits, tens of times slower)."""
     kernel = _kernel()[0]
     if kernel is None or not hasattr(kernel, "compact_step"):
         return "torch_compact_step (pure torch: the C kernel is not built or not used here)"
-    return f"the C kernel (int8 tables read with {kernel.int8_lookup()})"
+    return f"the C kernel (int8 codecs: {kernel.int8_path()})"
 
 
 def runs(master, grad, exp_avg, exp_avg_sq, out, compensation, codecs: SubGroupCodecs, numel: int):
@@ -120,7 +120,7 @@ def kernel_pieces(kernel, master, grad, exp_avg, exp_avg_sq, out: torch.Tensor |
 def _maps() -> tuple[torch.Tensor, ...]:
     from .state_format import INT8_SIGNED, INT8_UNSIGNED
     return tuple(getattr(codec, name) for codec in (INT8_SIGNED, INT8_UNSIGNED)
-                 for name in ("values", "buckets"))
+                 for name in ("values", "planes", "buckets"))
 
 
 def torch_compact_step(master, grad, exp_avg, exp_avg_sq, out: torch.Tensor | None,

@@ -84,6 +84,7 @@ class Int8Blocks(Codec):
         self.name = "int8"
         self.kind = 2 if signed else 3
         self.values, self.midpoints = dynamic_map(signed)
+        self.planes = self.values.view(torch.uint8).view(256, 4).t().contiguous()  # the C kernel's decode (VBMI)
         self.buckets = buckets(self.midpoints)
         self.zero = int(torch.nonzero(self.values == 0)[0])
 
@@ -115,8 +116,8 @@ class Int8Blocks(Codec):
         absmax = blocks.abs().amax(dim=1)
         empty = absmax < TINY  # zero, or too small for every code times it to stay a normal float: all zeros
         absmax = torch.where(empty, torch.zeros_like(absmax), absmax)
-        scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-        scaled = (blocks / scale[:, None]).view(-1)[:n]
+        inverse = torch.reciprocal(torch.where(absmax > 0, absmax, torch.ones_like(absmax)))
+        scaled = (blocks * inverse[:, None]).view(-1)[:n]
         codes = torch.searchsorted(self.midpoints, scaled)  # how many midpoints lie below: the nearest code
         codes = torch.where(torch.isnan(scaled), self.zero, codes)
         codes = torch.where(empty.repeat_interleave(QBLOCK)[:n], 0, codes)
