@@ -30,11 +30,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # the checkout's zero/, also when not installed
 from zero.optim.adam_math import AdamThreads, adam_step, kernel_choice  # noqa: E402
-from zero.optim.compact_step import compact_choice, compact_step  # noqa: E402
+from zero.optim.compact_step import compact_choice, compact_step, int8_path, int8_paths  # noqa: E402
 from zero.optim.state_format import StateFormat  # noqa: E402
 
 IMPLS = ("ours", "torch-fused", "torch-foreach", "deepspeed", "ours-bf16", "ours-int8")
-"""ours-bf16 and ours-int8: our step with the moments stored compact (fp32 master), zero.optim.compact_step."""
+"""ours-bf16 and ours-int8: our step with the moments stored compact (fp32 master), zero.optim.compact_step.
+ours-int8@PATH (PATH one of compact_step.int8_paths()): ours-int8 with its codecs run that way, so that the ways
+compare side by side; plain ours-int8 runs the one chosen at import."""
 BYTES_PER_PARAM = 28
 """Adam's memory traffic: reads param, grad, exp_avg, exp_avg_sq; writes param, exp_avg, exp_avg_sq."""
 HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -68,8 +70,9 @@ def ours(buf: Buffers, threads: AdamThreads, copy_out: bool) -> Callable[[], Non
     return run
 
 
-def ours_compact(moments: str) -> Callable[[Buffers, AdamThreads, bool], Callable[[], None]]:
-    """Our step with the moments stored as `moments` (their own buffers; param and grad shared)."""
+def ours_compact(moments: str, path: str | None = None) -> Callable[[Buffers, AdamThreads, bool], Callable[[], None]]:
+    """Our step with the moments stored as `moments` (their own buffers; param and grad shared), its int8 codecs
+    run as `path` says (compact_step.int8_path)."""
     def make(buf: Buffers, threads: AdamThreads, copy_out: bool) -> Callable[[], None]:
         numel = buf.param.numel()
         codecs = StateFormat(moments, "fp32").codecs(numel)
@@ -80,6 +83,8 @@ def ours_compact(moments: str) -> Callable[[Buffers, AdamThreads, bool], Callabl
         def run() -> None:
             nonlocal step
             step += 1
+            if path is not None:
+                int8_path(path)
             compact_step(buf.param, buf.grad, m, v, codecs=codecs, numel=numel, out=buf.out if copy_out else None,
                          key=step, index=0, threads=threads,
                          hyper=dict(step=step, lr=HYPER["lr"], beta1=beta1, beta2=beta2, eps=HYPER["eps"],
@@ -119,6 +124,12 @@ def with_copy_out(step: Callable[[], object], copy_to: Buffers | None) -> Callab
     return run
 
 
+def maker(impl: str) -> Callable[[Buffers, AdamThreads, bool], Callable[[], None]]:
+    if impl.startswith("ours-int8@"):
+        return ours_compact("int8", impl.split("@", 1)[1])
+    return MAKERS[impl]
+
+
 MAKERS = {"ours": ours, "torch-fused": torch_adamw("fused"), "torch-foreach": torch_adamw("foreach"),
           "deepspeed": deepspeed_adam, "ours-bf16": ours_compact("bf16"), "ours-int8": ours_compact("int8")}
 
@@ -146,7 +157,7 @@ def measure(numel: int, impls: list[str], threads: list[int], steps: int,
         torch.set_num_threads(t)  # every system's intra-op pool, set outside the timed region
         workers = AdamThreads(t)  # ours runs on these
         for copy_out in (False, True):
-            runs = {impl: MAKERS[impl](buf, workers, copy_out) for impl in impls}
+            runs = {impl: maker(impl)(buf, workers, copy_out) for impl in impls}
             times: dict[str, list[float]] = {impl: [] for impl in impls}
             for run in runs.values():
                 run()  # warm-up: state creation, DeepSpeed's first call, caches
@@ -169,7 +180,7 @@ def measure(numel: int, impls: list[str], threads: list[int], steps: int,
 
 
 def print_table(records: list[dict], paired: dict[tuple, float], out_name: str) -> None:
-    impls = [i for i in IMPLS if any(r["impl"] == i for r in records)]
+    impls = list(dict.fromkeys(r["impl"] for r in records))
     rate = {(r["impl"], r["params"], r["threads"], r["copy_out"]): r["params_per_s"] for r in records}
     print(f"| params | threads | copy-out | {' | '.join(impls)} | ours / best torch | paired | ours GB/s |")
     print("|---" * (len(impls) + 6) + "|")
@@ -184,7 +195,7 @@ def print_table(records: list[dict], paired: dict[tuple, float], out_name: str) 
         ratios = ", ".join(f"{params / 1e6:g}M x{t}{' copy-out' if copy_out else ''} "
                            f"{rate[(impl, params, t, copy_out)] / rate[('ours', params, t, copy_out)]:.2f}x"
                            for params, t, copy_out in sorted({k[1:] for k in rate}))
-        print(f"{impl} (moments {impl[5:]}, one pass) / ours (exact): {ratios}")
+        print(f"{impl} (moments {impl[5:].split('@')[0]}, one pass) / ours (exact): {ratios}")
     print(f"\nMparams/s, median of timed steps. paired: median over rounds of best torch time / ours, each round "
           f"timing every optimizer once.\nGB/s counts {BYTES_PER_PARAM} B/param (+2 with copy-out).")
 
@@ -215,8 +226,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.steps = args.steps or chosen["steps"]
     args.impls = [i.strip() for i in (args.impls or ",".join(IMPLS[:3] if args.quick else IMPLS)).split(",")
                   if i.strip()]
-    if unknown := set(args.impls) - set(IMPLS):
-        parser.error(f"unknown impls {sorted(unknown)}: choose from {', '.join(IMPLS)}")
+    paths = [f"ours-int8@{path}" for path in int8_paths()]
+    if unknown := set(args.impls) - set(IMPLS) - set(paths):
+        parser.error(f"unknown impls {sorted(unknown)}: choose from {', '.join(IMPLS + tuple(paths))}")
     if not {"ours", "torch-fused", "torch-foreach"} <= set(args.impls):
         parser.error("--impls must include ours, torch-fused and torch-foreach (the table compares them)")
     if args.steps < 1 or min(args.threads) < 1 or min(args.sizes) < 1:
@@ -235,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"note: ours runs {kernel_choice()}", file=sys.stderr)
     if any(impl.startswith("ours-") for impl in impls):
         print(f"note: ours-bf16 and ours-int8 run {compact_choice()}", file=sys.stderr)
+        if "ours-int8" in impls:
+            impls[impls.index("ours-int8")] = f"ours-int8@{int8_path()}"  # named, since others may change it
     records, paired = [], {}
     for numel in args.sizes:
         size_records, size_paired = measure(numel, impls, args.threads, args.steps, OUT_DTYPES[args.out_dtype])

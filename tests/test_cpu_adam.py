@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from zero.optim import adam_math
+from zero.optim import compact_step as compact_step_module
 from zero.optim.adam_math import AdamInputError, AdamThreads, adam_step
 from zero.optim.cpu_adam import CPUAdam, UnsupportedOptionError
 
@@ -487,3 +488,21 @@ def test_bench_quick_writes_the_agreed_records(tmp_path):
         assert isinstance(r["params"], int) and isinstance(r["threads"], int) and isinstance(r["copy_out"], bool)
         assert isinstance(r["params_per_s"], float) and r["params_per_s"] > 0
     assert {r["copy_out"] for r in records} == {False, True} and threads == {1, 2}
+
+
+@pytest.mark.skipif(not compact_step_module.int8_paths(), reason="the C kernel is not built")
+def test_bench_measures_int8_paths_side_by_side_each_named(tmp_path):
+    """`ours-int8@PATH` runs the int8 codecs that way; plain `ours-int8` is recorded under the path it ran."""
+    json_path = tmp_path / "adam.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "bench", "adam.py"), "--sizes", "50K", "--threads", "1", "--steps",
+         "1", "--impls", "ours,torch-fused,torch-foreach,ours-int8,ours-int8@scalar", "--json", str(json_path)],
+        capture_output=True, text=True, timeout=300, env=child_env(),
+    )
+    assert done.returncode == 0, done.stderr
+    impls = {r["impl"] for r in json.loads(json_path.read_text())}
+    int8 = {impl.split("@")[1] for impl in impls if impl.startswith("ours-int8")}
+    # the bench's process chose its path at import (timing gathers against loads): one of this CPU's
+    assert impls - {f"ours-int8@{path}" for path in int8} == {"ours", "torch-fused", "torch-foreach"}, impls
+    assert "scalar" in int8 and int8 <= set(compact_step_module.int8_paths()) and len(int8) <= 2, impls
+    assert "ours-int8@scalar (moments int8, one pass) / ours (exact)" in done.stdout, done.stdout

@@ -92,6 +92,22 @@ def compact_choice() -> str:
     return f"the C kernel (int8 codecs: {kernel.int8_path()})"
 
 
+def int8_paths() -> list[str]:
+    """The ways the C kernel can run the int8 codecs on this CPU (compact_kernel.c: AVX-512 with VBMI or AVX2, each
+    reading tables with gathers or with scalar loads, and scalar); [] where the kernel is not built."""
+    kernel = _kernel()[0]
+    return kernel.int8_paths() if kernel is not None and hasattr(kernel, "int8_paths") else []
+
+
+def int8_path(name: str | None = None) -> str:
+    """The way the kernel runs the int8 codecs (chosen at import); `name`, one of int8_paths(), sets it (the same
+    bits either way: bench/adam.py measures them side by side)."""
+    kernel = _kernel()[0]
+    if kernel is None or not hasattr(kernel, "int8_path"):
+        raise RuntimeError("the C kernel is not built here: the int8 codecs run torch_compact_step")
+    return kernel.int8_path(*(() if name is None else (name,)))
+
+
 def runs(master, grad, exp_avg, exp_avg_sq, out, compensation, codecs: SubGroupCodecs, numel: int):
     """((master, grad, exp_avg, exp_avg_sq, out, compensation), codecs, numel, start) of each run of the sub-group
     stored in one codec per part (SubGroupCodecs.runs): the views a step of that run takes."""
