@@ -11,7 +11,10 @@ measured step's time less its own stall), I/O seconds (the union of the nvme lan
 tier pair, and the bytes each process read from and wrote to storage (/proc/self/io: every system's own I/O).
 DeepSpeed's step is not split into compute and I/O (n/a); each of ours is compared with DeepSpeed's step on the
 same offload device, `-overlap` variants (zero_tiering.overlap_step) and `-int8` / `-bf16` ones (compact moments)
-included.
+included. With `--dtype bf16` every system computes in bf16 (the config's bf16 section); `-sr` adds a bf16 master
+updated with stochastic rounding (ours-nvme-int8-sr: the smallest state we have), and `deepspeed-...-bf16states` is
+DeepSpeed with its compact state on (bf16 moments, master and gradients: `bf16_optimizer_states`, which it accepts
+only with `bf16_master_weights_and_grads`).
 """
 from __future__ import annotations
 
@@ -106,7 +109,7 @@ def child(args: argparse.Namespace) -> dict:
 
     accumulation = config["gradient_accumulation_steps"]
     if system == "torch":
-        model = GPT(gpt).to(device)
+        model = GPT(gpt).to(device, torch.bfloat16 if config.get("bf16", {}).get("enabled") else torch.float32)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
 
         def step() -> None:
@@ -130,6 +133,8 @@ def child(args: argparse.Namespace) -> dict:
         for moments in ("int8", "bf16"):  # a compact state format: ours-nvme-int8, ours-cpu-bf16
             if f"-{moments}" in system:
                 config["zero_tiering"]["moments"] = moments
+        if system.endswith("-sr"):
+            config["zero_tiering"]["master"] = "bf16-sr"
         engine, _, _, _ = zero.initialize(model=model, config=config)
         swap = engine.swap
 
@@ -215,10 +220,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="every system's compute dtype")
     parser.add_argument("--systems", default="torch,ours-cpu,ours-nvme,deepspeed-cpu,deepspeed-nvme",
                         help="also ours-cpu-overlap, ours-nvme-overlap: ours with zero_tiering.overlap_step; "
                              "ours-nvme-int8, ours-cpu-bf16 (...): ours with that zero_tiering.moments; "
-                             "ours-nvme-microbatch: with --accumulation, micro-batch by micro-batch")
+                             "ours-nvme-microbatch: with --accumulation, micro-batch by micro-batch; with --dtype "
+                             "bf16, ours-nvme-int8-sr (int8 moments, a bf16-sr master) and "
+                             "deepspeed-nvme-bf16states (its bf16 optimizer states)")
     parser.add_argument("--device-budget", default=DEVICE_BUDGET, help="our device budget (below the model's size)")
     parser.add_argument("--host-budget", default=None,
                         help="our host budget (default: derived from the config); below the training state it streams")
@@ -244,6 +252,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 continue
             offload = "nvme" if "nvme" in system else "cpu"
             config = ds_config(offload, nvme_path, args.micro_batch, accumulation=args.accumulation)
+            if args.dtype == "bf16":
+                config["bf16"] = {"enabled": True}
+                if system.startswith("deepspeed") and system.endswith("-bf16states"):
+                    config["bf16"].update(bf16_optimizer_states=True, bf16_master_weights_and_grads=True)
             record = run_child(args, system, config)
             if record is not None:
                 records.append(record)

@@ -144,3 +144,18 @@ def test_lora_reads_its_base_and_never_writes_it(tmp_path):
     assert runs["bf16"]["frozen_bytes"] == runs["fp32"]["frozen_bytes"] / 2
     assert runs["int8"]["frozen_bytes"] < runs["fp32"]["frozen_bytes"] / 3
     assert 0 < result["int8_logits"]["mean_relative"] <= result["int8_logits"]["max_relative"]
+
+
+def test_train_bench_in_bf16_runs_our_smallest_state_beside_exact(tmp_path):
+    """`--dtype bf16` and `ours-nvme-int8-sr`: int8 moments and the bf16 shard as the master, so no master segment
+    moves, where the exact run moves one (a 1 MiB host budget: everything streams)."""
+    out = tmp_path / "train.json"
+    done = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "train.py"), "--preset", "tiny", "--steps",
+                           "1", "--warmup", "1", "--seq-len", "8", "--dtype", "bf16", "--systems",
+                           "ours-nvme,ours-nvme-int8-sr", "--device-budget", "64MiB", "--host-budget", "1MiB",
+                           "--dir", str(tmp_path), "--json", str(out)],
+                          env=child_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    exact, compact = (r["segment_kinds"] for r in json.loads(out.read_text()))
+    assert exact["host->nvme master"] > 0 and not any(kind.endswith("master") for kind in compact), compact
+    assert 0 < compact["host->nvme exp_avg"] < exact["host->nvme exp_avg"] / 2, (compact, exact)
