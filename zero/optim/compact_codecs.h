@@ -10,10 +10,9 @@
 #include <stdint.h>
 #define HAVE_AVX2_CODECS 1
 
-
 /* AVX2: the int8 and bf16 codecs' loops 8 elements at a time. The int8 ones read their tables with `gathers` (one
  * instruction for 8 reads) or with 8 scalar loads: gathers are microcoded and the slower on some CPUs (AMD Zen 1:
- * scalar loads made the int8 step 1.7x faster), so compact_init times both. */
+ * scalar loads made the int8 step 1.7x faster), so compact_init times both on the encode. */
 __attribute__((target("avx2,fma")))
 static int int8_decode_avx2(const uint8_t *codes, int n, const float *map, float absmax, float *out, int gathers) {
     const __m256 a = _mm256_set1_ps(absmax);
