@@ -154,6 +154,37 @@ def test_kernel_equals_torch_bit_for_bit(fmt, numel):
                 assert torch.equal(bits(a), bits(b)), (name, path, out_dtype, hyper)
 
 
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.moments}-{f.master}")
+def test_a_bf16_gradient_steps_as_its_fp32_value(fmt):
+    """bf16 compute without a loss scale: the step reads the bf16 gradient as fp32 itself (no fp32 copy made), the
+    same bits as its fp32 value stepped, on the kernel and in torch; with a loss scale (a scaled gradient is stored
+    back, in fp32) a bf16 gradient is refused."""
+    numel = SMALLEST_INT8 + 3 * QBLOCK + 5
+    codecs = fmt.codecs(numel)
+    hyper = {**HYPER, "grad_scale": 1.0}
+    for path in int8_paths() if fmt.moments == "int8" else [None]:
+        stepped = []
+        for grad_dtype, on_kernel in itertools.product((torch.float32, torch.bfloat16), (False, True)):
+            parts, out, comp = sub_group(codecs, numel, 11, torch.bfloat16 if fmt.master != "fp32" else None)
+            parts[1] = parts[1].to(torch.bfloat16).to(grad_dtype)  # the same values either way
+            args = dict(codecs=codecs, numel=numel, out=out, compensation=comp, key=sr_key(5, 2), index=1000,
+                        hyper=hyper)
+            if on_kernel:
+                with int8_path(path):
+                    for piece in kernel_pieces(kernel, *parts, **args):
+                        piece()
+            else:
+                torch_compact_step(*parts, **args)
+            stepped.append([bits(t) for t in parts[:1] + parts[2:] + [x for x in (out, comp) if x is not None]])
+        for other in stepped[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(stepped[0], other)), (fmt, path)
+    parts, out, comp = sub_group(codecs, numel, 11, None)
+    with pytest.raises(ValueError, match="grad_scale"):
+        compact_step(parts[0], parts[1].bfloat16(), *parts[2:], codecs=codecs, numel=numel, out=None, key=0, index=0,
+                     threads=None, hyper=HYPER, compensation=comp)
+
+
 def beside(values: torch.Tensor) -> torch.Tensor:
     """Each value, and the floats one and two ulps either side of it."""
     out = [values]

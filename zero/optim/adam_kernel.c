@@ -232,9 +232,10 @@ static PyMethodDef methods[] = {
      "compact_step(master, master_kind, grad, exp_avg, exp_avg_kind, exp_avg_sq, exp_avg_sq_kind, out, out_kind, numel, "
      "stochastic, key, index, signed_values, signed_planes, signed_buckets, unsigned_values, unsigned_planes, "
      "unsigned_buckets, lo, hi, *, step, "
-     "lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale, compensation=0)\n\n"
+     "lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale, compensation=0, grad_kind=0)\n\n"
      "The step of elements [lo, hi) of a sub-group of numel elements stored in a compact format (see "
-     "compact_kernel.c); lo a multiple of 256; compensation: a bf16-kahan master's (0: none). Releases the GIL "
+     "compact_kernel.c); lo a multiple of 256; compensation: a bf16-kahan master's (0: none); grad_kind 1: grad "
+     "is bf16, read as fp32 (grad_scale 1). Releases the GIL "
      "while it runs. The caller keeps the memory alive."},
     {"int8_paths", int8_paths, METH_NOARGS,
      "int8_paths() -> the ways this CPU runs the int8 codecs: 'avx512-gathers', 'avx512-loads' (AVX-512 with VBMI), "

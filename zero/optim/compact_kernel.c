@@ -248,17 +248,17 @@ PyObject *compact_step(PyObject *self, PyObject *args, PyObject *kwargs) {
                                "signed_values", "signed_planes", "signed_buckets", "unsigned_values",
                                "unsigned_planes", "unsigned_buckets", "lo", "hi",
                                "step", "lr", "beta1", "beta2", "eps", "weight_decay", "decoupled", "grad_scale",
-                               "compensation", NULL};
+                               "compensation", "grad_kind", NULL};
     unsigned long long p, g, m, v, o, sv, sp, sb, uv, up, ub, c = 0;
-    int p_kind, m_kind, v_kind, out_kind, stochastic, decoupled;
+    int p_kind, m_kind, v_kind, out_kind, stochastic, decoupled, g_kind = STORE_FP32;
     unsigned long key;
     long long numel, index, lo, hi, step_count;
     double lr, beta1, beta2, eps, weight_decay, grad_scale;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KiKKiKiKiLpkLKKKKKKLL$LdddddpdK", keywords, &p, &p_kind,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KiKKiKiKiLpkLKKKKKKLL$LdddddpdKi", keywords, &p, &p_kind,
                                      &g, &m, &m_kind, &v, &v_kind, &o, &out_kind, &numel, &stochastic, &key, &index,
                                      &sv, &sp, &sb, &uv, &up, &ub, &lo, &hi, &step_count, &lr, &beta1, &beta2, &eps,
-                                     &weight_decay, &decoupled, &grad_scale, &c))
+                                     &weight_decay, &decoupled, &grad_scale, &c, &g_kind))
         return NULL;
     if (c && (p_kind != STORE_BF16 || stochastic))
         return PyErr_Format(PyExc_ValueError, "compact_step: a compensation is a bf16 master's rounded to nearest "
@@ -268,6 +268,9 @@ PyObject *compact_step(PyObject *self, PyObject *args, PyObject *kwargs) {
         return PyErr_Format(PyExc_ValueError, "compact_step: kinds master %d (0 fp32, 1 bf16), exp_avg %d, exp_avg_sq "
                             "%d (0 fp32, 1 bf16, 2 int8 signed, 3 int8 unsigned), out %d (0 none, 1 bf16, 2 fp16; "
                             "not fp16 from a bf16 master)", p_kind, m_kind, v_kind, out_kind);
+    if (g_kind != STORE_FP32 && (g_kind != STORE_BF16 || grad_scale != 1.0))
+        return PyErr_Format(PyExc_ValueError, "compact_step: grad_kind %d (0 fp32, 1 bf16: read as fp32, so "
+                            "grad_scale must be 1: a scaled gradient is stored back in fp32)", g_kind);
     if (lo < 0 || lo % QBLOCK || hi < lo || hi > numel || step_count < 1 || !(grad_scale > 0))
         return PyErr_Format(PyExc_ValueError, "compact_step: [lo %lld, hi %lld) of %lld elements (lo a multiple of "
                             "%d), step %lld (>= 1), grad_scale > 0", lo, hi, numel, QBLOCK, step_count);
@@ -281,6 +284,7 @@ PyObject *compact_step(PyObject *self, PyObject *args, PyObject *kwargs) {
     VectorSpan vector_span = adam_best_span();
     void *pv = (void *)(uintptr_t)p, *mv = (void *)(uintptr_t)m, *vv = (void *)(uintptr_t)v;
     float *grad = (float *)(uintptr_t)g;
+    const uint16_t *grad16 = (const uint16_t *)(uintptr_t)g;
     uint16_t *out = (uint16_t *)(uintptr_t)o, *compensation = (uint16_t *)(uintptr_t)c;
     int64_t body_end = numel - numel % 8; /* torch's vector loop's end: its scalar tail rounds v its own way */
     Py_BEGIN_ALLOW_THREADS
@@ -289,7 +293,7 @@ PyObject *compact_step(PyObject *self, PyObject *args, PyObject *kwargs) {
         zeros[u] = 0;
         while (maps.values[u][zeros[u]] != 0.0f) zeros[u]++;
     }
-    float tp[QBLOCK], tm[QBLOCK], tv[QBLOCK];
+    float tp[QBLOCK], tm[QBLOCK], tv[QBLOCK], tg[QBLOCK];
     for (int64_t b = lo; b < hi; b += QBLOCK) {
         int n = (int)(hi - b < QBLOCK ? hi - b : QBLOCK);
         Step s = base;
@@ -303,7 +307,7 @@ PyObject *compact_step(PyObject *self, PyObject *args, PyObject *kwargs) {
             }
         s.m = decode(m_kind, mv, numel, b, n, tm, &maps);
         s.v = decode(v_kind, vv, numel, b, n, tv, &maps);
-        s.g = grad + b;
+        s.g = g_kind == STORE_BF16 ? decode(STORE_BF16, (void *)grad16, numel, b, n, tg, &maps) : grad + b;
         int64_t vec = body_end - b < n ? (body_end - b > 0 ? body_end - b : 0) : n;
         int64_t done = vector_span ? vector_span(&s, vec) : 0;
         scalar_span(&s, done, vec, 0);

@@ -63,10 +63,14 @@ def compact_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
                  codecs: SubGroupCodecs, numel: int, out: torch.Tensor | None, key: int, index: int,
                  threads: AdamThreads | None, hyper: dict, compensation: torch.Tensor | None = None) -> None:
     """One Adam(W) step of a sub-group of `numel` elements whose parts are stored as `codecs` says (`master`,
-    `exp_avg`, `exp_avg_sq`: its segments' views; `grad` fp32; `compensation`: a bf16-kahan master's), with
+    `exp_avg`, `exp_avg_sq`: its segments' views; `grad` fp32, or bf16 where hyper's grad_scale is 1: read as
+    fp32, with no fp32 copy made; `compensation`: a bf16-kahan master's), with
     `hyper` as `adam_step` takes it. `out` (a bf16/fp16 tensor, or None) receives the stored weights in the compute
     dtype. `key` and `index` (the first element's index in its unit): the stochastic rounding's bits. On the C
     kernel where it is built, on `threads` (None: the calling thread); else `torch_compact_step`."""
+    if grad.dtype not in (torch.float32, torch.bfloat16) or (grad.dtype == torch.bfloat16 and hyper["grad_scale"] != 1):
+        raise ValueError(f"compact_step: a {grad.dtype} gradient with grad_scale {hyper['grad_scale']} (fp32, or bf16 "
+                         "at grad_scale 1: a scaled gradient is stored back in fp32)")
     kernel = _kernel()[0]
     parts = runs(master, grad, exp_avg, exp_avg_sq, out, compensation, codecs, numel)
     if kernel is None or not hasattr(kernel, "compact_step"):
@@ -128,7 +132,8 @@ def kernel_pieces(kernel, master, grad, exp_avg, exp_avg_sq, out: torch.Tensor |
         kernel.compact_step, master.data_ptr(), codecs.master.kind, grad.data_ptr(), exp_avg.data_ptr(),
         codecs.exp_avg.kind, exp_avg_sq.data_ptr(), codecs.exp_avg_sq.kind, 0 if out is None else out.data_ptr(),
         0 if out is None else (1 if out.dtype == torch.bfloat16 else 2), numel, int(codecs.stochastic), key, index,
-        *(t.data_ptr() for t in maps), compensation=0 if compensation is None else compensation.data_ptr(), **hyper)
+        *(t.data_ptr() for t in maps), compensation=0 if compensation is None else compensation.data_ptr(),
+        grad_kind=int(grad.dtype == torch.bfloat16), **hyper)
     return [functools.partial(call, lo, min(lo + PIECE, numel)) for lo in range(0, numel, PIECE)]
 
 
@@ -159,7 +164,7 @@ def torch_compact_step(master, grad, exp_avg, exp_avg_sq, out: torch.Tensor | No
                 fp32.append(scratch[k, :n])
                 codec.decode(stored, numel, fp32[-1], lo)
         p, m, v = fp32
-        torch_fused_step(p, grad.narrow(0, lo, n), m, v, **hyper)
+        torch_fused_step(p, grad.narrow(0, lo, n).float(), m, v, **hyper)  # a bf16 grad read as fp32
         for stored, codec, values in ((exp_avg, codecs.exp_avg, m), (exp_avg_sq, codecs.exp_avg_sq, v)):
             if codec is not FP32:
                 codec.encode(values, stored, numel, lo)

@@ -229,7 +229,11 @@ class AdamDriver:
                 stack.enter_context(self._stored(sg, part, dirty=part != "grad", discard=part == "grad" and spend,
                                                  overwrite=part == "grad" and sg.grad_fresh))
                 for part in ("master", "grad", "exp_avg", "exp_avg_sq") + sg.stored_parts[len(STATE_PARTS):])
-            if grad.dtype != torch.float32 or (keep_grad and grad_scale != 1.0):
+            # The compact kernel reads a bf16 gradient as fp32 itself, where nothing is stored back into it (no loss
+            # scale) and no clip multiplies it first (in fp32, as torch's clip_grad_norm_ does).
+            read_as_fp32 = (not sg.codecs.exact and grad.dtype == torch.bfloat16 and grad_scale == 1.0
+                            and (clip is None or sg.grad_fresh))
+            if not read_as_fp32 and (grad.dtype != torch.float32 or (keep_grad and grad_scale != 1.0)):
                 grad = self._in_fp32(grad)  # a scale != 1 is stored back into the grad by the kernel
             if sg.grad_fresh:
                 grad.zero_()
