@@ -224,8 +224,11 @@ def report(shape, machine: Machine, predictions: list[Prediction], chosen: Predi
           f"{shape.seq_len} tokens a sequence")
     disk = (f"disk {machine.disk.read_gbps:.2f} GB/s read, {machine.disk.write_gbps:.2f} write"
             if machine.disk else "no disk figures (run python -m zero.report --bandwidth PATH): no nvme placement")
+    compact = ", ".join(f"{fmt.moments}/{fmt.master} {rate / 1e6:.0f}" for fmt, rate in machine.compact_adam.items())
+    compact = f" ({compact})" if compact else ""  # the compact formats planned
     print(f"machine: RAM {fmt_bytes(machine.ram_bytes)}, GPU {fmt_bytes(machine.gpu_bytes)}, {disk}; matmul "
-          f"{machine.matmul_flops / 1e9:.0f} GFLOP/s, CPU-Adam {machine.adam_elements / 1e6:.0f} M elements/s")
+          f"{machine.matmul_flops / 1e9:.0f} GFLOP/s, CPU-Adam {machine.adam_elements / 1e6:.0f} M elements/s"
+          f"{compact}")
     width = max(len(p.placement.name) for p in predictions)
     print(f"{'placement':<{width}} {'device':>10} {'host':>10} {'nvme':>10} {'peak RSS':>10} {'nvme/step':>10} "
           f"{'step s':>8}  fits")
