@@ -247,8 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"note: ours runs {kernel_choice()}", file=sys.stderr)
     if any(impl.startswith("ours-") for impl in impls):
         print(f"note: ours-bf16 and ours-int8 run {compact_choice()}", file=sys.stderr)
-        if "ours-int8" in impls:
-            impls[impls.index("ours-int8")] = f"ours-int8@{int8_path()}"  # named, since others may change it
+        if "ours-int8" in impls and int8_paths():  # the kernel's path, named, since others may change it
+            impls[impls.index("ours-int8")] = f"ours-int8@{int8_path()}"
     records, paired = [], {}
     for numel in args.sizes:
         size_records, size_paired = measure(numel, impls, args.threads, args.steps, OUT_DTYPES[args.out_dtype])
