@@ -111,8 +111,8 @@ def test_a_frozen_unit_is_released_as_its_modules_backward_ends(checkpointing, t
 
         def counting(unit):
             gather(unit)
-            modules = {id(u.module) for u in placement.units if u.gathered and u.module is not engine.module}
-            most[0] = max(most[0], len(modules))
+            blocks = {id(u.block) for u in placement.units if u.gathered}
+            most[0] = max(most[0], len(blocks - {id(engine.module)}))
 
         placement.gather = counting
         try:
@@ -467,10 +467,10 @@ def test_zero_trainer_saves_a_peft_models_adapters_alone_and_resumes_from_its_ch
 
 
 def test_a_host_budget_below_the_largest_frozen_shard_is_refused_before_training(tmp_path):
-    """With the parameters on nvme a gather holds a whole shard in host memory: a budget below the largest (here a
-    block's frozen unit) is a ConfigError at initialize naming it, not an error at the first forward."""
+    """With the parameters on nvme a gather holds a whole shard in host memory: a budget below the largest (here the
+    frozen embedding's unit) is a ConfigError at initialize naming it, not an error at the first forward."""
     model = lora("llama")
-    block = 4 * sum(p.numel() for n, p in model.named_parameters() if ".layers.0." in n and not p.requires_grad)
-    config = stage3_config("nvme", "cpu", nvme_path=tmp_path, zero_tiering={"host_budget": block // 2})
-    with pytest.raises(ConfigError, match=r"zero_tiering.host_budget.*largest parameter shard.*layers.0#frozen"):
+    embedding = 4 * model.get_input_embeddings().weight.numel()
+    config = stage3_config("nvme", "cpu", nvme_path=tmp_path, zero_tiering={"host_budget": embedding // 2})
+    with pytest.raises(ConfigError, match=r"zero_tiering.host_budget.*largest parameter shard.*embed_tokens#frozen"):
         deepspeed.initialize(model=model, config=config, model_parameters=trainable(model))

@@ -43,7 +43,7 @@ from .params.partitioned import PartitionedPlacement
 from .params.placement import Placement
 from .params.pretrained import PretrainedWeights
 from .params.resident import ResidentPlacement
-from .params.wrap_policy import split_units
+from .params.wrap_policy import frozen_parts, split_units
 
 
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
@@ -155,7 +155,8 @@ def plan_units(model: nn.Module, groups: list[dict], dp: DataParallel, *,
                frozen: bool = False) -> list[tuple[FlatUnit, nn.Module]]:
     """Units from the wrap policy, each cut further by param group (a flat buffer has one set of
     hyperparameters); parameters outside every group are not trained and stay as they are. `frozen` (stage 3):
-    a block's frozen parameters make one more unit of its module (`<name>#frozen`), after its trained ones."""
+    a unit's frozen parameters make units of their own after its trained ones, one per submodule holding only
+    them (wrap_policy.frozen_parts)."""
     group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
     plan = []
     for name, module, params, still in split_units(model):
@@ -167,7 +168,8 @@ def plan_units(model: nn.Module, groups: list[dict], dp: DataParallel, *,
             unit_name = name + (f"#g{g}" if len(by_group) > 1 else "")
             plan.append((FlatUnit(unit_name, members, dp.world_size, dp.rank, g), module))
         if frozen and still:
-            plan.append((FlatUnit(f"{name}#frozen", still, dp.world_size, dp.rank, frozen=True), module))
+            for part, owner, members in frozen_parts(name, module, still):
+                plan.append((FlatUnit(part, members, dp.world_size, dp.rank, frozen=True, within=module), owner))
     return plan
 
 

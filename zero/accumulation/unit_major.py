@@ -44,11 +44,11 @@ class UnitMajor:
         self.placement = placement
         self.counters = counters
         self.dp = dp
-        self.units = [u for u in units if u.module is not model]
-        """The units run a slice at a time: those with a module of their own (not the root)."""
+        self.units = [u for u in units if u.block is not model]
+        """The units run a slice at a time: those of a block (not the root's)."""
         self.refusal: str | None = None if self.units else "the model has no units besides its root"
         """Why the schedule cannot run for this model, once known."""
-        self.root = [u for u in units if u.module is model]
+        self.root = [u for u in units if u.block is model]
         self._probed = False
         self._said: set[str] = set()
         self._first = 0
@@ -95,8 +95,8 @@ class UnitMajor:
                     module.gradient_checkpointing = False
                     restore.append(lambda m=module: setattr(m, "gradient_checkpointing", True))
             by_module: dict[nn.Module, list[Unit]] = {}
-            for unit in self.units:  # a module's parameters may make several units (one per parameter group)
-                by_module.setdefault(unit.module, []).append(unit)
+            for unit in self.units:  # a block's parameters make several units (param groups, its frozen parts)
+                by_module.setdefault(unit.block, []).append(unit)
             for units in by_module.values():
                 restore.append(self._install(units, count, rows))
             yield
@@ -105,7 +105,7 @@ class UnitMajor:
                 undo()
 
     def _install(self, units: list[Unit], count: int, rows: int) -> Callable[[], None]:
-        module = units[0].module
+        module = units[0].block
         own = module.__dict__.get("forward")  # an instance's own forward (a library's hook): put back after
         original = module.forward
 

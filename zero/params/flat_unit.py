@@ -24,12 +24,14 @@ class ParamSlot(NamedTuple):
 
 class FlatUnit:
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], world_size: int, rank: int,
-                 group: int = 0, frozen: bool = False):
+                 group: int = 0, frozen: bool = False, within: nn.Module | None = None):
         self.name = name
         self.group = group  # index of the param group (hyperparameters) all its parameters belong to
         self.frozen = frozen
         """Its parameters are not trained (requires_grad False): no gradient, no optimizer state, its shard never
         written after it is first stored."""
+        self.within = within
+        """Frozen: the module of the unit it was cut from (wrap_policy.frozen_parts), whose backward ends it."""
         self.slots: list[ParamSlot] = []
         offset = 0
         for pname, param in params:

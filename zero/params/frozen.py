@@ -1,26 +1,43 @@
 """A frozen unit's two checks and the signal that ends its backward (DESIGN.md, "frozen").
 
 A frozen unit's parameters get no gradient, so nothing like a trained unit's gradient hooks says when the backward
-is done with them. The forward passes its module's inputs that need a gradient through an identity (`_InputsDone`)
-whose backward runs once all their gradients are computed: every use of the frozen weights toward those inputs is
-behind it. A token counts each such call until its backward fires, or until its graph is freed without one (a
-forward without a backward, a recomputation discarded), when a finalizer drops it from the count.
+is done with them. The frozen units cut from one unit's module (wrap_policy.frozen_parts: a block's base, layer by
+layer) end together (`FrozenEnds`): the forward passes that module's inputs that need a gradient through an
+identity (`_InputsDone`) whose backward runs once all their gradients are computed: every use of the frozen
+weights toward those inputs is behind it. The identity sits on the enclosing module's inputs, not on each layer's,
+where the summation order of an input's gradients (several layers read one) would change and the bits with it. A
+token counts each such call until its backward fires, or until its graph is freed without one (a forward without a
+backward, a recomputation discarded), when a finalizer drops it from the count.
 """
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .flat_unit import FlatUnit
 from .unit import Unit
 
 
-def inputs_done_after(unit: Unit, args: tuple, kwargs: dict, then: Callable[[], None]) -> tuple[tuple, dict] | None:
+@dataclass(eq=False)
+class FrozenEnds:
+    """The frozen units cut from one unit's module: their backward ends once that module's inputs have their
+    gradients and its trained units theirs."""
+
+    module: nn.Module
+    units: list[Unit] = field(default_factory=list)
+    inputs_pending: int = 0
+    """Forward calls of `module` whose inputs' gradients backward has not computed yet (their graphs alive)."""
+
+
+def inputs_done_after(ends: FrozenEnds, args: tuple, kwargs: dict,
+                      then: Callable[[], None]) -> tuple[tuple, dict] | None:
     """The module's call arguments with the tensors that need a gradient passed through `_InputsDone` (counted in
-    `unit.inputs_pending` until their gradients are computed, when `then()` runs), or None where autograd records
+    `ends.inputs_pending` until their gradients are computed, when `then()` runs), or None where autograd records
     nothing or no input needs a gradient."""
     if not torch.is_grad_enabled():
         return None
@@ -31,12 +48,12 @@ def inputs_done_after(unit: Unit, args: tuple, kwargs: dict, then: Callable[[], 
     fired = [False]
 
     def done() -> None:
-        _forget_inputs(unit, fired)
+        _forget_inputs(ends, fired)
         then()
 
     token = _Token(done)
-    unit.inputs_pending += 1
-    weakref.finalize(token, _forget_inputs, unit, fired)
+    ends.inputs_pending += 1
+    weakref.finalize(token, _forget_inputs, ends, fired)
     for place, tensor in zip(places, _InputsDone.apply(token, *(leaves[i] for i in places))):
         leaves[place] = tensor
     return tree_unflatten(leaves, spec)
@@ -72,10 +89,10 @@ class _Token:
         self.fire = fire
 
 
-def _forget_inputs(unit: Unit, fired: list[bool]) -> None:
+def _forget_inputs(ends: FrozenEnds, fired: list[bool]) -> None:
     if not fired[0]:
         fired[0] = True
-        unit.inputs_pending -= 1
+        ends.inputs_pending -= 1
 
 
 class _InputsDone(torch.autograd.Function):

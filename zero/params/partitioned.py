@@ -44,7 +44,7 @@ from ..optim.gradients import Gradients
 from . import int8_weights
 from .ds_param import ZeroParamStatus, set_status
 from .flat_unit import FlatUnit
-from .frozen import check_frozen, check_unwritten, inputs_done_after
+from .frozen import FrozenEnds, check_frozen, check_unwritten, inputs_done_after
 from .full_state_dict import full_values_hook
 from .materialize import Materializer, host_empty
 from .placement import Placement
@@ -83,7 +83,9 @@ class PartitionedPlacement(Placement):
         self._ahead: Unit | None = None
         """The unit prefetched for the next hook's gather."""
         self._trained_of: dict[int, list[Unit]] = {}
-        """id(module) -> its trained units: a frozen unit of the module ends its backward after theirs."""
+        """id(module) -> its trained units: the frozen units cut from the module end their backward after theirs."""
+        self._frozen_ends: dict[int, FrozenEnds] = {}
+        """id(module) -> the frozen units cut from its unit (frozen.py)."""
         self._tied: dict[int, list[TiedHead]] = {}
         """Unit index -> its weights tied between an embedding and the head (their head gradients)."""
         self._root_uses: RootUses | None = None
@@ -133,7 +135,7 @@ class PartitionedPlacement(Placement):
         if park_root and placement.gradients is not None:
             placement._root_uses = RootUses(
                 model, [u for u in placement.units if u.module is model],
-                [u for u in placement.units if u.module is not model], park=placement._park,
+                [u for u in placement.units if u.block is not model], park=placement._park,
                 unpark=placement._unpark,
                 head_done=lambda p: sent_this_backward((h for t in placement._tied.values() for h in t), p))
         materialize.rest()
@@ -151,8 +153,14 @@ class PartitionedPlacement(Placement):
         unit.flat.unbind()  # released parameters hold no bytes a stray read could reach (they are 0-element)
         self.units.append(unit)
         if unit.frozen:
-            unit.hooks.append(unit.module.register_forward_pre_hook(
-                lambda m, args, kwargs: self._pre_forward_frozen(unit, args, kwargs), with_kwargs=True))
+            ends = self._frozen_ends.get(id(unit.block))
+            if ends is None:
+                ends = self._frozen_ends[id(unit.block)] = FrozenEnds(unit.block)
+                unit.hooks.append(unit.block.register_forward_pre_hook(
+                    lambda m, args, kwargs: inputs_done_after(ends, args, kwargs, lambda: self._end_frozen(ends)),
+                    with_kwargs=True))
+            ends.units.append(unit)
+            unit.hooks.append(unit.module.register_forward_pre_hook(lambda m, args: self._pre_forward_frozen(unit)))
         else:
             self._trained_of.setdefault(id(unit.module), []).append(unit)
             unit.hooks.append(unit.module.register_forward_pre_hook(lambda m, args: self._pre_forward(unit)))
@@ -448,7 +456,7 @@ class PartitionedPlacement(Placement):
 
     def _pre_forward(self, unit: Unit) -> None:
         self._land_heads()  # (a recomputation inside the backward)
-        if self._root_uses is not None and unit.module is not self._root_uses.model:
+        if self._root_uses is not None and unit.block is not self._root_uses.model:
             self._root_uses.block_forward()  # the root's bytes go before the block takes room
         self._gather_in_order(unit)
         if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
@@ -458,20 +466,20 @@ class PartitionedPlacement(Placement):
             unit.backward_refs += 1
             self._arm(unit)
 
-    def _pre_forward_frozen(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        """A frozen unit's gather, and (where autograd records) its module's inputs that need a gradient passed
-        through `_InputsDone`, whose backward says the unit's backward is over. The parameters' versions are noted:
-        a forward that writes one in place is an error at its end (the write would never be stored)."""
+    def _pre_forward_frozen(self, unit: Unit) -> None:
+        """A frozen unit's gather; its parameters' versions are noted: a forward that writes one in place is an
+        error at its end (the write would never be stored)."""
         self._pre_forward(unit)
         unit.versions = [slot.param._version for slot in unit.flat.slots]
-        return inputs_done_after(unit, args, kwargs, lambda: self._end_frozen(unit))
 
-    def _end_frozen(self, unit: Unit) -> None:
-        """End a frozen unit's backward once its inputs' gradients are computed and its module's trained units have
-        their gradients (both may still need its weights before)."""
-        if (unit.state is UnitState.BACKWARD and unit.inputs_pending == 0
-                and all(t.state is not UnitState.BACKWARD for t in self._trained_of.get(id(unit.module), ()))):
-            self._finish_backward(unit)
+    def _end_frozen(self, ends: FrozenEnds) -> None:
+        """End the backward of the frozen units cut from a module once its inputs' gradients are computed and its
+        trained units have their gradients (both may still need their weights before)."""
+        if ends.inputs_pending == 0 and all(
+                t.state is not UnitState.BACKWARD for t in self._trained_of.get(id(ends.module), ())):
+            for unit in ends.units:
+                if unit.state is UnitState.BACKWARD:
+                    self._finish_backward(unit)
 
     def _post_forward(self, unit: Unit, output: object) -> object:
         """Arm the unit's backward on its outputs and drop the forward's gather. Returns the output the module's
@@ -509,7 +517,7 @@ class PartitionedPlacement(Placement):
 
     def _pre_backward(self, unit: Unit) -> None:
         self._land_heads()
-        if self._root_uses is not None and unit.module is not self._root_uses.model:
+        if self._root_uses is not None and unit.block is not self._root_uses.model:
             self._root_uses.block_backward()
         self._reserve_gradients(unit)  # before the gather prefetches the next unit: the gradients come first
         self._gather_in_order(unit)
@@ -552,12 +560,8 @@ class PartitionedPlacement(Placement):
         while unit.backward_refs:
             unit.backward_refs -= 1
             self.release(unit)
-        if not unit.frozen:
-            for other in self._frozen_of(unit):
-                self._end_frozen(other)
-
-    def _frozen_of(self, unit: Unit) -> list[Unit]:
-        return [u for u in self.units if u.frozen and u.module is unit.module and u.state is UnitState.BACKWARD]
+        if not unit.frozen and id(unit.module) in self._frozen_ends:
+            self._end_frozen(self._frozen_ends[id(unit.module)])
 
     def backward_again(self, unit: Unit) -> None:
         """The unit's backward runs once more while it stays gathered (the unit-major schedule's next micro-batch

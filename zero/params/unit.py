@@ -90,8 +90,6 @@ class Unit:
     """The device budget counts autograd's gradients of its parameters (from its backward's start to its reduce)."""
     fill: Fill | None = None
     """The last copy of the shard into the full buffer (partitioned units)."""
-    inputs_pending: int = 0
-    """Frozen units: forward calls whose inputs' gradients backward has not computed yet (their graphs alive)."""
     versions: list[int] = field(default_factory=list)
     """Frozen units: their parameters' version counters when the forward gathered them."""
     lent: HostBuffer | None = None
@@ -111,6 +109,12 @@ class Unit:
     def frozen(self) -> bool:
         """No gradient, no optimizer state: its shard is read, never written (FlatUnit.frozen)."""
         return self.flat.frozen
+
+    @property
+    def block(self) -> nn.Module:
+        """The module of the unit's block: its own, or, for a frozen part (wrap_policy.frozen_parts), the module it
+        was cut from."""
+        return self.flat.within or self.module
 
     @property
     def gathered(self) -> bool:

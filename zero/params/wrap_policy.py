@@ -2,12 +2,15 @@
 largest nn.ModuleList of same-class modules, e.g. transformer layers); every parameter not inside a block
 goes to one root unit. A parameter shared by several modules (tied embeddings) belongs to the block that
 holds it when only one block does, else to the root unit. Frozen parameters (requires_grad False: an adapter's
-base) follow the same rules, listed apart: they make units of their own beside the block's trained ones."""
+base) follow the same rules, listed apart: they make units of their own beside the block's trained ones, one per
+submodule holding nothing else (`frozen_parts`)."""
 from __future__ import annotations
 
 from typing import Callable
 
 from torch import nn
+
+from .holders import holders
 
 Policy = Callable[[str, nn.Module], bool]
 
@@ -57,3 +60,30 @@ def split_units(model: nn.Module, policy: Policy | None = None) -> list[tuple[st
     rest = [(n, p) for n, p in model.named_parameters() if id(p) not in seen and p.is_floating_point()]
     root = ("", model, [(n, p) for n, p in rest if p.requires_grad], [(n, p) for n, p in rest if not p.requires_grad])
     return [root] + [u for u in units if u[2] or u[3]]
+
+
+def frozen_parts(name: str, module: nn.Module, frozen: Named) -> list[tuple[str, nn.Module, Named]]:
+    """A unit's frozen parameters, cut by the submodule that holds them (unit name, the module it follows, its
+    parameters): a base's weights are gathered where each of its layers runs, as DeepSpeed fetches them, so the
+    next layer's shard is read while this one computes, and a block's frozen bytes never sit in memory whole.
+    A submodule qualifies where it holds nothing but these parameters (no trained one beside them, no other
+    unit's, none shared with another module: a tied weight is used where both run); the rest stay in one unit
+    of `module`, named `<name>#frozen`."""
+    ours = {id(p) for _, p in frozen}
+    owners = holders(module, [p for _, p in frozen])
+    by_owner: dict[int, list[tuple[str, nn.Parameter]]] = {}
+    rest = []
+    for pname, p in frozen:
+        held = owners.get(id(p), [])
+        owner = held[0][0] if len(held) == 1 else None
+        if (owner is None or owner is module
+                or any(id(q) not in ours for q in owner.parameters())):
+            rest.append((pname, p))
+        else:
+            by_owner.setdefault(id(owner), []).append((pname, p))
+    paths = {id(m): n for n, m in module.named_modules(prefix=name)}
+    parts = [(f"{name}#frozen", module, rest)] if rest else []
+    for sub in module.modules():  # in module order: the order their forwards most likely run
+        if id(sub) in by_owner:
+            parts.append((f"{paths[id(sub)]}#frozen", sub, by_owner[id(sub)]))
+    return parts
