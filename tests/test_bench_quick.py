@@ -143,7 +143,8 @@ def test_lora_reads_its_base_and_never_writes_it(tmp_path):
     assert all(step["frozen_read"] > 0 for step in runs["fp32"]["steps"])
     assert runs["bf16"]["frozen_bytes"] == runs["fp32"]["frozen_bytes"] / 2
     assert runs["int8"]["frozen_bytes"] < runs["fp32"]["frozen_bytes"] / 3
-    assert 0 < result["int8_logits"]["mean_relative"] <= result["int8_logits"]["max_relative"]
+    for ratio in ("mean_relative", "max_relative"):  # moved, and by what block-wise int8 moves weights (~1%)
+        assert 0 < result["int8_logits"][ratio] < 0.1
 
 
 def test_train_bench_in_bf16_runs_our_smallest_state_beside_exact(tmp_path):

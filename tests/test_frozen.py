@@ -90,6 +90,46 @@ def test_lora_trains_as_plain_pytorch_and_the_base_is_never_written(name, home, 
             engine.close()
 
 
+def test_the_base_is_cut_layer_by_layer_and_a_step_fills_no_frozen_unit_again(tmp_path):
+    """One frozen unit per layer holding only frozen weights (each LoRA layer's base Linear, each other Linear and
+    norm), following that layer; the norms, under the persistence threshold, stay gathered, and the optimizer step
+    (serial: clipping on), which never writes a frozen shard, fills none of them again. Still plain PyTorch's bits."""
+    data = batches(2)
+    with one_thread():
+        reference = lora("llama")
+        expected = reference_train(reference, data, clip=CLIP)
+        model = lora("llama")
+        config = stage3_config("nvme", "nvme", nvme_path=tmp_path, clip=CLIP, persistence=64)
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=trainable(model))
+        try:
+            frozen = [u for u in engine.units if u.frozen]
+            held = {id(p): [] for p in model.parameters() if not p.requires_grad}
+            for name, module in model.named_modules():
+                for p in module._parameters.values():
+                    if p is not None and id(p) in held:
+                        held[id(p)].append(name)
+            alone = {names[0] for names in held.values() if len(names) == 1}
+            assert sorted(u.name.removesuffix("#frozen") for u in frozen if u.name != "#frozen") == sorted(alone)
+            assert all(u.module is dict(model.named_modules())[u.name.removesuffix("#frozen")]
+                       for u in frozen if u.name != "#frozen")
+            norms = [u for u in frozen if u.persistent]
+            assert norms and all("norm" in u.name for u in norms)
+            fills = []
+            start_fill = engine.placement._start_fill
+            engine.placement._start_fill = lambda unit: fills.append(unit) or start_fill(unit)
+            losses = []
+            for ids in data:
+                loss = engine(input_ids=ids, labels=ids).loss
+                engine.backward(loss)
+                before = len(fills)
+                engine.step()
+                assert not [u.name for u in fills[before:] if u.frozen]
+                losses.append(loss.item())
+            assert losses == expected
+        finally:
+            engine.close()
+
+
 @pytest.mark.parametrize("checkpointing", ["nonreentrant", "reentrant"])
 def test_a_frozen_unit_is_released_as_its_modules_backward_ends(checkpointing, tmp_path):
     """Six layers, gradient checkpointing either way: at no time are two blocks' units gathered at once (the frozen

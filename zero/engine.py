@@ -351,7 +351,7 @@ class ZeroEngine(FullValues, nn.Module):
             # nothing reads the next sub-groups' state ahead but the driver itself.
             self.driver.step(self.optimizer.param_groups, self.optimizer.step_count, 1.0 / loss_scale, clip,
                              output, read_ahead=not self.swap.trace.ready, sub_groups=rest)
-            self.placement.shards_changed()
+            self.placement.shards_changed(stepped=True)
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)
         if self.lr_scheduler is not None:

@@ -419,11 +419,11 @@ class PartitionedPlacement(Placement):
         if ahead is not None and ahead.state is UnitState.PREFETCHED:
             self._drop(ahead)
 
-    def shards_changed(self) -> None:
+    def shards_changed(self, *, stepped: bool = False) -> None:
         """Units still gathered (persistent ones) read the updated shards; a prefetched one is dropped."""
         self._drop_ahead()
         for unit in self.units:
-            if unit.gathered and not unit.parked:  # a parked one is filled at its next use
+            if unit.gathered and not unit.parked and not (stepped and unit.frozen):  # parked: filled at its next use
                 self._refill(unit)
                 if unit.state is UnitState.STALE:
                     unit.to("refill")

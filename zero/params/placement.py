@@ -49,9 +49,9 @@ class Placement(ABC):
         """After loss.backward(): every unit's gradient reduced into its sub-groups."""
 
     @abstractmethod
-    def shards_changed(self) -> None:
+    def shards_changed(self, *, stepped: bool = False) -> None:
         """The ranks' ranges were rewritten (an optimizer step, a checkpoint load): full buffers that exist
-        take the new values."""
+        take the new values. `stepped`: by an optimizer step, which never writes a frozen shard."""
 
     def step_started(self) -> None:
         """An optimizer step runs on another thread (overlap_step): gathered units refill at their next gather."""

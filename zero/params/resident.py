@@ -64,7 +64,7 @@ class ResidentPlacement(Placement):
             self.gradients.reduce(unit)
         self.gradients.drain()
 
-    def shards_changed(self) -> None:
+    def shards_changed(self, *, stepped: bool = False) -> None:
         if not self.sharded or self.dp.world_size == 1:
             return  # every rank stepped the whole buffer
         for unit in self.units:
