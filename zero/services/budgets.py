@@ -230,7 +230,7 @@ def root_parkable(plan: list[tuple[FlatUnit, nn.Module]], model: nn.Module, cfg:
     threshold = cfg.zero_optimization.param_persistence_threshold
     roots = [flat for flat, module in plan if module is model and flat.numel > threshold]
     return bool(roots) and parkable(model, [slot.param for flat in roots for slot in flat.slots],
-                                    [module for _, module in plan if module is not model])
+                                    [module for flat, module in plan if (flat.within or module) is not model])
 
 
 def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: nn.Module, dtype: torch.dtype,
@@ -273,19 +273,20 @@ def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: n
         scratch += charge(largest * 4)
     parts = {"segments": 0, "gathered units": 0, "unit gradients": 0, "reduction scratch": scratch if learning else 0}
     if stage3:
-        # A module's units (one per param group, and its frozen one) are gathered together; an int8 frozen unit's
-        # stored bytes land beside its full buffer before they are decoded into it.
+        # A block's units (one per param group, and its frozen ones: in the backward they stay until the block's
+        # ends) are gathered together, the root's frozen parts with the root; an int8 frozen unit's stored bytes
+        # land beside its full buffer before they are decoded into it.
         def gathered(flat: FlatUnit) -> int:
             int8 = flat.frozen and zo.zero_quantized_nontrainable_weights
             return charge(flat.padded_numel * dtype.itemsize) + (charge(shard_bytes(cfg, flat, dtype)) if int8 else 0)
 
         by_module: dict[int, int] = {}
         for flat, module in plan:
-            if module is not model and flat.numel > zo.param_persistence_threshold:
-                by_module[id(module)] = by_module.get(id(module), 0) + gathered(flat)
+            if (flat.within or module) is not model and flat.numel > zo.param_persistence_threshold:
+                by_module[id(flat.within or module)] = by_module.get(id(flat.within or module), 0) + gathered(flat)
         threshold = zo.param_persistence_threshold
         persistent = sum(gathered(flat) for flat, _ in plan if flat.numel <= threshold)
-        root_units = [flat for flat, module in plan if module is model and flat.numel > threshold]
+        root_units = [flat for flat, module in plan if (flat.within or module) is model and flat.numel > threshold]
         root_gathered = sum(gathered(flat) for flat in root_units)
         block = max(by_module.values(), default=0)
         grads: dict[int, int] = {}
