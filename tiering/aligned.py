@@ -9,8 +9,6 @@ import torch
 from .errors import AlignmentError, PinnedMemoryError
 
 ALIGNMENT = 4096
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-"""Linux's madvise that faults a mapping's pages in for writing (5.14+; Python 3.11's mmap does not name it)."""
 HUGE_PAGE = 2 << 20
 """x86-64's transparent huge page: buffers at least this large are advised to use them (aligned_empty)."""
 
@@ -22,8 +20,7 @@ def align_up(n: int, alignment: int = ALIGNMENT) -> int:
 def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
     """A uint8 tensor of `nbytes` (rounded up to 4 KiB) whose first byte is 4 KiB aligned.
 
-    The pages are touched here, once (MADV_POPULATE_WRITE; zeroed where the kernel lacks it, at about 1.4x the
-    time): first-touch page faults cost ~10x a warm copy on a VM. The memory
+    The pages are touched (zeroed) here, once: first-touch page faults cost ~10x a warm copy on a VM. The memory
     is its own anonymous mapping, unmapped when the tensor (and every view of it) dies: from malloc, buffers of up
     to 32 MiB come from the heap once glibc has raised its mmap threshold, and freed ones stay in the process
     (RSS) beyond any budget. A mapping of 2 MiB or more asks for transparent huge pages (madvise): an O_DIRECT
@@ -37,11 +34,7 @@ def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
     mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if size >= HUGE_PAGE:
         mapping.madvise(mmap.MADV_HUGEPAGE)
-    buffer = torch.frombuffer(mapping, dtype=torch.uint8)  # page-aligned; keeps the mapping alive
-    try:
-        mapping.madvise(MADV_POPULATE_WRITE)  # the pages faulted in by the kernel, zeroed once
-    except OSError:  # before Linux 5.14: touched by writing zeros over them
-        buffer.zero_()
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8).zero_()  # page-aligned; keeps the mapping alive
     if pin:
         _page_lock(mapping, buffer.data_ptr(), size)
     return buffer
