@@ -161,7 +161,7 @@ def run_logits(args: argparse.Namespace) -> dict:
     ids = batch(args, model.config.vocab_size, 0)
     params = dict(model.named_parameters())
     frozen = [flat for flat, _ in plan_units(model, [{"params": [p for p in params.values() if p.requires_grad]}],
-                                             DataParallel(), frozen=True) if flat.frozen]
+                                             DataParallel(), frozen="layer") if flat.frozen]
     originals = {name: p.detach().clone() for name, p in params.items() if not p.requires_grad}
     logits = {}
     with torch.no_grad():

@@ -130,6 +130,64 @@ def test_the_base_is_cut_layer_by_layer_and_a_step_fills_no_frozen_unit_again(tm
             engine.close()
 
 
+class _FusedReadBlock(torch.nn.Module):
+    """A block whose forward reads its frozen layers' weights itself (fused into one matrix), never calling them."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+        self.adapter = torch.nn.Linear(width, width, bias=False)
+        self.q.requires_grad_(False)
+        self.k.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = torch.cat([self.q.weight, self.k.weight])
+        q, k = torch.nn.functional.linear(x, fused).chunk(2, dim=-1)
+        return x + torch.tanh(q * k) + self.adapter(x)
+
+
+class _FusedReadModel(torch.nn.Module):
+    def __init__(self, seed: int, width: int = 32, vocab: int = 96):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.blocks = torch.nn.ModuleList(_FusedReadBlock(width) for _ in range(2))
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def test_frozen_units_by_block_serve_a_block_that_reads_its_layers_weights_itself(tmp_path):
+    """`zero_tiering.frozen_units: "block"`: a block whose own forward reads its frozen layers' weights (not through
+    their forwards) trains as plain PyTorch, bit for bit; cut layer by layer ("layer", the default) those weights
+    are released where the block reads them, as DeepSpeed's per-submodule fetch would leave them."""
+    data = batches(2)
+    with one_thread():
+        expected = reference_train(_FusedReadModel(0), data)
+        model = _FusedReadModel(0)
+        config = stage3_config("nvme", "nvme", nvme_path=tmp_path, zero_tiering={"frozen_units": "block"})
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=trainable(model))
+        try:
+            assert [u.name for u in engine.units if u.frozen] == ["blocks.0#frozen", "blocks.1#frozen"]
+            assert engine_train(engine, data) == expected
+        finally:
+            engine.close()
+        model = _FusedReadModel(0)
+        engine, *_ = deepspeed.initialize(model=model, config=stage3_config("nvme", "nvme", nvme_path=tmp_path),
+                                          model_parameters=trainable(model))
+        try:
+            assert {u.name for u in engine.units if u.frozen} == {f"blocks.{i}.{layer}#frozen" for i in (0, 1)
+                                                                  for layer in "qk"}
+            with pytest.raises(RuntimeError):
+                engine_train(engine, data)
+        finally:
+            engine.close()
+
+
 @pytest.mark.parametrize("checkpointing", ["nonreentrant", "reentrant"])
 def test_a_frozen_unit_is_released_as_its_modules_backward_ends(checkpointing, tmp_path):
     """Six layers, gradient checkpointing either way: at no time are two blocks' units gathered at once (the frozen
@@ -230,7 +288,7 @@ def as_stored_int8(model: torch.nn.Module) -> torch.nn.Module:
     from zero.initialize import plan_units
 
     params = dict(model.named_parameters())
-    for flat, _ in plan_units(model, [{"params": trainable(model)}], DataParallel(), frozen=True):
+    for flat, _ in plan_units(model, [{"params": trainable(model)}], DataParallel(), frozen="layer"):
         if flat.frozen:
             int8_weights.round_trip(flat, params)
     return model

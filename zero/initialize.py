@@ -83,7 +83,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
         warnings.warn(slow_dtype_line(speed, device, fast_alternative(device), "the config"), SlowComputeWarning,
                       stacklevel=2)
     groups = param_groups_from(model, model_parameters, optimizer, cfg)
-    plan = plan_units(model, groups, dp, frozen=cfg.zero_optimization.stage == 3)
+    plan = plan_units(model, groups, dp, frozen=frozen_units(cfg))
     swap = SwapManager(swap_config(cfg, [flat for flat, _ in plan], dtype))
     driver = overlap = speculation = None
     try:
@@ -151,12 +151,17 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
     return engine, zero_opt, loader, lr_scheduler
 
 
+def frozen_units(cfg: Config) -> str | None:
+    """How frozen parameters make units (zero_tiering.frozen_units); None below stage 3, where they stay whole."""
+    return cfg.zero_tiering.frozen_units if cfg.zero_optimization.stage == 3 else None
+
+
 def plan_units(model: nn.Module, groups: list[dict], dp: DataParallel, *,
-               frozen: bool = False) -> list[tuple[FlatUnit, nn.Module]]:
+               frozen: str | None = None) -> list[tuple[FlatUnit, nn.Module]]:
     """Units from the wrap policy, each cut further by param group (a flat buffer has one set of
-    hyperparameters); parameters outside every group are not trained and stay as they are. `frozen` (stage 3):
-    a unit's frozen parameters make units of their own after its trained ones, one per submodule holding only
-    them (wrap_policy.frozen_parts)."""
+    hyperparameters); parameters outside every group are not trained and stay as they are. `frozen` (stage 3,
+    zero_tiering.frozen_units): a unit's frozen parameters make units of their own after its trained ones, "layer":
+    one per submodule holding only them (wrap_policy.frozen_parts), "block": one (`<name>#frozen`)."""
     group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
     plan = []
     for name, module, params, still in split_units(model):
@@ -168,7 +173,8 @@ def plan_units(model: nn.Module, groups: list[dict], dp: DataParallel, *,
             unit_name = name + (f"#g{g}" if len(by_group) > 1 else "")
             plan.append((FlatUnit(unit_name, members, dp.world_size, dp.rank, g), module))
         if frozen and still:
-            for part, owner, members in frozen_parts(name, module, still):
+            parts = frozen_parts(name, module, still) if frozen == "layer" else [(f"{name}#frozen", module, still)]
+            for part, owner, members in parts:
                 plan.append((FlatUnit(part, members, dp.world_size, dp.rank, frozen=True, within=module), owner))
     return plan
 
@@ -179,8 +185,7 @@ def device_need(model: nn.Module, config: str | os.PathLike | Mapping, world_siz
     written, no process group is joined (a model on meta will do). What the shipped configs are checked against."""
     cfg = load_config(config, world_size=world_size)
     ranks = SimpleNamespace(world_size=world_size, rank=0)  # the plan's sizes are every rank's
-    plan = plan_units(model, param_groups_from(model, model.parameters(), None, cfg), ranks,
-                      frozen=cfg.zero_optimization.stage == 3)
+    plan = plan_units(model, param_groups_from(model, model.parameters(), None, cfg), ranks, frozen=frozen_units(cfg))
     device = local_device()
     return device_minimum(cfg, plan, model, compute_dtype(cfg), charge=lambda nbytes: device_charge(nbytes, device))
 

@@ -89,6 +89,12 @@ class ZeroTieringSection(Section):
     prefetch: bool = True
     """Prefetch segments along the recorded trace; false fetches each on demand (for debugging)."""
 
+    frozen_units: Literal["layer", "block"] = "layer"
+    """Stage 3: how frozen parameters (an adapter's base) make units. "layer": one per submodule holding only frozen
+    weights, gathered where that layer runs (as DeepSpeed fetches a submodule's parameters): the next layer's are
+    read while this one computes. "block": one per block, gathered with it, for a model whose block reads a layer's
+    frozen weight outside that layer's forward (where "layer" would find it released)."""
+
     park_root: bool | None = None
     """Stage 3: give the root unit's device bytes (the embeddings and head, what no block holds) back while the blocks
     run, gathering it again for the head and where a module before the blocks reads its weight in its backward

@@ -46,7 +46,7 @@ from tiering.nvme_store import RESERVE_MAX, RESERVE_SHARE
 from ..services.budgets import HOMES, device_minimum, grad_dtype, masters_are_params, sub_groups, swap_config
 from ..comm import DataParallel
 from ..config import load_config
-from ..initialize import plan_units, speculates
+from ..initialize import frozen_units, plan_units, speculates
 from ..optim.param_groups import param_groups_from
 from ..optim.state_format import StateFormat
 from .machine import Machine
@@ -203,7 +203,7 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     dtype = PRECISIONS[placement.precision]
     p = dtype.itemsize
     groups = param_groups_from(shape.model, None, None, cfg)
-    plan = plan_units(shape.model, groups, DataParallel(), frozen=zo.stage == 3)
+    plan = plan_units(shape.model, groups, DataParallel(), frozen=frozen_units(cfg))
     every = [flat for flat, _ in plan]
     flats = [flat for flat in every if not flat.frozen]  # trained: gradients and optimizer state
     budgets = swap_config(cfg, every, dtype)
