@@ -65,7 +65,7 @@ def split_units(model: nn.Module, policy: Policy | None = None) -> list[tuple[st
 def frozen_parts(name: str, module: nn.Module, frozen: Named) -> list[tuple[str, nn.Module, Named]]:
     """A unit's frozen parameters, cut by the submodule that holds them (unit name, the module it follows, its
     parameters): a base's weights are gathered where each of its layers runs, as DeepSpeed fetches them, so the
-    next layer's shard is read while this one computes, and a block's frozen bytes never sit in memory whole.
+    next layer's shard is read while this one computes (in the backward they stay until the block's ends).
     A submodule qualifies where it holds nothing but these parameters (no trained one beside them, no other
     unit's, none shared with another module: a tied weight is used where both run); the rest stay in one unit
     of `module`, named `<name>#frozen`."""
@@ -76,8 +76,7 @@ def frozen_parts(name: str, module: nn.Module, frozen: Named) -> list[tuple[str,
     for pname, p in frozen:
         held = owners.get(id(p), [])
         owner = held[0][0] if len(held) == 1 else None
-        if (owner is None or owner is module
-                or any(id(q) not in ours for q in owner.parameters())):
+        if owner is None or owner is module or any(id(q) not in ours for q in owner.parameters()):
             rest.append((pname, p))
         else:
             by_owner.setdefault(id(owner), []).append((pname, p))
