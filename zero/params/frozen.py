@@ -34,6 +34,17 @@ class FrozenEnds:
     """Forward calls of `module` whose inputs' gradients backward has not computed yet (their graphs alive)."""
 
 
+def join_ends(table: dict[int, FrozenEnds], unit: Unit, end: Callable[[FrozenEnds], None]) -> None:
+    """Add frozen `unit` to its block's FrozenEnds in `table` (by id of the block), made the first time with a
+    hook on the block's inputs that calls `end(ends)` once their gradients are computed."""
+    ends = table.get(id(unit.block))
+    if ends is None:
+        ends = table[id(unit.block)] = FrozenEnds(unit.block)
+        unit.hooks.append(unit.block.register_forward_pre_hook(
+            lambda m, args, kwargs: inputs_done_after(ends, args, kwargs, lambda: end(ends)), with_kwargs=True))
+    ends.units.append(unit)
+
+
 def inputs_done_after(ends: FrozenEnds, args: tuple, kwargs: dict,
                       then: Callable[[], None]) -> tuple[tuple, dict] | None:
     """The module's call arguments with the tensors that need a gradient passed through `_InputsDone` (counted in

@@ -44,7 +44,7 @@ from ..optim.gradients import Gradients
 from . import int8_weights
 from .ds_param import ZeroParamStatus, set_status
 from .flat_unit import FlatUnit
-from .frozen import FrozenEnds, check_frozen, check_unwritten, inputs_done_after
+from .frozen import FrozenEnds, check_frozen, check_unwritten, join_ends
 from .full_state_dict import full_values_hook
 from .materialize import Materializer, host_empty
 from .placement import Placement
@@ -153,13 +153,7 @@ class PartitionedPlacement(Placement):
         unit.flat.unbind()  # released parameters hold no bytes a stray read could reach (they are 0-element)
         self.units.append(unit)
         if unit.frozen:
-            ends = self._frozen_ends.get(id(unit.block))
-            if ends is None:
-                ends = self._frozen_ends[id(unit.block)] = FrozenEnds(unit.block)
-                unit.hooks.append(unit.block.register_forward_pre_hook(
-                    lambda m, args, kwargs: inputs_done_after(ends, args, kwargs, lambda: self._end_frozen(ends)),
-                    with_kwargs=True))
-            ends.units.append(unit)
+            join_ends(self._frozen_ends, unit, self._end_frozen)
             unit.hooks.append(unit.module.register_forward_pre_hook(lambda m, args: self._pre_forward_frozen(unit)))
         else:
             self._trained_of.setdefault(id(unit.module), []).append(unit)
