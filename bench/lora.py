@@ -62,10 +62,10 @@ def engine_config(args: argparse.Namespace, base: str) -> dict:
     return {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "bf16": {"enabled": base == "bf16"},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
             "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": args.dir},
-                                  # the quick Llama's layers are all below DeepSpeed's default threshold (1e5):
-                                  # kept gathered, nothing of its base would stream
-                                  "stage3_param_persistence_threshold": 0 if args.quick else 100_000,
                                   "offload_optimizer": {"device": "cpu"},
+                                  # the quick Llama's layers are all below the default persistence threshold
+                                  # (1e5 elements): kept gathered, nothing of its base would stream
+                                  **({"stage3_param_persistence_threshold": 0} if args.quick else {}),
                                   "zero_quantized_nontrainable_weights": base == "int8"},
             "zero_tiering": {"host_budget": args.host_budget}}
 

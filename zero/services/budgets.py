@@ -282,8 +282,9 @@ def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: n
 
         by_module: dict[int, int] = {}
         for flat, module in plan:
-            if (flat.within or module) is not model and flat.numel > zo.param_persistence_threshold:
-                by_module[id(flat.within or module)] = by_module.get(id(flat.within or module), 0) + gathered(flat)
+            block = flat.within or module
+            if block is not model and flat.numel > zo.param_persistence_threshold:
+                by_module[id(block)] = by_module.get(id(block), 0) + gathered(flat)
         threshold = zo.param_persistence_threshold
         persistent = sum(gathered(flat) for flat, _ in plan if flat.numel <= threshold)
         root_units = [flat for flat, module in plan if (flat.within or module) is model and flat.numel > threshold]
