@@ -10,11 +10,13 @@ Children run this file as a script (`python tests/test_speculative_step.py kill 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -25,8 +27,8 @@ from zero.config import ConfigError  # noqa: E402
 
 from conftest import REPO_ROOT, child_env  # noqa: E402
 from stage3_models import (  # noqa: E402
-    PartlyUnusedGPT, TwiceGPT, assert_state_equal, batches, engine_train, full_state, loss_of, one_thread, own_gpt,
-    reference_train, stage3_config,
+    OWN_CONFIG, PartlyUnusedGPT, TwiceGPT, assert_state_equal, batches, engine_train, full_state, loss_of, one_thread,
+    own_gpt, reference_train, stage3_config,
 )
 
 CLIPS = {"never": 100.0, "always": 0.5, "some": 2.6}
@@ -124,8 +126,9 @@ def _seeded(cls):
 
 
 def test_the_state_stepped_first_last_round_is_read_before_the_backward_reaches_it(tmp_path):
-    """A round starts reading the state of the sub-groups the last round stepped first (the worker reads ahead only
-    once it runs: until the backward's first unit is final the disk would wait), and stays exact."""
+    """A round starts reading the state of the sub-group the last round stepped first (the worker reads ahead only
+    once it runs: until the backward's first unit is final the disk would wait), and stays exact. What the host
+    tier holds already is not asked for."""
     clip, data = CLIPS["never"], batches(3)
     asked, submits = [], []
 
@@ -135,9 +138,11 @@ def test_the_state_stepped_first_last_round_is_read_before_the_backward_reaches_
         prefetch, submit, speculation = engine.swap.prefetch, engine.speculation.submit, engine.speculation
 
         def read_ahead(names, tier="device"):
+            names = list(names)
             if speculation._order:  # the first round has settled: these are the next round's
                 watch.first = getattr(watch, "first", speculation._order[0])
-                asked.append(list(names))
+                moments = [watch.first.place(part)[0] for part in ("exp_avg", "exp_avg_sq")]
+                asked.append([n for n in moments if n in names or engine.swap.segments[n].state.tier == tier])
             return prefetch(names, tier)
 
         engine.swap.prefetch = read_ahead
@@ -146,7 +151,40 @@ def test_the_state_stepped_first_last_round_is_read_before_the_backward_reaches_
     losses, state, stats, ref_losses, ref_state = train_both(
         lambda: own_gpt(0), data, config("nvme", tmp_path, clip=clip), accum=1, clip=clip, between=watch)
     assert submits[0] >= 1, "nothing was read ahead before the first unit's gradient was final"
-    assert watch.first.place("exp_avg")[0] in asked[0] and watch.first.place("exp_avg_sq")[0] in asked[0]
+    assert len(asked[0]) == 2, "the first sub-group's moments: read ahead, or in host memory already"
+    assert losses == ref_losses and stats.rolled_back == 0
+    assert_state_equal(state, ref_state)
+
+
+def test_the_worker_reads_one_sub_group_ahead_beside_a_master_larger_than_the_allowance(tmp_path):
+    """While a sub-group steps early, the next one's state is read: one sub-group ahead (deeper takes host room
+    that the next forward's gathers use). A master that is its unit's parameter shard (training in fp32), in host
+    memory while its sub-groups step, takes none of the prefetch allowance: a tied embedding's shard larger than
+    the allowance used to leave every one of its sub-groups waiting for its moments, read one at a time."""
+    clip, data = CLIPS["never"], batches(3)
+    wide = dataclasses.replace(OWN_CONFIG, vocab_size=2048)  # the root's shard: 4x the prefetch allowance
+    asked = []
+
+    def watch(engine) -> None:
+        if engine.swap.prefetch.__name__ == "read_ahead":
+            return
+        prefetch = engine.swap.prefetch
+        watch.allowance, watch.shard = engine.swap.config.prefetch_bytes, engine.swap.segments["root/param"].nbytes
+
+        def read_ahead(names, tier="device"):
+            if threading.current_thread() is not threading.main_thread():  # the worker's, stepping a sub-group
+                asked.append(list(names))
+            return prefetch(names, tier)
+
+        engine.swap.prefetch = read_ahead
+
+    cfg = config("nvme", tmp_path, clip=clip, host_budget="8MiB")
+    cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 1000  # the allowance: 2 sub-groups' state and 4 KB
+    losses, state, stats, ref_losses, ref_state = train_both(lambda: own_gpt(0, config=wide), data, cfg, accum=1,
+                                                             clip=clip, between=watch)
+    assert watch.shard > watch.allowance
+    assert all(len({name.rsplit("/", 1)[0] for name in names}) <= 1 for names in asked), "one sub-group ahead"
+    assert any(name.startswith("root/") and name.endswith("/exp_avg") for names in asked for name in names)
     assert losses == ref_losses and stats.rolled_back == 0
     assert_state_equal(state, ref_state)
 

@@ -276,21 +276,24 @@ class AdamDriver:
         sg.grad_fresh = True
         sg.norms = None
 
-    def _ahead(self, order: list[SubGroup]) -> list[str]:
-        """The segments stepping `order` reads, as many as the swap manager's prefetch allowance holds (those
-        that find no room yet start as room frees): a deep queue keeps the disk busy. At most half the work
-        tier's budget: the rest is the room of the sub-group stepping and its output, or a fetch would take back
-        what was read ahead, to be read again."""
+    def _ahead(self, order: list[SubGroup], depth: int | None = None) -> list[str]:
+        """The segments stepping the first `depth` sub-groups of `order` (None: all) reads that are not yet in the
+        work tier, in order, as many as the swap manager's prefetch allowance holds (those that find no room yet
+        start as room frees). At most half the work tier's budget: the rest is the room of the sub-group stepping
+        and its output, or a fetch would take back what was read ahead, to be read again. A segment already
+        there (a master that is its unit's parameter shard, being stepped: a tied embedding's 200 MB) takes none
+        of the allowance."""
         config = self.swap.config
         budget = config.host_budget if self.work_tier == "host" else config.device_budget
         limit = config.prefetch_bytes if budget is None else min(config.prefetch_bytes, budget // 2)
         names, nbytes = [], 0
-        for sg in order:
+        for sg in order[:depth]:
             for part in sg.stored_parts + (() if sg.grad_fresh else ("grad",)):
                 name = sg.place(part)[0]
-                if name in names:  # a master that is the unit's parameter shard, shared by its sub-groups
+                seg = self.swap.segments[name]
+                if name in names or seg.state.tier == self.work_tier:
                     continue
-                nbytes += self.swap.segments[name].nbytes
+                nbytes += seg.nbytes
                 if nbytes > limit:
                     return names
                 names.append(name)
