@@ -8,6 +8,7 @@ updated state dirty lets it be written back while later ones compute. The arithm
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterator
 
@@ -79,6 +80,8 @@ class AdamDriver:
         self._grad_fp32: torch.Tensor | None = None  # where a 16-bit gradient is cast for the step (reused)
         self.sub_groups: list[SubGroup] = []
         self.threads = AdamThreads()  # the step on as many threads as torch uses (see adam_step)
+        self.timing = (0.0, 0.0)
+        """The last `step_sub_group`'s seconds waiting for its state, and stepping it once there."""
 
     def add_unit(self, unit: int, name: str, master: torch.Tensor, group: int, chunk: int,
                  master_in: str | None = None, start: int = 0, extents=None) -> list[SubGroup]:
@@ -221,6 +224,7 @@ class AdamDriver:
         scale) is folded into the Adam pass. The gradient is spent after the step and dropped unwritten, unless
         `keep_grad` (a speculative step: a roll back re-steps with it), which leaves its bytes and the sub-group's
         gradient bookkeeping as they were."""
+        start = time.perf_counter()
         with contextlib.ExitStack() as stack:
             # A spent grad is dropped unwritten, the next accumulation overwrites it; a fresh one (no gradient
             # since the last step) is zeros, nothing to read.
@@ -229,6 +233,7 @@ class AdamDriver:
                 stack.enter_context(self._stored(sg, part, dirty=part != "grad", discard=part == "grad" and spend,
                                                  overwrite=part == "grad" and sg.grad_fresh))
                 for part in ("master", "grad", "exp_avg", "exp_avg_sq") + sg.stored_parts[len(STATE_PARTS):])
+            ready = time.perf_counter()
             # The compact kernel reads a bf16 gradient as fp32 itself, where nothing is stored back into it (no loss
             # scale) and no clip multiplies it first (in fp32, as torch's clip_grad_norm_ does).
             read_as_fp32 = (not sg.codecs.exact and grad.dtype == torch.bfloat16 and grad_scale == 1.0
@@ -260,6 +265,7 @@ class AdamDriver:
                               out=low, threads=self.threads, **options)
                 if out is not None and low is None:
                     out.copy_(master)
+            self.timing = (ready - start, time.perf_counter() - ready)
             if keep_grad:  # most likely never read again (the step commits): not written behind
                 self.swap.expect_overwrite(sg.place("grad")[0])
             if sg.master_in is not None:
@@ -276,24 +282,24 @@ class AdamDriver:
         sg.grad_fresh = True
         sg.norms = None
 
-    def _ahead(self, order: list[SubGroup], depth: int | None = None) -> list[str]:
-        """The segments stepping the first `depth` sub-groups of `order` (None: all) reads that are not yet in the
-        work tier, in order, as many as the swap manager's prefetch allowance holds (those that find no room yet
-        start as room frees). At most half the work tier's budget: the rest is the room of the sub-group stepping
-        and its output, or a fetch would take back what was read ahead, to be read again. A segment already
-        there (a master that is its unit's parameter shard, being stepped: a tied embedding's 200 MB) takes none
-        of the allowance."""
+    def _ahead(self, order: list[SubGroup], depth: int | None = None, stepping: SubGroup | None = None) -> list[str]:
+        """The segments stepping the first `depth` sub-groups of `order` (None: all) reads, in order, as many as
+        the swap manager's prefetch allowance holds (those that find no room yet start as room frees). At most
+        half the work tier's budget: the rest is the room of the sub-group stepping and its output, or a fetch
+        would take back what was read ahead, to be read again. What `stepping` holds is not ahead and takes none
+        of the allowance: a master that is its unit's parameter shard, shared by the unit's sub-groups (a tied
+        embedding's 200 MB left no room for the moments after it)."""
         config = self.swap.config
         budget = config.host_budget if self.work_tier == "host" else config.device_budget
         limit = config.prefetch_bytes if budget is None else min(config.prefetch_bytes, budget // 2)
+        held = set() if stepping is None else {stepping.place(part)[0] for part in stepping.stored_parts}
         names, nbytes = [], 0
         for sg in order[:depth]:
             for part in sg.stored_parts + (() if sg.grad_fresh else ("grad",)):
                 name = sg.place(part)[0]
-                seg = self.swap.segments[name]
-                if name in names or seg.state.tier == self.work_tier:
+                if name in names or name in held:
                     continue
-                nbytes += seg.nbytes
+                nbytes += self.swap.segments[name].nbytes
                 if nbytes > limit:
                     return names
                 names.append(name)

@@ -27,9 +27,6 @@ from tiering import BudgetExceededError, SwapManager
 from .driver import AdamDriver, SubGroup
 
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "decoupled")
-AHEAD = 1
-"""Sub-groups whose state a round reads ahead of the one stepping: its reads run behind that step. Deeper takes
-host room from what the backward and the next forward gather, to be read again (bench/RESULTS.md, 2026-11-27)."""
 
 
 def hyperparameters(groups: list[dict]) -> list[tuple]:
@@ -65,6 +62,10 @@ class _Round:
     futures: list[Future] = field(default_factory=list)
     stop: bool = False
     """Set at validation when the bet failed: the worker steps no more sub-groups."""
+    depth: int = 1
+    """Sub-groups whose state the worker reads ahead of the one stepping: as few as keep it from waiting for its
+    state (one more each time a sub-group waited longer than half its step). Each takes host room from what the
+    backward and the next forward gather, to be read again (bench/RESULTS.md, 2026-11-27)."""
     no_room: bool = False
     """A step found no room in the work tier beside the backward's buffers: the round is rolled back and every
     sub-group steps at the boundary, when the backward has given its room back."""
@@ -95,7 +96,7 @@ class SpeculativeStep:
         self._round = _Round(hyperparameters(groups), [dict(group) for group in groups], step, grad_scale)
         if self._order:  # the state the last round stepped first, read while the backward reaches it: the worker
             # reads ahead only once it runs, and until then the disk would wait on the backward's first units
-            self.swap.prefetch(self.driver._ahead(self._order, AHEAD), self.driver.work_tier)
+            self.swap.prefetch(self.driver._ahead(self._order, self._round.depth), self.driver.work_tier)
 
     def submit(self, sub_groups: list[SubGroup]) -> None:
         """These sub-groups' gradients (one unit's) are final: step them on the worker, together (a unit's
@@ -173,11 +174,13 @@ class SpeculativeStep:
             ahead = rnd.submitted[rnd.submitted.index(sg) + 1:]
             known = set(rnd.submitted)
             ahead += [s for s in self._order if s not in known]
-            self.swap.prefetch(self.driver._ahead(ahead, AHEAD), self.driver.work_tier)
+            self.swap.prefetch(self.driver._ahead(ahead, rnd.depth, sg), self.driver.work_tier)
             with self.swap.untraced():  # its fetches interleave with the backward's: kept off the trace
                 self.driver.step_sub_group(sg, rnd.groups[sg.group], rnd.step, rnd.grad_scale, None, self.output,
                                            keep_grad=True)
             rnd.stepped.append(sg)
+            waited, stepped = self.driver.timing
+            rnd.depth += waited > stepped / 2
 
     def _keep(self, rnd: _Round, sub_groups: list[SubGroup]) -> bool:
         """Keep every segment stepping `sub_groups` writes that this round has not kept yet; False (none kept)
