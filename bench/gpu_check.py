@@ -51,7 +51,6 @@ sys.path[:0] = [ROOT, HERE, os.path.join(ROOT, "tests")]
 import torch  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-import train as bench_train  # noqa: E402  (bench/train.py)
 import zero  # noqa: E402
 from stage3_models import (  # noqa: E402  (tests/stage3_models.py)
     OWN_CONFIG, VOCAB, batches, engine_train, loss_of, one_thread, own_gpt, reference_train, stage3_config,
@@ -59,7 +58,7 @@ from stage3_models import (  # noqa: E402  (tests/stage3_models.py)
 from tiering.copy_stream import CudaCopyStream, WorkerCopyStream  # noqa: E402
 from tiering.errors import fmt_bytes  # noqa: E402
 from zero.report.checks import run_checks  # noqa: E402
-from zero.train.gpt import PRESETS, GPTConfig  # noqa: E402
+from zero.train.gpt import GPTConfig  # noqa: E402
 
 FP32_RTOL = 1e-4
 """fp32 losses against torch's, relative: bitwise on CPU; on CUDA CPU-Adam and torch's fused CUDA AdamW may round
@@ -334,15 +333,6 @@ def budgets(plan: Plan) -> dict:
     return result
 
 
-def bench_child(argv: list[str]) -> None:
-    """bench/train.py's child, run through this script: preset NAME:LAYERS is NAME cut to LAYERS blocks."""
-    preset = argv[argv.index("--preset") + 1]
-    name, _, layers = preset.partition(":")
-    if layers:
-        PRESETS[preset] = dataclasses.replace(PRESETS[name], n_layer=int(layers))
-    bench_train.main(argv)
-
-
 def bench_runs(plan: Plan) -> dict:
     """5. bench/train.py, in a process of its own (its children's peak RSS counts their parent's at the fork): each
     system's step, and its ratio to torch's in-memory step and to DeepSpeed's on the same offload device."""
@@ -353,7 +343,7 @@ def bench_runs(plan: Plan) -> dict:
                 # unbudgeted, our state stays in host memory while DeepSpeed's nvme rows stream it: force streaming
                 ("124m, host budget 1 GiB", ["--preset", "124m", "--systems", "ours-nvme,deepspeed-nvme",
                                              "--host-budget", "1GiB", *steps]),
-                ("1b x 4 layers", ["--preset", "1b:4", "--systems", "torch,ours-nvme,deepspeed-nvme",
+                ("1b x 4 layers", ["--preset", "1b", "--layers", "4", "--systems", "torch,ours-nvme,deepspeed-nvme",
                                    "--device-budget", "1300MiB", *steps])]
     result: dict = {"status": "measured", "runs": [], "failures": []}
     for label, argv in runs:
@@ -361,9 +351,6 @@ def bench_runs(plan: Plan) -> dict:
             path = os.path.join(scratch, "records.json")
             command = [sys.executable, os.path.join(HERE, "train.py"), *argv, "--json", path]
             command += ["--dir", plan.nvme_parent] if plan.nvme_parent else []
-            if any(":" in arg for arg in argv):  # no --layers there: its children come back through bench_child
-                command[1:2] = ["-c", "import sys, train; train.__file__ = sys.argv.pop(1); train.main(sys.argv[1:])",
-                                os.path.abspath(__file__)]
             done = subprocess.run(command, cwd=HERE, capture_output=True, text=True)
             records = json.loads(Path(path).read_text()) if done.returncode == 0 else []
         print(done.stdout)
@@ -480,7 +467,4 @@ def write_report(record: dict, args: argparse.Namespace) -> str:
 
 
 if __name__ == "__main__":
-    if "--child" in sys.argv:
-        bench_child(sys.argv[1:])
-    else:
-        sys.exit(main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.device_budget = QUICK_DEVICE_BUDGET
     have_deepspeed = importlib.util.find_spec("deepspeed") is not None  # imported in its children only
     records = []
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as nvme_path:
         for system in args.systems.split(","):
             if system.startswith("deepspeed") and not have_deepspeed:
