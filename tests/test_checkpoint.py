@@ -332,6 +332,31 @@ def child_two_ranks(root: str) -> None:
     torch.save({"trained": trained, "loaded": loaded, "loaded_counters": counters}, os.path.join(root, f"rank{rank}.pt"))
 
 
+@pytest.mark.parametrize("name, tiering", [("stage3-fp32-nvme-dropout", {}), ("stage3-bf16-nvme", {}),
+                                          ("stage3-bf16-nvme", {"moments": "int8", "master": "bf16-kahan"})])
+def test_a_load_rewrites_state_a_failed_step_left_discarded(tmp_path, name, tiering):
+    """A step cut by a fault can leave a state segment discarded (its fetch to be overwritten failed making
+    room): loading the last checkpoint writes every state tensor whole, reading none of the stored bytes, so the
+    load recovers it and training goes on as from the checkpoint (shared fp32 masters, bf16, compact state)."""
+    engine = build(name, str(tmp_path), tiering={"host_budget": 128 << 10, **tiering}, sub_group_size=2048)
+    try:
+        train(engine, 1)
+        engine.save_checkpoint(tmp_path / "ckpt", tag="a")
+        saved = snapshot(engine)
+        torch.manual_seed(1)
+        ahead = train(engine, 1)
+        state = [unit.segment for unit in engine.units] + [
+            sg.segment(part) for sg in engine.driver.sub_groups for part in sg.stored_parts if sg.whole(part)]
+        for segment in state:
+            engine.swap.discard(segment)
+        engine.load_checkpoint(tmp_path / "ckpt", tag="a")
+        assert_same(snapshot(engine), saved)
+        torch.manual_seed(1)
+        assert [x.item() for x in train(engine, 1)] == [x.item() for x in ahead]
+    finally:
+        engine.close()
+
+
 if __name__ == "__main__":
     command, *arguments = sys.argv[1:]
     {"resume": child_resume, "two-ranks": child_two_ranks}[command](*arguments)

@@ -64,7 +64,8 @@ class StateTensor(NamedTuple):
     start: int
     numel: int
     held: Callable[[bool], ContextManager[torch.Tensor]]
-    """held(write) gives the tensor for the length of a block (write: the block rewrites it)."""
+    """held(write) gives the tensor for the length of a block. write: the block rewrites every element, so a
+    whole segment's stored bytes are not read (a load into state a failed step left half-written needs none)."""
 
 
 class ZeroEngine(FullValues, nn.Module):
@@ -501,12 +502,13 @@ class ZeroEngine(FullValues, nn.Module):
         for unit in self.units:
             if not unit.frozen:
                 yield StateTensor(saved[unit.index], "param", *self.placement.rank_range(unit),
-                                  lambda write, unit=unit: self.placement.shard(unit, write=write))
+                                  lambda write, unit=unit: self.placement.shard(unit, write=write, overwrite=write))
         for sg in self.driver.sub_groups:
             start = self.placement.rank_range(self.units[sg.unit])[0] + sg.offset
             for part in STATE_PARTS:
                 yield StateTensor(saved[sg.unit], part, start, sg.numel,
-                                  lambda write, sg=sg, part=part: self.driver.held(sg, part, dirty=write))
+                                  lambda write, sg=sg, part=part: self.driver.held(sg, part, dirty=write,
+                                                                                   overwrite=write))
 
     def unapplied_gradients(self) -> list[str]:
         """Sub-groups holding gradients no optimizer step has applied yet."""

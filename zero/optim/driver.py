@@ -65,6 +65,11 @@ class SubGroup:
             return self.master_in
         return self.segment(part), 0
 
+    def whole(self, part: str) -> bool:
+        """Whether `part` has a segment to itself (a master in the parameter shard is a slice of it): a writer
+        of every element then fetches it to overwrite, reading none of the stored bytes."""
+        return not (part == "master" and self.master_in is not None)
+
 
 class AdamDriver:
     def __init__(self, swap: SwapManager, *, state_home: Tier, grad_home: Tier, work_tier: Tier,
@@ -165,7 +170,8 @@ class AdamDriver:
         """`part` of `sg` in the work tier, its values in fp32 for a state part (the gradient as it is kept),
         released afterwards as asked (see SwapManager.fetch and release), even if the block fails. A part stored
         compact is decoded into a copy, encoded back after the block when `dirty` (a Kahan master from and to
-        its weights and compensation)."""
+        its weights and compensation). `overwrite`: the block writes every element, so a segment the part has
+        to itself is not read (`SubGroup.whole`)."""
         codec = sg.codecs.of(part) if part in STATE_PARTS else FP32
         release = dict(dirty=dirty, discard=discard, overwrite=overwrite)
         with contextlib.ExitStack() as stack:
@@ -191,6 +197,7 @@ class AdamDriver:
         """`part` of `sg` as its segment stores it."""
         name, offset = sg.place(part)
         codec = sg.codecs.of(part) if part in sg.stored_parts else FP32
+        release["overwrite"] = release.get("overwrite", False) and sg.whole(part)
         with self.swap.held(name, self.work_tier, **release) as tensor:
             yield tensor.narrow(0, offset, codec.storage_numel(sg.numel))
 
