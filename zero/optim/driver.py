@@ -210,15 +210,24 @@ class AdamDriver:
              on_done: Callable[[SubGroup], None] | None = None, sub_groups: list[SubGroup] | None = None) -> None:
         """One Adam step of every sub-group (or of `sub_groups`, in order), with `groups[sg.group]`'s
         hyperparameters (see `step_sub_group`). `read_ahead`: before stepping each sub-group, ask for the next
-        ones' state, as far as the prefetch allowance holds (where the swap manager's trace does not cover these
-        fetches); `on_done(sg)` is called as each sub-group's weights are written."""
+        ones' state (where the swap manager's trace does not cover these fetches), as deep as `deeper` says;
+        `on_done(sg)` is called as each sub-group's weights are written."""
         order = self.sub_groups if sub_groups is None else sub_groups
+        depth = 1
         for i, sg in enumerate(order):
             if read_ahead:
-                self.swap.prefetch(self._ahead(order[i + 1:]), self.work_tier)
+                self.swap.prefetch(self._ahead(order[i + 1:], depth, sg), self.work_tier)
             self.step_sub_group(sg, groups[sg.group], step, grad_scale, clip, output)
+            depth = self.deeper(depth)
             if on_done is not None:
                 on_done(sg)
+
+    def deeper(self, depth: int) -> int:
+        """How many sub-groups to read ahead next, `depth` so far: one more where the last one waited for its
+        state longer than half its step. As few as keep the step from waiting: each takes host room from what
+        the backward and the next forward gather, to be read again (bench/RESULTS.md, 2026-11-27)."""
+        waited, stepped = self.timing
+        return depth + (waited > stepped / 2)
 
     def step_sub_group(self, sg: SubGroup, hyper: dict, step: int, grad_scale: float, clip: torch.Tensor | None,
                        output: Callable[[SubGroup], ContextManager[torch.Tensor]], *, keep_grad: bool = False) -> None:

@@ -63,9 +63,7 @@ class _Round:
     stop: bool = False
     """Set at validation when the bet failed: the worker steps no more sub-groups."""
     depth: int = 1
-    """Sub-groups whose state the worker reads ahead of the one stepping: as few as keep it from waiting for its
-    state (one more each time a sub-group waited longer than half its step). Each takes host room from what the
-    backward and the next forward gather, to be read again (bench/RESULTS.md, 2026-11-27)."""
+    """Sub-groups whose state the worker reads ahead of the one stepping (AdamDriver.deeper)."""
     no_room: bool = False
     """A step found no room in the work tier beside the backward's buffers: the round is rolled back and every
     sub-group steps at the boundary, when the backward has given its room back."""
@@ -179,8 +177,7 @@ class SpeculativeStep:
                 self.driver.step_sub_group(sg, rnd.groups[sg.group], rnd.step, rnd.grad_scale, None, self.output,
                                            keep_grad=True)
             rnd.stepped.append(sg)
-            waited, stepped = self.driver.timing
-            rnd.depth += waited > stepped / 2
+            rnd.depth = self.driver.deeper(rnd.depth)
 
     def _keep(self, rnd: _Round, sub_groups: list[SubGroup]) -> bool:
         """Keep every segment stepping `sub_groups` writes that this round has not kept yet; False (none kept)
