@@ -151,6 +151,26 @@ def test_prefetch_along_the_trace_does_not_read_back_a_copy_expected_to_be_overw
     assert torch.equal(use(mgr, "b", "host"), page(1))  # read after all (no overwrite): its bytes
 
 
+def test_a_read_ahead_writes_back_no_copy_its_user_expects_to_overwrite(make_manager):
+    """A dirty copy its user expects to overwrite (a gradient a speculated step consumed, kept until the round is
+    validated) is most likely never read: a read-ahead does not write it back to make room; a blocking fetch,
+    which must have the room, still does, and its bytes stay the current ones."""
+    mgr = make_manager(engine="threads", host_budget=2 * PAGE)
+    for i, name in enumerate("gab"):
+        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(i)).wait()
+    use(mgr, "g", "host", add=10)
+    mgr.expect_overwrite("g")
+    written = mgr.stats.segment_bytes["host->nvme"]["g"]  # at registration
+    mgr.prefetch(["a", "b"], "host")
+    wait_moves(mgr, "a", "b")
+    assert states(mgr, "g", "a", "b") == [R.HOST, R.HOST, R.NVME]  # no room for b: g stays, unwritten
+    assert mgr.stats.segment_bytes["host->nvme"]["g"] == written
+    assert torch.equal(use(mgr, "a", "host"), page(1))
+    mgr.prefetch([], "host")
+    assert torch.equal(use(mgr, "b", "host"), page(2))  # blocking: a (used) goes first, then g if need be
+    assert torch.equal(use(mgr, "g", "host"), page(0) + 10)
+
+
 def test_prefetch_checks_every_name_before_moving_any(make_manager):
     mgr = make_manager(device_budget=4 * PAGE)
     mgr.register("h", dtype=torch.float32, shape=(PAGE // 4,), home="host")

@@ -83,6 +83,8 @@ class Eviction:
             blocked = full = None
             for victim in self._victims(tier, keep):
                 later = self._next_use(victim)
+                if horizon is not None and victim.overwrite_expected and not self._expendable(victim, tier):
+                    continue  # a read-ahead writes back no bytes their user expects to overwrite (most likely wasted)
                 if horizon is not None and later <= horizon and not self._expendable(victim, tier):
                     if later < math.inf:
                         break  # a prefetch never evicts what is needed sooner (the rest, sorted, are sooner still)
