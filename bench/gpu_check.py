@@ -60,6 +60,8 @@ from tiering.errors import fmt_bytes  # noqa: E402
 from zero.report.checks import run_checks  # noqa: E402
 from zero.train.gpt import GPTConfig  # noqa: E402
 
+GRADIENT_HOOKS = "torch::autograd::AccumulateGrad"
+"""The profiler's name for a leaf's gradient hook: ours reduce the gradient, send it to the host and add it there."""
 FP32_RTOL = 1e-4
 """fp32 losses against torch's, relative: bitwise on CPU; on CUDA CPU-Adam and torch's fused CUDA AdamW may round
 differently in the last bit, which a few steps grow to ~1e-6."""
@@ -239,7 +241,9 @@ def profile_step(plan: Plan, out: str) -> dict:
     """3. One streamed step under torch.profiler, after a warm-up step, state on cpu then on nvme: copy/kernel overlap
     and GPU idle time, from the CUDA events clipped to the step (|copies ∩ kernels| = |copies| + |kernels| -
     |copies ∪ kernels|). On nvme the units wait for the disk, so the GPU is mostly idle and a copy has few kernels
-    to hide behind; with the state in host memory the forward and backward are what the copies must overlap."""
+    to hide behind; with the state in host memory the forward and backward are what the copies must overlap.
+    `gradient_hooks_s`: the host's time in the gradient hooks (AccumulateGrad), where the backward's thread adds
+    each part on the host and queues no kernel (session 28: 108 of a 189 ms step, bench/RESULTS.md)."""
     if not plan.cuda:
         return skipped("profile of a streamed step (copy/kernel overlap, GPU idle)", "no CUDA")
     runs = [profile_one(plan, offload, out) for offload in ("cpu", "nvme")]
@@ -265,6 +269,8 @@ def profile_one(plan: Plan, offload: str, out: str) -> dict:
     gpu = [(e.name(), (max(e.start_ns(), start), min(e.end_ns(), end))) for e in events
            if e.device_type() == DeviceType.CUDA and not e.is_user_annotation()
            and start < e.end_ns() and e.start_ns() < end]
+    hooks = [(max(e.start_ns(), start), min(e.end_ns(), end)) for e in events if e.device_type() == DeviceType.CPU
+             and e.name() == GRADIENT_HOOKS and start < e.end_ns() and e.start_ns() < end]
     copies = [span for name, span in gpu if name.startswith(("Memcpy HtoD", "Memcpy DtoH"))]
     pageable = sum(1 for name, _ in gpu if name.startswith(("Memcpy HtoD", "Memcpy DtoH")) and "Pageable" in name)
     kernels = [span for name, span in gpu if not name.startswith(("Memcpy", "Memset"))]
@@ -277,7 +283,8 @@ def profile_one(plan: Plan, offload: str, out: str) -> dict:
     return {"offload": offload, "step_s": (end - start) / 1e9, "copies": len(copies), "pageable_copies": pageable,
             "copy_s": copy_ns / 1e9, "kernels": len(kernels), "kernel_s": kernel_ns / 1e9,
             "gpu_idle": 1 - kernel_ns / (end - start), "trace": trace,
-            "copy_overlap": (copy_ns + kernel_ns - covered(copies + kernels)) / copy_ns if copy_ns else None}
+            "copy_overlap": (copy_ns + kernel_ns - covered(copies + kernels)) / copy_ns if copy_ns else None,
+            "gradient_hooks_s": covered(hooks) / 1e9}
 
 
 def activation_bytes(plan: Plan, data: list[torch.Tensor]) -> int:
