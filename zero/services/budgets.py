@@ -251,9 +251,8 @@ def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: n
     gradient, or in a block's backward, whichever is larger. The reduction's
     scratch, one per gradient copy in flight to the host: where the gradients go there (one rank, or
     reduce-scattered), a sub-group's part from every rank's range and its reduced piece (gradients.py); else the
-    largest unit's flattened gradients, and its reduced shard when reduce-scattered. Segments homed on the device
-    (parameter shards, optimizer state) stay there. Activations kept on the device are not counted: they depend on
-    the batch."""
+    largest unit's flattened gradients, and its reduced shard when reduce-scattered. Segments homed on the device (parameter shards, optimizer state) stay there. Activations kept on the
+    device are not counted: they depend on the batch."""
     zo = cfg.zero_optimization
     world = plan[0][0].world_size if plan else 1
     stage3 = zo.stage == 3
