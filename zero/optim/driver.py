@@ -126,17 +126,16 @@ class AdamDriver:
 
     def accumulate(self, sg: SubGroup, grad: torch.Tensor, pieces: list[tuple[int, int, int]] | None = None, *,
                    fetch_soon: bool = False) -> None:
-        """Add `grad` (this sub-group's slice of the reduced gradient, in the dtype it was reduced in: a 16-bit one
-        is cast to fp32 as it is added, with no pass of its own) to its accumulated gradient. With `pieces` (the
-        last part of this step's gradient: see `grad_norms`), their fp32 norms are taken now, while the gradient is
-        in memory, rather than read back from its tier for them. `fetch_soon`: a step off the trace reads it next
-        (a speculative step), so it is not written behind."""
+        """Add `grad` (this sub-group's slice of the reduced fp32 gradient) to its accumulated gradient. With
+        `pieces` (the last part of this step's gradient: see `grad_norms`), their norms are taken now, while the
+        gradient is in memory, rather than read back from its tier for them. `fetch_soon`: a step off the trace
+        reads it next (a speculative step), so it is not written behind."""
         fresh = sg.grad_fresh
         with self.held(sg, "grad", dirty=True, overwrite=fresh) as acc:  # fresh: nothing to read
             if fresh:
                 acc.copy_(grad)
                 sg.grad_fresh = False
-                total = grad  # the values `acc` now holds (cast to fp32 by the norms)
+                total = grad  # the values `acc` now holds, in fp32
             elif acc.dtype == torch.float32:
                 acc.add_(grad)
                 total = acc
@@ -144,8 +143,7 @@ class AdamDriver:
                 acc.copy_(acc.float().add_(grad))
                 total = acc.float()  # the norms are those of what the step will read
             sg.norms = None if pieces is None else [
-                (key, torch.linalg.vector_norm(total.narrow(0, start, length), dtype=torch.float32))
-                for start, length, key in pieces]
+                (key, torch.linalg.vector_norm(total.narrow(0, start, length))) for start, length, key in pieces]
             if fetch_soon:
                 self.swap.expect_fetch(sg.place("grad")[0])
 

@@ -142,8 +142,11 @@ class Gradients:
             self.copies.close()
 
     def _add(self, unit: Unit, sg: SubGroup, part: torch.Tensor, last: bool, early: bool) -> None:
-        """Add the sub-group's part of the reduced gradient, in the dtype it was reduced in, to its accumulated
-        gradient; on the boundary (`last`) its norms are taken meanwhile."""
+        """Add the sub-group's part of the reduced gradient to its accumulated gradient, in fp32 (cast once, into
+        reused memory); on the boundary (`last`) its norms are taken meanwhile."""
+        if part.dtype != torch.float32:
+            part = self._scratch("fp32", part.numel(), torch.float32, part.device,
+                                 on_device=self.copies is None).copy_(part)
         self.driver.accumulate(sg, part, self.pieces(unit, sg) if last else None, fetch_soon=early)
 
     def norm(self, units: list[Unit]) -> torch.Tensor:
@@ -173,14 +176,15 @@ class Gradients:
         return out
 
     def _scratch(self, role: str, numel: int, dtype: torch.dtype, device: torch.device, *,
-                 largest: int | None = None) -> torch.Tensor:
+                 largest: int | None = None, on_device: bool = True) -> torch.Tensor:
         """A reused buffer of `numel` elements for `role` (gradient reduction runs every micro-batch: fresh
         memory each time would be page faults on every step), made once at the size of the largest request,
-        `largest` (default: the largest unit), in the device tier (with CUDA on the GPU; without, the CPU stands
-        in for it), so the device budget counts it while it lives."""
+        `largest` (default: the largest unit); `on_device`: in the device tier (with CUDA on the GPU; without,
+        the CPU stands in for it), so the device budget counts it while it lives."""
         buffer = self._scratches.get(role)
         if buffer is None:
             size = max(numel, self.largest_unit if largest is None else largest)
-            self.reserve_device(size * dtype.itemsize, f"gradient reduction {role}", REDUCTION_SCRATCH)
+            if on_device:
+                self.reserve_device(size * dtype.itemsize, f"gradient reduction {role}", REDUCTION_SCRATCH)
             buffer = self._scratches[role] = torch.empty(size, dtype=dtype, device=device)
         return buffer[:numel]
