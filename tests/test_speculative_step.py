@@ -143,7 +143,8 @@ def test_the_state_stepped_first_last_round_is_read_before_the_backward_reaches_
             return prefetch(names, tier)
 
         engine.swap.prefetch = read_ahead
-        engine.speculation.submit = lambda sub_groups: submits.append(len(asked)) or submit(sub_groups)
+        engine.speculation.submit = lambda sub_groups, after=None: (submits.append(len(asked)),
+                                                                    submit(sub_groups, after))[1]
 
     losses, state, stats, ref_losses, ref_state = train_both(
         lambda: own_gpt(0), data, config("nvme", tmp_path, clip=clip), accum=1, clip=clip, between=watch)

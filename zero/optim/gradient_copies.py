@@ -2,15 +2,17 @@
 reduced in (2 bytes a parameter over the bus in bf16 or fp16; the cast to fp32 happens on the host), asynchronously
 on the copy stream, a sub-group's part at a time, into staging buffers of (pinned) host memory, one event per copy.
 
-The host adds a part to its sub-group only when its staging buffer comes round again, or when the device scratch
-the copy read is needed by the unit after next, or at the end of the backward: it never waits for the copy it has
-just queued, so copies overlap the backward. A staging buffer, and the device scratch its copy reads, are reused
-only after that copy's event and the add that read it. Without CUDA the copy worker runs the copies with the same
-rules, so CI checks the ordering a GPU needs (tests/test_gradient_copies.py)."""
+The host adds a part to its sub-group on a thread of its own (the adder), in the order the copies were queued,
+each once its copy's event has passed: the backward's thread only queues, so neither the adds nor their waits
+(for a copy, for host room to hold the accumulated gradient) hold back the next unit's backward. A device scratch
+is reused only after the copy that read it; a staging buffer only after its copy and the add that read it; the
+backward waits for the adds at its end (`drain`). Without CUDA the copy worker runs the copies with the same rules,
+so CI checks the ordering a GPU needs (tests/test_gradient_copies.py)."""
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -28,9 +30,8 @@ class Landing:
     event: CopyEvent
     staging: int
     scratch: int
-    staged: torch.Tensor
-    add: Callable[[torch.Tensor], None]
-    """What to do with the part once it is on the host (its sub-group's accumulation)."""
+    added: Future
+    """The adder's run of the part's add (its sub-group's accumulation), once the copy has landed."""
 
 
 class GradientCopies:
@@ -45,26 +46,36 @@ class GradientCopies:
         self._buffers: list[HostBuffer] = []
         self._landings: deque[Landing] = deque()  # in the order the copies were queued
         self._next_scratch = self._next_staging = 0
+        self._adder = ThreadPoolExecutor(1, thread_name_prefix="zero-gradient-add")
 
     def scratch(self) -> int:
         """The device scratch the next unit reduces into: every copy that read it has landed."""
         slot = self._next_scratch
-        while any(landing.scratch == slot for landing in self._landings):
-            self._land()
+        for landing in self._landings:
+            if landing.scratch == slot:
+                landing.event.synchronize()
         self._next_scratch = (slot + 1) % SLOTS
         return slot
 
-    def send(self, scratch: int, part: torch.Tensor, add: Callable[[torch.Tensor], None]) -> None:
-        """Copy `part` (on the device, in scratch `scratch`) to the host; `add(host part)` runs once it has
-        landed, when its staging buffer is needed again or at `drain`."""
+    def send(self, scratch: int, part: torch.Tensor, add: Callable[[torch.Tensor], None]) -> Future:
+        """Copy `part` (on the device, in scratch `scratch`) to the host; the adder runs `add(host part)` once it
+        has landed. Returns the add's future (done: the part is in its sub-group)."""
         slot = self._next_staging
         while any(landing.staging == slot for landing in self._landings):
             self._land()
         if slot == len(self._buffers):
             self._buffers.append(self.swap.acquire_host(self._nbytes, f"gradient staging {slot}"))
         staged = self._buffers[slot].view(part.dtype, (part.numel(),))
-        self._landings.append(Landing(self.swap.device_tier.copy(staged, part), slot, scratch, staged, add))
+        event = self.swap.device_tier.copy(staged, part)
+        added = self._adder.submit(self._add, event, staged, add)
+        self._landings.append(Landing(event, slot, scratch, added))
         self._next_staging = (slot + 1) % SLOTS
+        return added
+
+    def _add(self, event: CopyEvent, staged: torch.Tensor, add: Callable[[torch.Tensor], None]) -> None:
+        event.synchronize()
+        with self.swap.untraced():  # interleaved with the backward's fetches differently every step
+            add(staged)
 
     def drain(self) -> None:
         """Land every copy still in flight (the backward's gradients are all added) and give the staging back."""
@@ -73,14 +84,16 @@ class GradientCopies:
         self._give_back()
 
     def _land(self) -> None:
-        landing = self._landings.popleft()
-        landing.event.synchronize()
-        landing.add(landing.staged)
+        self._landings.popleft().added.result()
 
     def close(self) -> None:
-        """Give the staging buffers back once no copy uses them (a part not yet added is dropped)."""
+        """Give the staging buffers back once no copy or add uses them (a part not yet added is dropped)."""
         while self._landings:
-            self._landings.popleft().event.synchronize()
+            landing = self._landings.popleft()
+            if not landing.added.cancel():
+                landing.added.exception()  # wait: an add under way still reads its staging buffer
+            landing.event.synchronize()
+        self._adder.shutdown()
         self._give_back()
 
     def _give_back(self) -> None:

@@ -7,7 +7,8 @@ rank's range is cast to fp32 once and added to the sub-groups' accumulated gradi
 Where they go to the host (and, with several ranks, are reduce-scattered), a sub-group's part at a time is
 flattened, reduced and sent, so the device holds scratch of a sub-group's size rather than of the largest unit's.
 Where the optimizer works on the host, the range goes there first, asynchronously (gradient_copies.py), and is
-added one unit later; `drain` adds the last ones at the end of the backward.
+added there by a thread of its own; `drain` waits for the last adds at the end of the backward. A unit whose
+gradient is final then steps early (speculative_step.py) once its last add is done.
 Norms are taken per parameter piece, keyed by the parameter's place in the model, so they sum in torch's
 clip_grad_norm_ order; on the accumulation boundary they are taken while the gradient is still in memory.
 """
@@ -67,15 +68,21 @@ class Gradients:
         dtype = self.comm_dtype or full.dtype
         world = self.dp.world_size
         last = self.counters.at_boundary()  # this step's gradient is complete after these adds
+        if self.speculation is not None:  # a round that stepped the unit early would miss these adds (a unit
+            self.speculation.touch(unit.sub_groups)  # reduced twice meets its first round here): abandoned
         early = last and self.speculation is not None and self.speculation.running
         if self.copies is not None and (world == 1 or self.reduce_scatter):
             # The parts go to the host a sub-group at a time: each is flattened (from every rank's range, to be
             # reduce-scattered) and reduced as its copy comes, into scratch of a sub-group's size, not the whole
             # unit into buffers of the largest unit's size (a tied embedding's: the device would hold two).
-            for i, sg in enumerate(unit.sub_groups):
+            added = None
+            for sg in unit.sub_groups:
                 slot = self.copies.scratch()
-                self.copies.send(slot, self._reduce_part(unit, sg, slot, dtype), self._adder(unit, i, last, early))
+                add = self._adder(unit, sg, last, early)
+                added = self.copies.send(slot, self._reduce_part(unit, sg, slot, dtype), add)
             flat.drop_grads()
+            if early:
+                self.speculation.submit(unit.sub_groups, after=added)
             return last
         slot = self.copies.scratch() if self.copies is not None else 0  # a scratch no copy still reads
         grads = flat.flatten_grads(self._scratch(f"grads{slot}", flat.padded_numel, dtype, full.device))
@@ -91,13 +98,16 @@ class Gradients:
             shard = grads.narrow(0, *flat.rank_range(self.sharded))
         if world > 1 and self.predivide != world:
             shard.div_(world / self.predivide)  # the mean over ranks
-        for i, sg in enumerate(unit.sub_groups):
+        added = None
+        for sg in unit.sub_groups:
             part = shard.narrow(0, sg.offset, sg.numel)
-            add = self._adder(unit, i, last, early)
+            add = self._adder(unit, sg, last, early)
             if self.copies is None:
                 add(part)
             else:
-                self.copies.send(slot, part, add)
+                added = self.copies.send(slot, part, add)
+        if early:
+            self.speculation.submit(unit.sub_groups, after=added)
         return last
 
     def _reduce_part(self, unit: Unit, sg: SubGroup, slot: int, dtype: torch.dtype) -> torch.Tensor:
@@ -118,19 +128,9 @@ class Gradients:
             part.div_(world / self.predivide)  # the mean over ranks
         return part
 
-    def _adder(self, unit: Unit, i: int, last: bool, early: bool) -> Callable[[torch.Tensor], None]:
-        """What adds the unit's `i`th sub-group's reduced part, where it lands: speculation learns of the unit's
-        first add (in the adds' order: a unit reduced twice meets its first round there) and gets the unit once
-        its gradient is complete, where it may step early."""
-        sub_groups = unit.sub_groups
-
-        def add(part: torch.Tensor) -> None:
-            if i == 0 and self.speculation is not None:
-                self.speculation.touch(sub_groups)
-            self._add(unit, sub_groups[i], part, last, early)
-            if early and i == len(sub_groups) - 1:
-                self.speculation.submit(sub_groups)
-        return add
+    def _adder(self, unit: Unit, sg: SubGroup, last: bool, early: bool) -> Callable[[torch.Tensor], None]:
+        """What adds the sub-group's reduced part, where it lands."""
+        return lambda part: self._add(unit, sg, part, last, early)
 
     def drain(self) -> None:
         """At the end of the backward: every unit's gradient added (those still on their way to the host)."""

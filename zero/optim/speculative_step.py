@@ -96,14 +96,15 @@ class SpeculativeStep:
             # reads ahead only once it runs, and until then the disk would wait on the backward's first units
             self.swap.prefetch(self.driver._ahead(self._order, self._round.depth), self.driver.work_tier)
 
-    def submit(self, sub_groups: list[SubGroup]) -> None:
-        """These sub-groups' gradients (one unit's) are final: step them on the worker, together (a unit's
-        parameter shard is written by all of its sub-groups in one pass: all of them early, or none)."""
+    def submit(self, sub_groups: list[SubGroup], after: Future | None = None) -> None:
+        """These sub-groups' gradients (one unit's) are final once `after` is done (their last add, on the
+        gradients' adder; None: added already): step them on the worker then, together (a unit's parameter shard
+        is written by all of its sub-groups in one pass: all of them early, or none)."""
         rnd = self._round
         if rnd is None or not sub_groups:
             return
         rnd.submitted.extend(sub_groups)
-        rnd.futures.append(self._pool.submit(self._run, rnd, list(sub_groups)))
+        rnd.futures.append(self._pool.submit(self._run, rnd, list(sub_groups), after))
 
     def touch(self, sub_groups: list[SubGroup]) -> None:
         """A gradient is about to be added to these sub-groups: one stepped early would miss it, so the
@@ -157,7 +158,9 @@ class SpeculativeStep:
 
     # -- the worker ------------------------------------------------------------------------------------------
 
-    def _run(self, rnd: _Round, sub_groups: list[SubGroup]) -> None:
+    def _run(self, rnd: _Round, sub_groups: list[SubGroup], after: Future | None) -> None:
+        if after is not None:
+            after.result()  # the add's error, if any, is the round's (raised at validation, the state restored)
         try:
             self._step_unit(rnd, sub_groups)
         except BudgetExceededError:
