@@ -143,7 +143,7 @@ def test_the_state_stepped_first_last_round_is_read_before_the_backward_reaches_
             return prefetch(names, tier)
 
         engine.swap.prefetch = read_ahead
-        engine.speculation.submit = lambda sub_groups, after=None: (submits.append(len(asked)),
+        engine.speculation.submit = lambda sub_groups, after=(): (submits.append(len(asked)),
                                                                     submit(sub_groups, after))[1]
 
     losses, state, stats, ref_losses, ref_state = train_both(

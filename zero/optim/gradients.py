@@ -75,11 +75,11 @@ class Gradients:
             # The parts go to the host a sub-group at a time: each is flattened (from every rank's range, to be
             # reduce-scattered) and reduced as its copy comes, into scratch of a sub-group's size, not the whole
             # unit into buffers of the largest unit's size (a tied embedding's: the device would hold two).
-            added = None
+            added = []
             for sg in unit.sub_groups:
                 slot = self.copies.scratch()
                 add = self._adder(unit, sg, last, early)
-                added = self.copies.send(slot, self._reduce_part(unit, sg, slot, dtype), add)
+                added.append(self.copies.send(slot, self._reduce_part(unit, sg, slot, dtype), add))
             flat.drop_grads()
             if early:
                 self.speculation.submit(unit.sub_groups, after=added)
@@ -98,14 +98,14 @@ class Gradients:
             shard = grads.narrow(0, *flat.rank_range(self.sharded))
         if world > 1 and self.predivide != world:
             shard.div_(world / self.predivide)  # the mean over ranks
-        added = None
+        added = []
         for sg in unit.sub_groups:
             part = shard.narrow(0, sg.offset, sg.numel)
             add = self._adder(unit, sg, last, early)
             if self.copies is None:
                 add(part)
             else:
-                added = self.copies.send(slot, part, add)
+                added.append(self.copies.send(slot, part, add))
         if early:
             self.speculation.submit(unit.sub_groups, after=added)
         return last

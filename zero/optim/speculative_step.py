@@ -64,6 +64,8 @@ class _Round:
     """Set at validation when the bet failed: the worker steps no more sub-groups."""
     depth: int = 1
     """Sub-groups whose state the worker reads ahead of the one stepping (AdamDriver.deeper)."""
+    incomplete: bool = False
+    """A gradient's add failed (the backward raised its error): the round is rolled back."""
     no_room: bool = False
     """A step found no room in the work tier beside the backward's buffers: the round is rolled back and every
     sub-group steps at the boundary, when the backward has given its room back."""
@@ -96,10 +98,10 @@ class SpeculativeStep:
             # reads ahead only once it runs, and until then the disk would wait on the backward's first units
             self.swap.prefetch(self.driver._ahead(self._order, self._round.depth), self.driver.work_tier)
 
-    def submit(self, sub_groups: list[SubGroup], after: Future | None = None) -> None:
-        """These sub-groups' gradients (one unit's) are final once `after` is done (their last add, on the
-        gradients' adder; None: added already): step them on the worker then, together (a unit's parameter shard
-        is written by all of its sub-groups in one pass: all of them early, or none)."""
+    def submit(self, sub_groups: list[SubGroup], after: list[Future] = ()) -> None:
+        """These sub-groups' gradients (one unit's) are final once the adds `after` are done (on the gradients'
+        adder; none: added already): step them on the worker then, together (a unit's parameter shard is written
+        by all of its sub-groups in one pass: all of them early, or none)."""
         rnd = self._round
         if rnd is None or not sub_groups:
             return
@@ -158,9 +160,10 @@ class SpeculativeStep:
 
     # -- the worker ------------------------------------------------------------------------------------------
 
-    def _run(self, rnd: _Round, sub_groups: list[SubGroup], after: Future | None) -> None:
-        if after is not None:
-            after.result()  # the add's error, if any, is the round's (raised at validation, the state restored)
+    def _run(self, rnd: _Round, sub_groups: list[SubGroup], after: list[Future]) -> None:
+        if any(added.cancelled() or added.exception() is not None for added in after):
+            rnd.stop = rnd.incomplete = True  # the backward raises the add's error; the round cannot commit
+            return
         try:
             self._step_unit(rnd, sub_groups)
         except BudgetExceededError:
@@ -219,7 +222,7 @@ class SpeculativeStep:
                 future.result()
             except BaseException as exc:
                 error = error or exc
-        valid = valid and error is None and not rnd.no_room
+        valid = valid and error is None and not rnd.no_room and not rnd.incomplete
         self._order = list(rnd.submitted)
         self.stats.stepped_early += len(rnd.stepped)
         if valid:
