@@ -17,7 +17,6 @@ import torch
 from tiering import SwapManager, Tier
 
 from .adam_math import AdamThreads, adam_step, torch_fused_step
-from .cast_chunks import add_into, norm_of
 from .compact_step import compact_step, sr_key
 from .state_format import FP32, Kahan, StateFormat, SubGroupCodecs
 
@@ -127,20 +126,24 @@ class AdamDriver:
 
     def accumulate(self, sg: SubGroup, grad: torch.Tensor, pieces: list[tuple[int, int, int]] | None = None, *,
                    fetch_soon: bool = False) -> None:
-        """Add `grad` (this sub-group's slice of the reduced gradient, in the dtype it was reduced in: the sum is
-        taken in fp32, cast_chunks.py) to its accumulated gradient. With `pieces` (the last part of this step's
-        gradient: see `grad_norms`), their norms are taken now, while the gradient is in memory, rather than read
-        back from its tier for them. `fetch_soon`: a step off the trace reads it next (a speculative step), so it
-        is not written behind."""
+        """Add `grad` (this sub-group's slice of the reduced fp32 gradient) to its accumulated gradient. With
+        `pieces` (the last part of this step's gradient: see `grad_norms`), their norms are taken now, while the
+        gradient is in memory, rather than read back from its tier for them. `fetch_soon`: a step off the trace
+        reads it next (a speculative step), so it is not written behind."""
         fresh = sg.grad_fresh
         with self.held(sg, "grad", dirty=True, overwrite=fresh) as acc:  # fresh: nothing to read
             if fresh:
-                acc.copy_(grad)  # cast as it goes where the dtypes differ
+                acc.copy_(grad)
                 sg.grad_fresh = False
-            else:  # a 16-bit one: a second backward without a step (the sum rounded to 16 bits)
-                add_into(acc, grad)
-            sg.norms = None if pieces is None else [  # those of what the step will read
-                (key, norm_of(acc.narrow(0, start, length))) for start, length, key in pieces]
+                total = grad  # the values `acc` now holds, in fp32
+            elif acc.dtype == torch.float32:
+                acc.add_(grad)
+                total = acc
+            else:  # a second backward without a step, gradient kept in 16 bits: added in fp32, then rounded
+                acc.copy_(acc.float().add_(grad))
+                total = acc.float()  # the norms are those of what the step will read
+            sg.norms = None if pieces is None else [
+                (key, torch.linalg.vector_norm(total.narrow(0, start, length))) for start, length, key in pieces]
             if fetch_soon:
                 self.swap.expect_fetch(sg.place("grad")[0])
 
@@ -157,7 +160,8 @@ class AdamDriver:
                 norms.extend(sg.norms)
                 continue
             with self.held(sg, "grad") as acc:
-                norms.extend((key, norm_of(acc.narrow(0, start, length))) for start, length, key in pieces(sg))
+                norms.extend((key, torch.linalg.vector_norm(acc.narrow(0, start, length).float()))
+                             for start, length, key in pieces(sg))
         return norms
 
     @contextlib.contextmanager

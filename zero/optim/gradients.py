@@ -3,7 +3,7 @@ global gradient norm that clipping and fp16 overflow checks read.
 
 A unit's gradients are flattened into one buffer (the unit's layout), divided as DeepSpeed's gradient
 averaging asks, reduced (all-reduce, or reduce-scatter when gradients are partitioned: stage 2 on), and this
-rank's range is added to the sub-groups' accumulated gradient, the sum taken in fp32 (AdamDriver.accumulate).
+rank's range is cast to fp32 once and added to the sub-groups' accumulated gradient (AdamDriver.accumulate).
 Where they go to the host (and, with several ranks, are reduce-scattered), a sub-group's part at a time is
 flattened, reduced and sent, so the device holds scratch of a sub-group's size rather than of the largest unit's.
 Where the optimizer works on the host, the range goes there first, asynchronously (gradient_copies.py), and is
@@ -21,7 +21,6 @@ import torch
 from ..comm import DataParallel
 from ..services.counters import StepCounters
 from ..params.unit import Unit
-from .cast_chunks import BUFFER_BYTES
 from .driver import AdamDriver, SubGroup
 from .gradient_copies import GradientCopies
 from .speculative_step import SpeculativeStep
@@ -60,7 +59,6 @@ class Gradients:
         self.copies = copies
         self.reserve_device = reserve_device
         self._scratches: dict[str, torch.Tensor] = {}
-        self._cast_counted = False
 
     def reduce(self, unit: Unit) -> bool:
         """Flatten the unit's gradients (freeing them), reduce them over ranks, add this rank's range in fp32
@@ -144,12 +142,11 @@ class Gradients:
             self.copies.close()
 
     def _add(self, unit: Unit, sg: SubGroup, part: torch.Tensor, last: bool, early: bool) -> None:
-        """Add the sub-group's part of the reduced gradient, in the dtype it was reduced in, to its accumulated
-        gradient; on the boundary (`last`) its norms are taken meanwhile. Where the device steps, the fp32 cast's
-        chunk (cast_chunks.py) is on the device: counted once."""
-        if self.copies is None and part.dtype != torch.float32 and not self._cast_counted:
-            self.reserve_device(BUFFER_BYTES, "gradient cast chunk", REDUCTION_SCRATCH)
-            self._cast_counted = True
+        """Add the sub-group's part of the reduced gradient to its accumulated gradient, in fp32 (cast once, into
+        reused memory); on the boundary (`last`) its norms are taken meanwhile."""
+        if part.dtype != torch.float32:
+            part = self._scratch("fp32", part.numel(), torch.float32, part.device,
+                                 on_device=self.copies is None).copy_(part)
         self.driver.accumulate(sg, part, self.pieces(unit, sg) if last else None, fetch_soon=early)
 
     def norm(self, units: list[Unit]) -> torch.Tensor:
@@ -179,14 +176,15 @@ class Gradients:
         return out
 
     def _scratch(self, role: str, numel: int, dtype: torch.dtype, device: torch.device, *,
-                 largest: int | None = None) -> torch.Tensor:
+                 largest: int | None = None, on_device: bool = True) -> torch.Tensor:
         """A reused buffer of `numel` elements for `role` (gradient reduction runs every micro-batch: fresh
         memory each time would be page faults on every step), made once at the size of the largest request,
-        `largest` (default: the largest unit), in the device tier (with CUDA on the GPU; without, the CPU stands
-        in for it), so the device budget counts it while it lives."""
+        `largest` (default: the largest unit); `on_device`: in the device tier (with CUDA on the GPU; without,
+        the CPU stands in for it), so the device budget counts it while it lives."""
         buffer = self._scratches.get(role)
         if buffer is None:
             size = max(numel, self.largest_unit if largest is None else largest)
-            self.reserve_device(size * dtype.itemsize, f"gradient reduction {role}", REDUCTION_SCRATCH)
+            if on_device:
+                self.reserve_device(size * dtype.itemsize, f"gradient reduction {role}", REDUCTION_SCRATCH)
             buffer = self._scratches[role] = torch.empty(size, dtype=dtype, device=device)
         return buffer[:numel]

@@ -31,7 +31,6 @@ from torch import nn
 from tiering import NvmeStoreConfig, SwapConfig, Tier
 
 from ..config import Config, ConfigError
-from ..optim.cast_chunks import BUFFER_BYTES
 from ..optim.gradient_copies import SLOTS
 from ..optim.gradients import COMM_DTYPES
 from ..params import int8_weights
@@ -252,8 +251,8 @@ def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: n
     gradient, or in a block's backward, whichever is larger. The reduction's
     scratch, one per gradient copy in flight to the host: where the gradients go there (one rank, or
     reduce-scattered), a sub-group's part from every rank's range and its reduced piece (gradients.py); else the
-    largest unit's flattened gradients, its reduced shard when reduce-scattered, and the fp32 cast's chunk
-    (cast_chunks.py) where the device steps. Segments homed on the device (parameter shards, optimizer state) stay there. Activations kept on the
+    largest unit's flattened gradients, its reduced shard when reduce-scattered, and the fp32 cast where the device
+    steps. Segments homed on the device (parameter shards, optimizer state) stay there. Activations kept on the
     device are not counted: they depend on the batch."""
     zo = cfg.zero_optimization
     world = plan[0][0].world_size if plan else 1
@@ -271,7 +270,7 @@ def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: n
         if zo.stage >= 2 and world > 1:
             scratch += slots * charge(largest // world * reduce_bytes)
     if not work_on_host and reduce_bytes != 4:
-        scratch += charge(BUFFER_BYTES)
+        scratch += charge(largest * 4)
     parts = {"segments": 0, "gathered units": 0, "unit gradients": 0, "reduction scratch": scratch if learning else 0}
     if stage3:
         # A block's units (one per param group, and its frozen ones: in the backward they stay until the block's
