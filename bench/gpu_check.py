@@ -243,7 +243,9 @@ def profile_step(plan: Plan, out: str) -> dict:
     |copies ∪ kernels|). On nvme the units wait for the disk, so the GPU is mostly idle and a copy has few kernels
     to hide behind; with the state in host memory the forward and backward are what the copies must overlap.
     `gradient_hooks_s`: the host's time in the gradient hooks (AccumulateGrad), where the backward's thread adds
-    each part on the host and queues no kernel (session 28: 108 of a 189 ms step, bench/RESULTS.md)."""
+    each part on the host and queued no kernel (session 28: 108 of a 189 ms step, bench/RESULTS.md) until the adds
+    moved to a thread of their own (session 29); `adding_s`: that thread's time in the adds (where it is near the
+    step, the adder bounds it)."""
     if not plan.cuda:
         return skipped("profile of a streamed step (copy/kernel overlap, GPU idle)", "no CUDA")
     runs = [profile_one(plan, offload, out) for offload in ("cpu", "nvme")]
@@ -259,10 +261,13 @@ def profile_one(plan: Plan, offload: str, out: str) -> dict:
     with streamed_engine(plan, PROFILE_BATCH, offload) as engine:
         engine_train(engine, data[:1])  # warm-up: the trace, the allocator, cuBLAS
         torch.cuda.synchronize()
+        adder = engine.gradients.copies  # the gradients' adds' thread (None where the device steps)
+        adding = adder.adding_s if adder is not None else 0.0
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             with record_function(STEP):
                 engine_train(engine, data[1:])
                 torch.cuda.synchronize()
+        adding = adder.adding_s - adding if adder is not None else None
     events = prof.profiler.kineto_results.events()
     start, end = next((e.start_ns(), e.end_ns()) for e in events
                       if e.name() == STEP and e.device_type() == DeviceType.CPU)
@@ -284,7 +289,7 @@ def profile_one(plan: Plan, offload: str, out: str) -> dict:
             "copy_s": copy_ns / 1e9, "kernels": len(kernels), "kernel_s": kernel_ns / 1e9,
             "gpu_idle": 1 - kernel_ns / (end - start), "trace": trace,
             "copy_overlap": (copy_ns + kernel_ns - covered(copies + kernels)) / copy_ns if copy_ns else None,
-            "gradient_hooks_s": covered(hooks) / 1e9}
+            "gradient_hooks_s": covered(hooks) / 1e9, "adding_s": adding}
 
 
 def activation_bytes(plan: Plan, data: list[torch.Tensor]) -> int:

@@ -10,6 +10,7 @@ backward waits for the adds at its end (`drain`). Without CUDA the copy worker r
 so CI checks the ordering a GPU needs (tests/test_gradient_copies.py)."""
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,6 +48,9 @@ class GradientCopies:
         self._landings: deque[Landing] = deque()  # in the order the copies were queued
         self._next_scratch = self._next_staging = 0
         self._adder = ThreadPoolExecutor(1, thread_name_prefix="zero-gradient-add")
+        self.adding_s = 0.0
+        """The adder's seconds in adds since the engine was built (not counting its waits for the copies): where it,
+        not the backward, bounds the step, about as long as the backward (bench/gpu_check.py reports it)."""
 
     def scratch(self) -> int:
         """The device scratch the next unit reduces into: every copy that read it has landed."""
@@ -74,8 +78,12 @@ class GradientCopies:
 
     def _add(self, event: CopyEvent, staged: torch.Tensor, add: Callable[[torch.Tensor], None]) -> None:
         event.synchronize()
-        with self.swap.untraced():  # interleaved with the backward's fetches differently every step
-            add(staged)
+        start = time.perf_counter()
+        try:
+            with self.swap.untraced():  # interleaved with the backward's fetches differently every step
+                add(staged)
+        finally:
+            self.adding_s += time.perf_counter() - start
 
     def drain(self) -> None:
         """Land every copy still in flight (the backward's gradients are all added) and give the staging back."""
