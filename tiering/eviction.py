@@ -237,11 +237,11 @@ class Eviction:
                 self._cow_pending -= seg.nbytes
             seg.extent = extent
             self.stats.peak_bytes["nvme"] = max(self.stats.peak_bytes["nvme"], self.store.used_bytes)
-        if self.config.checksums:
-            seg.checksum = checksum(seg.storage("host"))
         final, start = self._begin(seg, action, action, None)
 
         def written(h: Handle) -> None:
+            if h.error is None and self.config.checksums:  # off the lock: the bytes do not change while moving
+                seg.checksum = checksum(seg.storage("host"))
             self._settle(seg, "host->nvme", start, action, final, h.error, landed)
             if h.error is None:  # the room this write freed (or made free to take) may be what a prefetch waits for
                 self._prefetch_ahead()
