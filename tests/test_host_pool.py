@@ -295,3 +295,25 @@ def test_a_dropped_buffer_leaves_the_process():
         del buffer
         gc.collect()
         assert not mapped(address), "a dropped host buffer is still mapped"
+
+
+def test_an_unmade_buffer_counts_its_bytes_and_allocates_only_when_made():
+    """A buffer lent unmade (the swap manager's reads and staging: made off its lock) is counted against the budget
+    at once; released unmade it gives its count back and caches nothing; a cached buffer that fits is lent made."""
+    p = pool(1 * MiB)
+    b = p.acquire(300 * KiB, "a read", unmade=True)
+    assert b.storage is None and b.capacity == 300 * KiB and p.in_use == p.held == 300 * KiB
+    with pytest.raises(BudgetExceededError):
+        p.acquire(800 * KiB, unmade=True)  # the unmade bytes count
+    b.make()
+    assert b.storage is not None and b.storage.data_ptr() % 4096 == 0 and p.allocations == 1
+    b.release()
+    again = p.acquire(300 * KiB, unmade=True)  # from the cache: made already
+    assert again.storage is not None and again.unmade == 0
+    again.release()
+    never = p.acquire(600 * KiB, unmade=True)
+    held = p.held
+    never.release()  # never made: nothing to cache
+    assert p.in_use == 0 and p.held == held - 600 * KiB
+    with pytest.raises(RuntimeError, match="released twice"):
+        never.release()

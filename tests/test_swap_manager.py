@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -490,3 +491,24 @@ def test_an_adopted_tensor_is_counted_on_the_device_until_its_copy_lands():
             swap.adopt("t", data.t(), home="host")
         swap.adopt("d", data.clone(), home="device").wait()
         assert swap.segments["d"].state.tier == "device"
+
+
+@pytest.mark.parametrize("engine", ["libaio", "threads"])
+def test_a_fresh_buffer_a_read_lands_in_is_made_off_the_lock(make_manager, engine, monkeypatch):
+    """Touching a fresh buffer's pages takes ~10 ms a 100 MB: under the manager's lock every other thread, and the
+    I/O's completions, would wait. A read's fresh buffer is made on the allocator thread, the lock not held, and
+    the bytes arrive as written; so is a staging buffer acquired with acquire_host."""
+    from tiering import host_pool
+
+    mgr = make_manager(engine=engine, host_budget=4 * PAGE)
+    mgr.register("a", dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(7)).wait()
+    mgr.pool.trim()  # nothing cached: the read needs a fresh buffer
+    made = []
+    real = host_pool.aligned_empty
+    monkeypatch.setattr(host_pool, "aligned_empty", lambda size, pin=False: (
+        made.append((threading.current_thread().name, mgr._lock._is_owned())), real(size, pin=pin))[1])
+    assert torch.equal(use(mgr, "a", "host"), page(7))
+    staging = mgr.acquire_host(PAGE, "staging")
+    staging.release()
+    assert [owned for _, owned in made] == [False, False], made
+    assert made[0][0].startswith("tiering-alloc")

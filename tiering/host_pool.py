@@ -28,16 +28,25 @@ class HostPoolConfig:
 
 class HostBuffer:
     """A buffer lent by the pool. `tensor` is a uint8 view of `nbytes` (the request); `capacity` bytes are
-    owned, aligned and safe for O_DIRECT I/O of `nbytes` rounded up to 4 KiB. Return it with `release()`."""
+    owned, aligned and safe for O_DIRECT I/O of `nbytes` rounded up to 4 KiB. Return it with `release()`.
+    One lent `unmade` (see HostBufferPool.acquire) has its bytes counted but no memory until `make()`."""
 
-    __slots__ = ("pool", "storage", "nbytes", "what")
+    __slots__ = ("pool", "storage", "nbytes", "what", "unmade")
 
-    def __init__(self, pool: HostBufferPool, storage: torch.Tensor, nbytes: int, what: str):
+    def __init__(self, pool: HostBufferPool, storage: torch.Tensor | None, nbytes: int, what: str, unmade: int = 0):
         self.pool, self.storage, self.nbytes, self.what = pool, storage, nbytes, what
+        self.unmade = unmade
+        """Bytes counted for a buffer not allocated yet (0 once made, or when it came from the cache)."""
+
+    def make(self) -> None:
+        """Allocate an unmade buffer's memory (touching its pages: slow, so outside the caller's locks)."""
+        if self.unmade:
+            self.storage = self.pool.allocate(self.unmade)
+            self.unmade = 0
 
     @property
     def capacity(self) -> int:
-        return self.storage.numel()
+        return self.storage.numel() if self.storage is not None else self.unmade
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -91,7 +100,9 @@ class HostBufferPool:
     def held(self) -> int:
         return self._held
 
-    def acquire(self, nbytes: int, what: str = "") -> HostBuffer:
+    def acquire(self, nbytes: int, what: str = "", *, unmade: bool = False) -> HostBuffer:
+        """A buffer of at least `nbytes`. `unmade`: where no cached buffer serves, only count its bytes now and
+        leave allocating it to the buffer's `make()` (a fresh buffer's pages take ~10 ms a 100 MB to touch)."""
         size = align_up(max(nbytes, 1))
         with self._lock:
             storage = self._take_cached(size)
@@ -105,14 +116,20 @@ class HostBufferPool:
             self._in_use += storage.numel() if storage is not None else size
             self.peak_in_use = max(self.peak_in_use, self._in_use)
         if storage is None:
-            try:
-                storage = aligned_empty(size, pin=self.pin)
-            except BaseException:
-                with self._lock:
-                    self._held -= size
-                    self._in_use -= size
-                raise
+            if unmade:
+                return HostBuffer(self, None, nbytes, what, unmade=size)
+            storage = self.allocate(size)
         return HostBuffer(self, storage, nbytes, what)
+
+    def allocate(self, size: int) -> torch.Tensor:
+        """The memory of a buffer of `size` bytes counted already; on failure the count is given back."""
+        try:
+            return aligned_empty(size, pin=self.pin)
+        except BaseException:
+            with self._lock:
+                self._held -= size
+                self._in_use -= size
+            raise
 
     def _take_cached(self, size: int) -> torch.Tensor | None:
         for i, storage in enumerate(self._cached):  # sorted by size: the first fit is the best fit
@@ -123,7 +140,13 @@ class HostBufferPool:
     def release(self, buffer: HostBuffer) -> None:
         storage = buffer.storage
         if storage is None:
-            raise RuntimeError(f"host buffer {buffer.what!r} released twice")
+            if not buffer.unmade:
+                raise RuntimeError(f"host buffer {buffer.what!r} released twice")
+            with self._lock:  # never made: its count goes, nothing is cached
+                self._in_use -= buffer.unmade
+                self._held -= buffer.unmade
+            buffer.unmade = 0
+            return
         buffer.storage = None
         with self._lock:
             self._in_use -= storage.numel()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Iterator
 
 import torch
@@ -72,6 +73,8 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
         frees (a write landing, a fetch, a release), so a caller's read-ahead keeps the disk queue full."""
         self._closing = False  # no prefetch may start once close() began
         self._thread = threading.local()  # per thread: `untraced` set while inside untraced()
+        self._allocator = ThreadPoolExecutor(1, thread_name_prefix="tiering-alloc")
+        """Makes the fresh host buffers reads land in, in the order the reads were started (see _read)."""
 
     # -- registration -------------------------------------------------------------------------------------
 
@@ -308,9 +311,10 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
         stand_in = Segment(what, torch.uint8, (nbytes,), "host", Residency.HOST)  # sized like the buffer
         with self._lock:
             self._fit("host", stand_in, blocking=True, wait=True)
-            buffer = self.pool.acquire(nbytes, what)
+            buffer = self.pool.acquire(nbytes, what, unmade=True)
             self._note_peaks()
-            return buffer
+        buffer.make()  # off the lock
+        return buffer
 
     def end_step(self) -> None:
         """Mark a step boundary: the trace adopts this step's order if it changed."""
@@ -344,6 +348,7 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
         for move in [seg.move for seg in self.segments.values() if seg.move is not None]:
             with contextlib.suppress(TieringError):  # closing: whoever waited on the move was told
                 move.wait()
+        self._allocator.shutdown()
         self.device_tier.close()
         with self._lock:
             for seg in self.segments.values():
@@ -425,8 +430,8 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
                 fit = self._fit(t, seg, blocking=blocking, horizon=horizon)
                 if fit.kind is not Kind.DONE:
                     return fit
-        if need_host:
-            seg.host = self.pool.acquire(seg.nbytes, seg.name)
+        if need_host:  # a buffer read into is made on the allocator, off the lock (see _read)
+            seg.host = self.pool.acquire(seg.nbytes, seg.name, unmade=seg.state == Residency.NVME and not seg.spent)
         if need_device:
             seg.device = self.device_tier.allocate(seg.nbytes, seg.name)
         self._note_peaks()
@@ -445,8 +450,18 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
         return DONE
 
     def _read(self, seg: Segment, then_device: bool) -> Handle:
+        """Read `seg` from nvme into its host buffer, which the allocator makes first where it is fresh (the pages
+        of 100 MB take ~10 ms to touch: under the lock, every other thread and the I/O's completions would wait)."""
         final, start = self._begin(seg, "read", "fetch", None)
-        read = self.store.read(seg.extent, seg.host.storage, seg.nbytes)
+
+        def submit() -> None:
+            try:
+                seg.host.make()
+                read = self.store.read(seg.extent, seg.host.storage, seg.nbytes)
+            except BaseException as exc:  # noqa: BLE001  (the move fails with it, as a failed read does)
+                read = Handle(label=f"read {seg.name}")
+                read.part_done(exc)
+            read.add_done_callback(read_done)
 
         def read_done(h: Handle) -> None:
             error = h.error
@@ -471,7 +486,10 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
                     seg.move = None
             final.part_done(error)
 
-        read.add_done_callback(read_done)
+        if seg.host.unmade:
+            self._allocator.submit(submit)
+        else:
+            submit()
         return final
 
     def _to_device(self, seg: Segment, final: Handle | None = None) -> Handle:
