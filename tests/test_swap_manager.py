@@ -496,19 +496,23 @@ def test_an_adopted_tensor_is_counted_on_the_device_until_its_copy_lands():
 @pytest.mark.parametrize("engine", ["libaio", "threads"])
 def test_a_fresh_buffer_a_read_lands_in_is_made_off_the_lock(make_manager, engine, monkeypatch):
     """Touching a fresh buffer's pages takes ~10 ms a 100 MB: under the manager's lock every other thread, and the
-    I/O's completions, would wait. A read's fresh buffer is made on the allocator thread, the lock not held, and
-    the bytes arrive as written; so is a staging buffer acquired with acquire_host."""
+    I/O's completions, would wait. A read's fresh buffer, and a claimed one (a fetch to overwrite), are made on the
+    allocator thread, the lock not held, and the bytes are right; a staging buffer from acquire_host too."""
     from tiering import host_pool
 
     mgr = make_manager(engine=engine, host_budget=4 * PAGE)
-    mgr.register("a", dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(7)).wait()
-    mgr.pool.trim()  # nothing cached: the read needs a fresh buffer
+    for name in "ab":
+        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(7)).wait()
+    mgr.pool.trim()  # nothing cached: each needs a fresh buffer
     made = []
     real = host_pool.aligned_empty
     monkeypatch.setattr(host_pool, "aligned_empty", lambda size, pin=False: (
         made.append((threading.current_thread().name, mgr._lock._is_owned())), real(size, pin=pin))[1])
     assert torch.equal(use(mgr, "a", "host"), page(7))
+    mgr.acquire("b", "host", overwrite=True).fill_(3)  # claimed: nothing read, the buffer made all the same
+    mgr.release("b", dirty=True)
     staging = mgr.acquire_host(PAGE, "staging")
     staging.release()
-    assert [owned for _, owned in made] == [False, False], made
-    assert made[0][0].startswith("tiering-alloc")
+    assert [owned for _, owned in made] == [False, False, False], made
+    assert [name.split("_")[0] for name, _ in made[:2]] == ["tiering-alloc"] * 2
+    assert torch.equal(use(mgr, "b", "host"), page(3))

@@ -430,8 +430,8 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
                 fit = self._fit(t, seg, blocking=blocking, horizon=horizon)
                 if fit.kind is not Kind.DONE:
                     return fit
-        if need_host:  # a buffer read into is made on the allocator, off the lock (see _read)
-            seg.host = self.pool.acquire(seg.nbytes, seg.name, unmade=seg.state == Residency.NVME and not seg.spent)
+        if need_host:  # a fresh buffer is made on the allocator, off the lock (_read, _claim)
+            seg.host = self.pool.acquire(seg.nbytes, seg.name, unmade=True)
         if need_device:
             seg.device = self.device_tier.allocate(seg.nbytes, seg.name)
         self._note_peaks()
@@ -439,6 +439,8 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
             if need_device:
                 seg.to("claim_device" if seg.state == Residency.HOST else "claim_device_from_nvme")
             elif seg.state == Residency.NVME:
+                if seg.host.unmade:
+                    return Outcome(Kind.STARTED, self._claim(seg))
                 seg.to("claim_host")
             seg.host_current = tier == "host"
             seg.nvme_current = False
@@ -490,6 +492,31 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
             self._allocator.submit(submit)
         else:
             submit()
+        return final
+
+    def _claim(self, seg: Segment) -> Handle:
+        """A spent segment's host buffer, fresh, made on the allocator off the lock: the segment moves ("read",
+        nothing read) until it is, so no one else sees it without its memory."""
+        final, _ = self._begin(seg, "read", "claim", None)
+
+        def make() -> None:
+            error = None
+            try:
+                seg.host.make()
+            except BaseException as exc:  # noqa: BLE001  (the claim fails with it)
+                error = exc
+            with self._lock:
+                seg.move = None
+                if error is not None:
+                    seg.to("read_failed")
+                    self._drop_host(seg)
+                else:
+                    seg.to("read_done")
+                    seg.host_current = True
+                    seg.nvme_current = False
+            final.part_done(error)
+
+        self._allocator.submit(make)
         return final
 
     def _to_device(self, seg: Segment, final: Handle | None = None) -> Handle:
