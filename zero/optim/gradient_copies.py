@@ -49,8 +49,8 @@ class GradientCopies:
         self._next_scratch = self._next_staging = 0
         self._adder = ThreadPoolExecutor(1, thread_name_prefix="zero-gradient-add")
         self.adding_s = 0.0
-        """The adder's seconds in adds since the engine was built (not counting its waits for the copies): where it,
-        not the backward, bounds the step, about as long as the backward (bench/gpu_check.py reports it)."""
+        """The adder's seconds in adds since the engine was built, its waits for the copies not counted
+        (bench/gpu_check.py reports it: near the backward's length, the adder is what bounds the step)."""
 
     def scratch(self) -> int:
         """The device scratch the next unit reduces into: every copy that read it has landed."""

@@ -8,7 +8,7 @@ Where they go to the host (and, with several ranks, are reduce-scattered), a sub
 flattened, reduced and sent, so the device holds scratch of a sub-group's size rather than of the largest unit's.
 Where the optimizer works on the host, the range goes there first, asynchronously (gradient_copies.py), and is
 added there by a thread of its own; `drain` waits for the last adds at the end of the backward. A unit whose
-gradient is final then steps early (speculative_step.py) once its last add is done.
+gradient is final steps early (speculative_step.py) once all its adds are done.
 Norms are taken per parameter piece, keyed by the parameter's place in the model, so they sum in torch's
 clip_grad_norm_ order; on the accumulation boundary they are taken while the gradient is still in memory.
 """
