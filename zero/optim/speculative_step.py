@@ -161,7 +161,7 @@ class SpeculativeStep:
     # -- the worker ------------------------------------------------------------------------------------------
 
     def _run(self, rnd: _Round, sub_groups: list[SubGroup], after: list[Future]) -> None:
-        if any(added.cancelled() or added.exception() is not None for added in after):
+        if any(added.cancelled() or added.exception() is not None for added in after):  # (waits for each add)
             rnd.stop = rnd.incomplete = True  # the backward raises the add's error; the round cannot commit
             return
         try:
