@@ -9,6 +9,7 @@ import torch
 
 from .aligned import align_up, aligned_empty
 from .errors import BudgetExceededError, TieringConfigError
+from .host_arena import FRAME, HostArena, max_frames
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,6 +20,10 @@ class HostPoolConfig:
     pin: bool | None = None
     """Page-lock the buffers (fast, asynchronous host<->device copies). None: pin when CUDA is available."""
 
+    arena: bool = False
+    """Lend buffers of 2 MiB or more from a HostArena (unpinned buffers, a finite budget): freed memory serves
+    any later size. Its buffers are views of one mapping: not for a caller that keeps a buffer's storage."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.budget, int) or self.budget < 0:
             raise TieringConfigError("host budget", self.budget, "a non-negative integer of bytes")
@@ -26,23 +31,37 @@ class HostPoolConfig:
             raise TieringConfigError("pin_memory", self.pin, "true, false or null")
 
 
+ARENA_RESERVE = 3
+"""An arena's address space, in budgets: a lent run needs a free run as long, wherever frames lie."""
+
+
 class HostBuffer:
     """A buffer lent by the pool. `tensor` is a uint8 view of `nbytes` (the request); `capacity` bytes are
     owned, aligned and safe for O_DIRECT I/O of `nbytes` rounded up to 4 KiB. Return it with `release()`.
-    One lent `unmade` (see HostBufferPool.acquire) has its bytes counted but no memory until `make()`."""
+    One lent `unmade` (see HostBufferPool.acquire) has its bytes counted but not all its pages until `make()`."""
 
-    __slots__ = ("pool", "storage", "nbytes", "what", "unmade")
+    __slots__ = ("pool", "storage", "nbytes", "what", "unmade", "spans")
 
-    def __init__(self, pool: HostBufferPool, storage: torch.Tensor | None, nbytes: int, what: str, unmade: int = 0):
+    def __init__(self, pool: HostBufferPool, storage: torch.Tensor | None, nbytes: int, what: str, unmade: int = 0,
+                 spans: list[tuple[int, int]] | None = None):
         self.pool, self.storage, self.nbytes, self.what = pool, storage, nbytes, what
         self.unmade = unmade
         """Bytes counted for a buffer not allocated yet (0 once made, or when it came from the cache)."""
+        self.spans = spans
+        """An arena buffer's byte spans (in the arena) still to fault in; None once made."""
+
+    @property
+    def made(self) -> bool:
+        return not self.unmade and not self.spans
 
     def make(self) -> None:
-        """Allocate an unmade buffer's memory (touching its pages: slow, so outside the caller's locks)."""
+        """Allocate an unmade buffer's memory, or fault in its pages (slow, so outside the caller's locks)."""
         if self.unmade:
             self.storage = self.pool.allocate(self.unmade)
             self.unmade = 0
+        if self.spans:
+            self.pool.arena.touch(self.spans)
+        self.spans = None
 
     @property
     def capacity(self) -> int:
@@ -72,21 +91,36 @@ class HostBuffer:
 class HostBufferPool:
     """Lends aligned host buffers and takes them back for reuse, never holding more than `budget` bytes.
 
-    A request is served from the smallest cached buffer that fits, if that is at most twice its size (a
-    larger one would count against the budget for bytes nobody uses); otherwise a new buffer is allocated
-    (and touched once), first dropping cached buffers, the smallest first, if the budget needs the room. If buffers in use leave no
-    room, `acquire` raises BudgetExceededError with the budget, the bytes in use and the bytes requested.
+    A request of 2 MiB or more is lent from a HostArena where the config asks for one: its freed frames serve
+    requests of any size. Another is served from the smallest cached buffer that fits, if that is at most twice
+    its size (a larger one would count against the budget for bytes nobody uses); otherwise a new buffer is
+    allocated (and touched once), first dropping cached buffers, the smallest first, then the arena's free frames,
+    if the budget needs the room. If buffers in use leave no room, `acquire` raises BudgetExceededError with the
+    budget, the bytes in use and the bytes requested.
     """
 
     def __init__(self, config: HostPoolConfig):
         self.config = config
         self.pin = torch.cuda.is_available() if config.pin is None else config.pin
         self._cached: list[torch.Tensor] = []
-        self._held = 0  # bytes allocated: in use + cached
+        self._held = 0  # bytes of whole buffers allocated: in use + cached (the arena counts its own)
         self._in_use = 0
         self.peak_in_use = 0
         self.allocations = 0
+        self.arena = self._make_arena()
         self._lock = threading.Lock()
+
+    def _make_arena(self) -> HostArena | None:
+        """An arena of ARENA_RESERVE budgets of address space (room for free runs between lent ones), where the
+        config asks for one, the buffers are unpinned and the budget is small enough to reserve that much (and the
+        kernel lets it: strict overcommit counts the reserve as memory)."""
+        frames = ARENA_RESERVE * self.budget // FRAME
+        if not self.config.arena or self.pin or not self.budget or frames > max_frames():
+            return None
+        try:
+            return HostArena(frames * FRAME)
+        except OSError:
+            return None
 
     @property
     def budget(self) -> int:
@@ -98,28 +132,53 @@ class HostBufferPool:
 
     @property
     def held(self) -> int:
-        return self._held
+        return self._held + (self.arena.populated if self.arena is not None else 0)
 
     def acquire(self, nbytes: int, what: str = "", *, unmade: bool = False) -> HostBuffer:
-        """A buffer of at least `nbytes`. `unmade`: where no cached buffer serves, only count its bytes now and
-        leave allocating it to the buffer's `make()` (a fresh buffer's pages take ~10 ms a 100 MB to touch)."""
+        """A buffer of at least `nbytes`. `unmade`: only count its bytes now and leave the page faults (a fresh
+        buffer's pages take ~10 ms a 100 MB to touch) to the buffer's `make()`."""
         size = align_up(max(nbytes, 1))
         with self._lock:
-            storage = self._take_cached(size)
+            if self._in_use + size > self.budget:
+                raise BudgetExceededError("host", self.budget, self._in_use, size, what)
+            lent = self._lend(size) if self.arena is not None and size >= FRAME else None
+            storage = lent[0] if lent is not None else self._take_cached(size)
             if storage is None:
-                if self._in_use + size > self.budget:
-                    raise BudgetExceededError("host", self.budget, self._in_use, size, what)
-                while self._held + size > self.budget:
-                    self._held -= self._cached.pop(0).numel()  # drop the smallest cached buffer
-                self._held += size
+                self._room(size)
                 self.allocations += 1
-            self._in_use += storage.numel() if storage is not None else size
+            self._in_use += size if storage is None else storage.numel()
             self.peak_in_use = max(self.peak_in_use, self._in_use)
-        if storage is None:
-            if unmade:
-                return HostBuffer(self, None, nbytes, what, unmade=size)
-            storage = self.allocate(size)
-        return HostBuffer(self, storage, nbytes, what)
+        if lent is not None:
+            buffer = HostBuffer(self, storage, nbytes, what, spans=lent[1])
+        else:
+            buffer = HostBuffer(self, storage, nbytes, what, unmade=size if storage is None else 0)
+        if not unmade:
+            buffer.make()
+        return buffer
+
+    def _lend(self, size: int) -> tuple[torch.Tensor, list[tuple[int, int]]] | None:
+        """With the lock held: `size` bytes from the arena; None where no free run of it is long enough (a whole
+        buffer is allocated instead)."""
+        start = self.arena.place(size)
+        if start is None:
+            return None
+        lent = self.arena.lend(start, size)
+        self._fit_budget()
+        self.allocations += bool(lent[1])
+        return lent
+
+    def _room(self, size: int) -> None:
+        """With the lock held: count a new whole buffer of `size` bytes, making room for it."""
+        self._held += size
+        self._fit_budget()
+
+    def _fit_budget(self) -> None:
+        """With the lock held: give back cached buffers (the smallest first), then the arena's free frames, while
+        the books pass the budget (nothing counted has been touched yet)."""
+        while self.held > self.budget and self._cached:
+            self._held -= self._cached.pop(0).numel()
+        if self.held > self.budget:
+            self.arena.shed(self.held - self.budget)
 
     def allocate(self, size: int) -> torch.Tensor:
         """The memory of a buffer of `size` bytes counted already; on failure the count is given back."""
@@ -150,12 +209,18 @@ class HostBufferPool:
         buffer.storage = None
         with self._lock:
             self._in_use -= storage.numel()
-            bisect.insort(self._cached, storage, key=torch.Tensor.numel)
+            if self.arena is not None and self.arena.owns(storage):
+                self.arena.give_back(storage, untouched=buffer.spans)
+            else:
+                bisect.insort(self._cached, storage, key=torch.Tensor.numel)
+        buffer.spans = None
 
     def trim(self) -> int:
-        """Free every cached buffer; returns the bytes given back."""
+        """Free every cached buffer and the arena's free frames; returns the bytes given back."""
         with self._lock:
             freed = sum(s.numel() for s in self._cached)
             self._cached.clear()
             self._held -= freed
+            if self.arena is not None:
+                freed += self.arena.shed(self.arena.populated)
         return freed

@@ -55,7 +55,7 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
 
     def __init__(self, config: SwapConfig, *, device: torch.device | None = None):
         self.config = config
-        self.pool = HostBufferPool(HostPoolConfig(budget=config.host_budget, pin=config.pin))
+        self.pool = HostBufferPool(HostPoolConfig(budget=config.host_budget, pin=config.pin, arena=True))
         self.device_tier = DeviceTier(config.device_budget, device)
         self.store = NvmeStore(config.nvme) if config.nvme is not None else None
         self.segments: dict[str, Segment] = {}
@@ -439,7 +439,7 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
             if need_device:
                 seg.to("claim_device" if seg.state == Residency.HOST else "claim_device_from_nvme")
             elif seg.state == Residency.NVME:
-                if seg.host.unmade:
+                if not seg.host.made:
                     return Outcome(Kind.STARTED, self._claim(seg))
                 seg.to("claim_host")
             seg.host_current = tier == "host"
@@ -488,7 +488,7 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
                     seg.move = None
             final.part_done(error)
 
-        if seg.host.unmade:
+        if not seg.host.made:
             self._allocator.submit(submit)
         else:
             submit()
