@@ -5,7 +5,7 @@ Why: a step's host buffers come in sizes that take turns (a unit's parameter sha
 state parts and gradients of 8-16 MB in the backward and the step). A pool of whole buffers under a byte budget
 cannot serve a 16 MB request from a freed 200 MB buffer, so it unmapped cached buffers and faulted fresh ones in:
 1.1-2.1 GB a step at 1b x 4 layers with a 1 GiB budget, and a stand-in that kept them (over the budget) stepped
-5-15% faster (bench/RESULTS.md, session 30). Placing freed ranges in place was tried (session 21): a large buffer
+5-15% faster (bench/RESULTS.md, session 30). Placing freed ranges in place was tried (session 23): a large buffer
 rarely finds a free run whose pages are still there. Moving a frame's page table entry costs ~15 us (a huge page
 moves as one entry); faulting its 2 MiB in costs ~10x that and more when the cores are busy.
 
