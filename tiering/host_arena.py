@@ -11,7 +11,8 @@ moves as one entry); faulting its 2 MiB in costs ~10x that and more when the cor
 
 Physical memory is counted exactly: a run starts on a frame boundary, its whole frames are huge pages (an O_DIRECT
 request stays physically contiguous, aligned.py), and its last, partial frame is kept on 4 KiB pages and populated
-only as far as the run reaches. Only whole frames move; a partial one is reused where it lies or given back.
+only as far as the run reaches. Whole frames move into whole frames; a last frame takes the free partial frame that
+fits it best (trimmed or topped up); the budget gives back partial frames first.
 Unpinned memory only: a pinned range is registered with CUDA by address, and moving its pages would break that.
 """
 from __future__ import annotations
