@@ -4,6 +4,7 @@ share or lose bytes."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 from hypothesis import given, settings
@@ -111,3 +112,60 @@ def test_books_pages_and_contents_hold_under_any_order(ops):
         assert bool((buffer.tensor == value).all()), "a live buffer lost its bytes"
         buffer.release()
     assert p.in_use == 0
+
+
+class _Refusing:
+    """libc whose mremap fails as a kernel before 5.7 answers MREMAP_DONTUNMAP (MAP_FAILED, EINVAL)."""
+
+    def __init__(self, libc):
+        self.mmap = libc.mmap
+
+    @staticmethod
+    def mremap(*args):
+        return 2**64 - 1
+
+
+def test_a_kernel_that_refuses_moves_gets_frames_faulted_in_with_the_books_exact(monkeypatch):
+    from tiering import host_arena
+
+    monkeypatch.setattr(host_arena, "LIBC", _Refusing(host_arena.LIBC))
+    p = pool(64 * MiB)
+    shard = p.acquire(48 * MiB)
+    shard.release()
+    parts = [p.acquire(6 * MiB) for _ in range(8)]  # in place: nothing to move
+    for part in parts:
+        part.tensor.fill_(3)
+        part.release()
+    big = p.acquire(56 * MiB)  # would move 24 frames: the first refusal turns moves off, the rest are faulted
+    big.tensor.fill_(5)
+    assert p.arena.moved == 0 and not p.arena._moves
+    assert p.in_use == 56 * MiB and p.held <= p.budget and resident(p) == p.held  # free frames kept up to the budget
+    assert bool((big.tensor == 5).all())
+    big.release()
+
+
+def test_threads_lending_and_making_at_once_keep_books_and_bytes():
+    """The swap manager's threads acquire unmade buffers under its lock and make them outside it."""
+    budget = 96 * MiB
+    p = pool(budget)
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            for i in range(40):
+                n = (2 + (seed * 7 + i * 5) % 10) * MiB + (i % 3) * 4096
+                buffer = p.acquire(n, unmade=True)
+                buffer.make()
+                buffer.tensor.fill_(seed)
+                assert bool((buffer.tensor == seed).all())
+                buffer.release()
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(1, 5)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert p.in_use == 0 and p.held <= budget and resident(p) == p.held
