@@ -245,7 +245,9 @@ def profile_step(plan: Plan, out: str) -> dict:
     `gradient_hooks_s`: the host's time in the gradient hooks (AccumulateGrad), where the backward's thread adds
     each part on the host and queued no kernel (session 28: 108 of a 189 ms step, bench/RESULTS.md) until the adds
     moved to a thread of their own (session 29); `adding_s`: that thread's time in the adds (where it is near the
-    step, the adder bounds it)."""
+    step, the adder bounds it). `fresh_host_buffers` / `fresh_host_bytes`: the host pool's new buffers in the step,
+    each page-locked there (its churn: 1.1-2.1 GB a step at 1b x 4 with a 1 GiB budget on the CPU machine before
+    its unpinned pool got an arena, session 30)."""
     if not plan.cuda:
         return skipped("profile of a streamed step (copy/kernel overlap, GPU idle)", "no CUDA")
     runs = [profile_one(plan, offload, out) for offload in ("cpu", "nvme")]
@@ -263,11 +265,14 @@ def profile_one(plan: Plan, offload: str, out: str) -> dict:
         torch.cuda.synchronize()
         adder = engine.gradients.copies  # the gradients' adds' thread (None where the device steps)
         adding = adder.adding_s if adder is not None else 0.0
+        pool = engine.swap.pool
+        fresh = pool.allocations, pool.fresh_bytes
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             with record_function(STEP):
                 engine_train(engine, data[1:])
                 torch.cuda.synchronize()
         adding = adder.adding_s - adding if adder is not None else None
+        fresh = pool.allocations - fresh[0], pool.fresh_bytes - fresh[1]
     events = prof.profiler.kineto_results.events()
     start, end = next((e.start_ns(), e.end_ns()) for e in events
                       if e.name() == STEP and e.device_type() == DeviceType.CPU)
@@ -289,7 +294,8 @@ def profile_one(plan: Plan, offload: str, out: str) -> dict:
             "copy_s": copy_ns / 1e9, "kernels": len(kernels), "kernel_s": kernel_ns / 1e9,
             "gpu_idle": 1 - kernel_ns / (end - start), "trace": trace,
             "copy_overlap": (copy_ns + kernel_ns - covered(copies + kernels)) / copy_ns if copy_ns else None,
-            "gradient_hooks_s": covered(hooks) / 1e9, "adding_s": adding}
+            "gradient_hooks_s": covered(hooks) / 1e9, "adding_s": adding, "fresh_host_buffers": fresh[0],
+            "fresh_host_bytes": fresh[1]}
 
 
 def activation_bytes(plan: Plan, data: list[torch.Tensor]) -> int:

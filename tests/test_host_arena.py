@@ -50,9 +50,10 @@ def test_a_freed_large_buffer_serves_smaller_ones_and_a_larger_one_again_by_movi
     assert all(bool((part.tensor == 7).all()) for part in parts)  # the shard's pages, not fresh ones
     for part in parts:
         part.release()
-    moved = p.arena.moved
+    moved, fresh = p.arena.moved, p.fresh_bytes
     again = p.acquire(56 * MiB, "blocks.1/param")
     assert p.arena.moved - moved == 24 and p.held == 56 * MiB  # 24 frames moved, only 4 faulted in
+    assert p.fresh_bytes - fresh == 8 * MiB
     assert resident(p) == p.held
     again.release()
 

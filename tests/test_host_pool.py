@@ -126,7 +126,7 @@ def test_reuse_does_not_allocate_again():
         for b in bufs:
             b.release()
     assert p.allocations == len(sizes)
-    assert p.held == sum(align_up(max(n, 1)) for n in sizes)
+    assert p.held == p.fresh_bytes == sum(align_up(max(n, 1)) for n in sizes)
     assert p.in_use == 0
     assert p.peak_in_use == p.held
 

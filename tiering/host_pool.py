@@ -107,6 +107,9 @@ class HostBufferPool:
         self._in_use = 0
         self.peak_in_use = 0
         self.allocations = 0
+        self.fresh_bytes = 0
+        """Bytes of new pages so far: whole buffers allocated and arena spans to fault in (a pinned buffer's are
+        page-locked too): the pool's churn, where a step's buffers change size."""
         self.arena = self._make_arena()
         self._lock = threading.Lock()
 
@@ -146,6 +149,7 @@ class HostBufferPool:
             if storage is None:
                 self._room(size)
                 self.allocations += 1
+                self.fresh_bytes += size
             self._in_use += size if storage is None else storage.numel()
             self.peak_in_use = max(self.peak_in_use, self._in_use)
         if lent is not None:
@@ -165,6 +169,7 @@ class HostBufferPool:
         lent = self.arena.lend(start, size)
         self._fit_budget()
         self.allocations += bool(lent[1])
+        self.fresh_bytes += sum(end - begin for begin, end in lent[1])
         return lent
 
     def _room(self, size: int) -> None:
