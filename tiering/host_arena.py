@@ -50,13 +50,14 @@ LIBC = _libc()
 
 
 def max_frames() -> int:
-    """The most frames an arena may have: each frame boundary can become a mapping boundary once frames move, and
-    the kernel caps a process's mappings (vm.max_map_count): an arena takes at most an eighth of that."""
+    """The most frames an arena may have: every frame boundary can become a mapping boundary once frames move and
+    are advised (nothing splits a frame), and the kernel caps a process's mappings (vm.max_map_count): an arena
+    takes at most a quarter of that."""
     try:
         with open("/proc/sys/vm/max_map_count") as f:
-            return int(f.read()) // 8
+            return int(f.read()) // 4
     except (OSError, ValueError):
-        return 8191
+        return 16382
 
 
 class HostArena:

@@ -31,8 +31,9 @@ class HostPoolConfig:
             raise TieringConfigError("pin_memory", self.pin, "true, false or null")
 
 
-ARENA_RESERVE = 3
-"""An arena's address space, in budgets: a lent run needs a free run as long, wherever frames lie."""
+ARENA_RESERVE = (1.25, 3)
+"""An arena's address space, in budgets, at least and at most: a lent run needs a free run as long, wherever frames
+lie (a request that finds none gets a whole buffer); the most the kernel's mapping limit allows in between."""
 
 
 class HostBuffer:
@@ -117,8 +118,9 @@ class HostBufferPool:
         """An arena of ARENA_RESERVE budgets of address space (room for free runs between lent ones), where the
         config asks for one, the buffers are unpinned and the budget is small enough to reserve that much (and the
         kernel lets it: strict overcommit counts the reserve as memory)."""
-        frames = ARENA_RESERVE * self.budget // FRAME
-        if not self.config.arena or self.pin or not self.budget or frames > max_frames():
+        least, most = (int(reserve * self.budget) // FRAME for reserve in ARENA_RESERVE)
+        frames = min(most, max_frames())
+        if not self.config.arena or self.pin or frames < max(least, 1):
             return None
         try:
             return HostArena(frames * FRAME)
