@@ -170,3 +170,17 @@ def test_threads_lending_and_making_at_once_keep_books_and_bytes():
         thread.join()
     assert not errors, errors
     assert p.in_use == 0 and p.held <= budget and resident(p) == p.held
+
+
+def test_a_request_no_free_run_fits_gets_a_whole_buffer_and_the_arena_gives_back_room(monkeypatch):
+    p = pool(32 * MiB)
+    shard = p.acquire(24 * MiB)
+    shard.release()  # 24 MiB of free frames kept
+    monkeypatch.setattr(p.arena, "place", lambda size: None)  # the address space cut up: no run long enough
+    whole = p.acquire(16 * MiB)
+    assert not p.arena.owns(whole.storage) and whole.capacity == 16 * MiB
+    assert p.held <= p.budget and resident(p) == p.held - 16 * MiB == 16 * MiB  # 8 MiB of frames given back
+    storage = whole.storage
+    whole.release()
+    again = p.acquire(12 * MiB)  # the cached whole buffer serves it (at most twice its size)
+    assert again.storage.data_ptr() == storage.data_ptr() and p.held <= p.budget
