@@ -115,7 +115,7 @@ class HostArena:
                 spans += self._fill(frame, FRAME)
         if size % FRAME:
             last, want = start + count - 1, size % FRAME
-            source = self._last_source(want)
+            source = self._last_source(want) if self._filled[last] < want else None
             if source is not None and self._filled[source] > self._filled[last]:
                 self._move(source, last)
             spans += self._fill(last, want)
