@@ -10,6 +10,7 @@ joined, this one process being the world before one is.
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import socket
@@ -52,7 +53,20 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     backend = dist_backend or ("nccl" if local_device().type == "cuda" else "gloo")
-    dist.init_process_group(backend, init_method=init_method, timeout=timeout or timedelta(minutes=30))
+    join_group(backend, init_method=init_method, timeout=timeout or timedelta(minutes=30))
+
+
+def join_group(backend: str, **kwargs: Any) -> None:
+    """init_process_group, and the group destroyed when the process exits, while Python is still whole: one left
+    to the interpreter's teardown can abort the process there ("terminate called without an active exception":
+    gloo's threads outliving it, pytorch/pytorch#190489), after a script that finished its work."""
+    dist.init_process_group(backend, **kwargs)
+    atexit.register(_destroy_group)
+
+
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def free_port() -> int:
@@ -117,7 +131,7 @@ class DataParallel:
         the caller initialized is used as it is, with its own timeout."""
         if not dist.is_initialized() and cls.world_size_to_join() > 1:
             backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+            join_group(backend, timeout=timedelta(seconds=timeout))
             return cls(timeout=timeout)
         return cls()
 
