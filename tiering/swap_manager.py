@@ -74,7 +74,8 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
         self._closing = False  # no prefetch may start once close() began
         self._thread = threading.local()  # per thread: `untraced` set while inside untraced()
         self._allocator = ThreadPoolExecutor(1, thread_name_prefix="tiering-alloc")
-        """Makes the fresh host buffers reads land in, in the order the reads were started (see _read)."""
+        """Makes fresh host buffers off the lock, in the order they were asked for: those reads land in (_read) and
+        those a fetch to overwrite claims (_claim)."""
 
     # -- registration -------------------------------------------------------------------------------------
 
