@@ -7,6 +7,7 @@ ZeRO-3 in fp32, parameters on nvme, the adapters' optimizer state on cpu, --seq-
 sees, the disk the bound). In a child process, so its peak RSS is its own. Measured in one run:
 1. fio's sequential read rate (O_DIRECT, 8 MiB blocks, queue depth 32) on the nvme_path, before and after;
 2. the same PEFT model's step in plain PyTorch, everything in memory (the compute), unless --skip-in-memory;
+   both compute on the GPU where there is one;
 3. ours, step by step: seconds, nvme bytes read (the frozen ones apart) and written, the step against
    max(compute, bytes read / fio's read rate), once per way of storing the base asked (--bases: as computed, fp32,
    bf16 (bf16 compute, the base stored in bf16: half fp32's bytes) and block-wise int8,
@@ -70,11 +71,21 @@ def engine_config(args: argparse.Namespace, base: str) -> dict:
             "zero_tiering": {"host_budget": args.host_budget}}
 
 
-def batch(args: argparse.Namespace, vocab: int, step: int):
+def batch(args: argparse.Namespace, vocab: int, step: int, device=None):
+    """Step `step`'s tokens, on `device` (the one computing: a GPU where there is one)."""
     import torch
 
     generator = torch.Generator().manual_seed(step)
-    return torch.randint(0, vocab, (1, args.seq_len), generator=generator)
+    return torch.randint(0, vocab, (1, args.seq_len), generator=generator).to(device or "cpu")
+
+
+def synchronized() -> float:
+    """time.perf_counter() once the GPU, if any, has done what was queued: a step's seconds are its kernels' too."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def run_ours(args: argparse.Namespace) -> dict:
@@ -103,12 +114,12 @@ def run_ours(args: argparse.Namespace) -> dict:
                                     frozen_read(engine))
         frozen_written0 = sum(stats.segment_bytes["host->nvme"].get(u.segment, 0) for u in frozen)
         stall0 = stats.stall_seconds
-        ids = batch(args, model.config.vocab_size, step)
-        t0 = time.perf_counter()
+        ids = batch(args, model.config.vocab_size, step, engine.device)
+        t0 = synchronized()
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
-        seconds = time.perf_counter() - t0
+        seconds = synchronized() - t0
         steps.append({"step": step, "s": seconds, "loss": loss.item(), "stall_s": stats.stall_seconds - stall0,
                       "read": stats.bytes_moved.get("nvme->host", 0) - read0,
                       "written": stats.bytes_moved.get("host->nvme", 0) - written0,
@@ -130,19 +141,19 @@ def run_in_memory(args: argparse.Namespace) -> dict:
 
     torch.manual_seed(0)
     model = lora(LlamaForCausalLM(model_config(args)))
-    if args.base == "bf16":
-        model.to(torch.bfloat16)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device, torch.bfloat16 if args.base == "bf16" else None)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     steps = []
     for step in range(args.steps):
-        ids = batch(args, model.config.vocab_size, step)
-        t0 = time.perf_counter()
+        ids = batch(args, model.config.vocab_size, step, device)
+        t0 = synchronized()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        steps.append({"step": step, "s": time.perf_counter() - t0, "loss": loss.item()})
+        steps.append({"step": step, "s": synchronized() - t0, "loss": loss.item()})
     return {"steps": steps}
 
 

@@ -45,15 +45,16 @@ ODD = 3000
 """Bytes of each segment in the prefetch test: not a multiple of 4 KiB, so each copy takes a whole page."""
 
 
-@pytest.mark.parametrize("prefetch_bytes, max_live, ahead, hits", [
-    (3 * ODD, None, 3, 7),  # three ahead, topped up after each fetch: every later fetch finds its segment
-    (8 * ODD, 2 * PAGE + ODD, 1, 1),  # s0 and s1 take two pages; a third copy would pass max_live_bytes
-    (0, None, 0, 0),
+@pytest.mark.parametrize("prefetch_bytes, max_live, host_pages, ahead, staged", [
+    (3 * ODD, None, 64, 3, 4),  # three ahead, topped up after each fetch; the other four read to host past them
+    (8 * ODD, 2 * PAGE + ODD, 64, 1, 6),  # s0 and s1 take two pages; a third copy would pass max_live_bytes
+    (ODD, None, 10, 1, 5),  # past the window, reads to host stop at half the host budget (5 of its 10 pages)
+    (0, None, 64, 0, 0),  # prefetch off: nothing read ahead
 ])
 def test_prefetch_follows_the_trace_within_prefetch_bytes_and_max_live_bytes(
-        make_manager, prefetch_bytes, max_live, ahead, hits):
-    mgr = make_manager(engine="threads", device_budget=16 * PAGE, prefetch_bytes=prefetch_bytes,
-                       max_live_bytes=max_live)
+        make_manager, prefetch_bytes, max_live, host_pages, ahead, staged):
+    mgr = make_manager(engine="threads", device_budget=16 * PAGE, host_budget=host_pages * PAGE,
+                       prefetch_bytes=prefetch_bytes, max_live_bytes=max_live)
     names = [f"s{i}" for i in range(8)]
     for i, name in enumerate(names):
         mgr.register(name, dtype=torch.uint8, shape=(ODD,), home="nvme", data=torch.full((ODD,), i, dtype=torch.uint8))
@@ -67,16 +68,49 @@ def test_prefetch_follows_the_trace_within_prefetch_bytes_and_max_live_bytes(
 
     mgr.acquire("s0")
     with mgr._lock:
-        on_the_way = [n for n in names[1:] if mgr.segments[n].state != R.NVME]
-    assert on_the_way == names[1:1 + ahead]  # the next uses, in order, and no more
-    assert mgr.stats.prefetches == ahead
+        window = [n for n in names[1:] if mgr.segments[n].prefetched and not mgr.segments[n].staged]
+        to_host = [n for n in names[1:] if mgr.segments[n].staged]
+        untouched = [n for n in names[1:] if mgr.segments[n].state == R.NVME]
+    assert window == names[1:1 + ahead]  # the next uses, in order, all the way to the device
+    assert to_host == names[1 + ahead:1 + ahead + staged]  # then the next ones, read to host only
+    assert untouched == names[1 + ahead + staged:]
+    assert mgr.stats.prefetches == ahead + staged
     assert max_live is None or mgr.device_tier.in_use <= max_live
     mgr.release("s0")
     for i, name in enumerate(names[1:], 1):
         assert torch.equal(use(mgr, name), torch.full((ODD,), i, dtype=torch.uint8))
         assert max_live is None or mgr.device_tier.in_use <= max(max_live, (i + 1) * PAGE)
-    assert (mgr.stats.hits, mgr.stats.misses) == (hits, 8 + 8 - hits)
-    assert mgr.stats.hit_rate == pytest.approx(hits / 16)
+    assert mgr.stats.misses == 8 + 8 - mgr.stats.hits
+    assert mgr.stats.hits == (7 if prefetch_bytes else 0)  # read ahead, in one window or the other: every one a hit
+
+
+@pytest.mark.parametrize("order, staged", [("PVT", True), ("VPT", False)])
+def test_a_read_ahead_past_the_window_evicts_only_what_is_needed_after_every_copy_in_use(make_manager, order, staged):
+    """Past the prefetch window the trace's next uses are read to host, room taken only from a copy needed after
+    every copy still in use: with P held while T is read ahead, V may go where P comes back first (PVT), not
+    where V does (VPT: a fetch of T when P is released would drop P and keep V)."""
+    mgr = make_manager(engine="threads", host_budget=2 * PAGE, prefetch_bytes=1)  # no page fits the window
+    for i, name in enumerate("PVT"):
+        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(i)).wait()
+    for name in order:
+        use(mgr, name, "host")
+    mgr.end_step()
+    for name in "PVT":
+        mgr.evict(name).wait()
+    for name in order[:2]:  # the next step up to T, P held
+        mgr.acquire(name, "host")
+        if name == "V":
+            mgr.release("V")
+    mgr._prefetch_ahead()  # as every fetch does
+    with mgr._lock:
+        move = mgr.segments["T"].move
+    if move is not None:
+        move.wait(MOVE_TIMEOUT)
+    with mgr._lock:
+        assert mgr.segments["T"].staged == staged
+        assert states(mgr, "V", "T") == ([R.NVME, R.HOST] if staged else [R.HOST, R.NVME])
+    mgr.release("P")
+    assert torch.equal(use(mgr, "T", "host"), page(2))
 
 
 def test_evicting_a_prefetched_segment_undoes_the_prefetch(make_manager):

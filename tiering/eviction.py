@@ -16,7 +16,6 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
-from .aligned import align_up
 from .checksum import checksum
 from .errors import BudgetExceededError, StoreFullError
 from .handle import Handle, gather
@@ -65,15 +64,18 @@ class Eviction:
         return math.inf if budget is None else budget
 
     def _fit(self, tier: Tier, seg: Segment, *, blocking: bool, horizon: float | None = None, wait: bool = False,
-             keep: tuple[Segment, ...] = ()) -> Outcome:
+             keep: tuple[Segment, ...] = (), furthest: bool = False) -> Outcome:
         """Evict until a copy of `seg` fits in `tier`, never evicting `seg` or `keep` (segments being brought
         up, whose state must not change under them). DONE: it fits now. WAIT: write-backs were started, wait
         and retry (with `wait=True` waited here, the lock released meanwhile, so only DONE comes back).
         BLOCKED: not blocking and only waiting would make room. Raises BudgetExceededError when even evicting
         everything evictable cannot make room, or the StoreFullError of a write-back where that is because the
-        disk under the store is full (a victim that cannot be written stays as it is; the next may still go)."""
+        disk under the store is full (a victim that cannot be written stays as it is; the next may still go).
+        `furthest` (with a horizon): evict only copies needed after every copy in `tier` that is pinned or
+        arriving, which become evictable later: a demand fetch at the time of use would take those first (a cyclic
+        forward through weights twice the budget keeps its cached part)."""
         # What the copy takes from the budget: host buffers are whole 4 KiB pages.
-        nbytes = self.device_tier.charge(seg.nbytes) if tier == "device" else align_up(max(seg.nbytes, 1))
+        nbytes = self.device_tier.charge(seg.nbytes) if tier == "device" else seg.host_charge
         keep = (seg, *keep)
         while True:
             short = self._used(tier) + nbytes - self._budget(tier)
@@ -81,6 +83,8 @@ class Eviction:
                 return DONE
             started: list[Handle] = []
             blocked = full = None
+            if furthest and horizon is not None:
+                horizon = max(horizon, self._held_until(tier))
             for victim in self._victims(tier, keep):
                 later = self._next_use(victim)
                 if horizon is not None and victim.overwrite_expected and not self._expendable(victim, tier):
@@ -140,6 +144,15 @@ class Eviction:
         out = [seg for seg in self.segments.values() if seg not in keep and seg.evictable_from(tier)]
         out.sort(key=order)
         return out
+
+    def _held_until(self, tier: Tier) -> float:
+        """The latest next use among the copies in `tier` that cannot go now but will (pinned, or a move under
+        way; homed below `tier`), -1 if none."""
+        below = ("nvme",) if tier == "host" else ("host", "nvme")
+        held = [self._next_use(s) for s in self.segments.values()
+                if (s.device if tier == "device" else s.host) is not None and s.home in below
+                and not s.evictable_from(tier)]
+        return max(held, default=-1.0)
 
     def _next_use(self, seg: Segment) -> float:
         """When the segment is used next: per the trace, or now where its user said a fetch off the trace comes

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from .errors import IllegalTransitionError
 from .handle import Handle
-from .aligned import align_up
 from .residency import Residency
 from .segment import Kept, Segment
 
@@ -64,7 +63,7 @@ class Keeping:
         if seg.home == "nvme":
             # Written home, then kept there: a kept buffer could not be evicted, and would take room others need.
             return self._clean(seg) if not self._closing else False
-        if self.pool.in_use + align_up(max(seg.nbytes, 1)) <= self._budget("host"):
+        if self.pool.in_use + seg.host_charge <= self._budget("host"):
             buffer = self.pool.acquire(seg.nbytes, f"{seg.name} (kept)")
             buffer.storage[: seg.nbytes].copy_(seg.storage("host"))
             self._note_peaks()

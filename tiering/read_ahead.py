@@ -1,6 +1,13 @@
 """Read-ahead: moves started before anyone asks, from a caller's `prefetch` list and along the recorded trace (a
 part of SwapManager, cut out as one concept). A prefetched copy is not pinned; `_prefetched_bytes` counts them
-against `prefetch_bytes` until they are used or dropped."""
+against `prefetch_bytes` until they are used or dropped.
+
+Two windows along the trace: the prefetch window brings uses all the way to their tier within `prefetch_bytes`
+(DeepSpeed's prefetch bucket: on a GPU, device memory held by what is not yet used); past it, reads from nvme go on
+into host memory (`_stage`), within half the host budget and never evicting what is needed sooner, so that the disk
+works while the compute runs from copies the host already holds (a LoRA block cached between its forward and its
+backward, the next one still on nvme). The prefetch window takes a staged copy the rest of the way when it gets
+there."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -38,34 +45,53 @@ class ReadAhead:
 
     def _prefetch_ahead(self) -> None:
         """Start the read-ahead a `prefetch` call left waiting for room, then moves for the uses the trace says
-        come next, within the prefetch and live-byte budgets."""
+        come next: within the prefetch and live-byte budgets all the way, then (`_stage`) into host memory."""
         with self._lock:
             self._start_read_ahead()
             live_cap = self.config.max_live_bytes
+            window = True  # still inside the prefetch window
             for name, tier in [] if self._closing else self.trace.upcoming():
                 seg = self.segments.get(name)
-                if (seg is None or seg.pins or seg.spent or seg.state.moving or seg.state.tier == tier or seg.prefetched
-                        or seg.overwrite_expected):
+                if (seg is None or seg.pins or seg.spent or seg.state.moving or seg.state.tier == tier
+                        or (seg.prefetched and not seg.staged) or seg.overwrite_expected):
                     continue
-                if self._prefetched_bytes + seg.nbytes > self.config.prefetch_bytes:
-                    break
-                live = self.device_tier.in_use + self.device_tier.charge(seg.nbytes)
-                if tier == "device" and live_cap is not None and live > live_cap:
-                    break
-                if self._start_prefetch(seg, tier) is None:
+                if window:
+                    live = self.device_tier.in_use + self.device_tier.charge(seg.nbytes)
+                    window = (self._prefetched_bytes + seg.nbytes <= self.config.prefetch_bytes
+                              and not (tier == "device" and live_cap is not None and live > live_cap))
+                    if window:
+                        self._unprefetch(seg)  # staged: now the window's
+                        if self._start_prefetch(seg, tier) is None:
+                            break
+                        continue
+                if not self._stage(seg):
                     break
 
-    def _start_prefetch(self, seg: Segment, tier: Tier) -> Handle | None:
-        """With the lock held: start an unpinned move of `seg` to `tier` and count it; None where no room frees
-        without waiting."""
-        handle = self._bring(seg, tier, pin=False, blocking=False)
+    def _stage(self, seg: Segment) -> bool:
+        """With the lock held: past the prefetch window, read `seg` from nvme into host memory if it is only there
+        and room frees without waiting or evicting what is needed sooner; whether the walk may go on."""
+        if seg.staged or seg.state.tier != "nvme":
+            return True  # staged already, or on host: the window brings it the rest of the way
+        if not self.config.prefetch_bytes or self._staged_bytes + seg.host_charge > self.config.host_budget // 2:
+            return False
+        return self._start_prefetch(seg, "host", staged=True) is not None
+
+    def _start_prefetch(self, seg: Segment, tier: Tier, staged: bool = False) -> Handle | None:
+        """With the lock held: start an unpinned move of `seg` to `tier` and count it (`staged`: by `_stage`); None
+        where no room frees without waiting."""
+        handle = self._bring(seg, tier, pin=False, blocking=False, staged=staged)
         if handle is not None:
-            seg.prefetched = True
-            self._prefetched_bytes += seg.nbytes
+            seg.prefetched, seg.staged = True, staged
+            if staged:
+                self._staged_bytes += seg.host_charge
+            else:
+                self._prefetched_bytes += seg.nbytes
             self.stats.prefetches += 1
         return handle
 
     def _unprefetch(self, seg: Segment) -> None:
-        if seg.prefetched:
-            seg.prefetched = False
+        if seg.staged:
+            self._staged_bytes -= seg.host_charge
+        elif seg.prefetched:
             self._prefetched_bytes -= seg.nbytes
+        seg.prefetched = seg.staged = False

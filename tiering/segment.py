@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import torch
 
+from .aligned import align_up
 from .device_tier import DeviceBuffer
 from .extents import Extent
 from .handle import Handle
@@ -58,6 +59,9 @@ class Segment:
     """Tick of the last fetch: the LRU order before a trace exists."""
     prefetched: bool = False
     """Brought in by prefetch and not yet fetched by a user (a fetch then counts as a hit)."""
+    staged: bool = False
+    """Of those, read to host by the read-ahead beyond the prefetch window (`ReadAhead._stage`): counted apart from
+    `prefetch_bytes`, and still to be brought the rest of the way when the window reaches it."""
     overwrite_expected: bool = False
     """The user expects its next fetch to overwrite it (`SwapManager.expect_overwrite`), until that fetch."""
     fetch_expected: bool = False
@@ -92,6 +96,11 @@ class Segment:
             return self.state == Residency.DEVICE and self.home != "device" and not self.pins
         return self.host is not None and (
             self.state == Residency.DEVICE or (self.state == Residency.HOST and self.home == "nvme" and not self.pins))
+
+    @property
+    def host_charge(self) -> int:
+        """What a host copy takes from the host budget: whole 4 KiB pages."""
+        return align_up(max(self.nbytes, 1))
 
     def capacity(self, tier: Tier) -> int:
         """Bytes the copy in `tier` holds (a reused buffer may be larger than the segment)."""

@@ -65,6 +65,7 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
         self._lock = threading.RLock()
         self._tick = 0
         self._prefetched_bytes = 0
+        self._staged_bytes = 0
         self._cow_pending = 0
         """Bytes of kept segments whose next write-back needs a fresh extent (see kept.py), which `keep` counts
         against the nvme budget before they are allocated."""
@@ -378,9 +379,10 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
             raise IllegalTransitionError(seg.name, f"fetch to {tier}", f"unpinned or pinned in {tier}",
                                          f"pinned in {seg.pinned_tier}")
 
-    def _bring(self, seg: Segment, tier: Tier, *, pin: bool, blocking: bool) -> Handle | None:
+    def _bring(self, seg: Segment, tier: Tier, *, pin: bool, blocking: bool, staged: bool = False) -> Handle | None:
         """Start the moves that put `seg` in `tier`. Blocking: wait (outside the lock) for room or for a move
-        of `seg` already in flight, then retry. Not blocking: None if that would be needed."""
+        of `seg` already in flight, then retry. Not blocking: None if that would be needed. `staged`: see
+        `_start_up`."""
         while True:
             with self._lock:
                 wait_on = seg.move if seg.state.moving else None
@@ -392,7 +394,7 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
                     own = step.kind is Kind.STARTED
                     wait_on = step.handle  # None when DONE: dropped to host at once
                 if wait_on is None:
-                    up = self._start_up(seg, tier, blocking)
+                    up = self._start_up(seg, tier, blocking, staged)
                     if up.kind is Kind.BLOCKED:
                         return None
                     if up.kind is Kind.WAIT:
@@ -419,16 +421,18 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
             with self._lock:
                 seg.unpin()
 
-    def _start_up(self, seg: Segment, tier: Tier, blocking: bool) -> Outcome:
+    def _start_up(self, seg: Segment, tier: Tier, blocking: bool, staged: bool = False) -> Outcome:
         """With the lock held and `seg` settled: reserve the room `seg` needs and start its moves up to `tier`.
         STARTED with the handle of the last move, DONE when nothing had to move (its bytes were in `tier`, or a
-        spent segment claimed its buffer), WAIT for room being made, or BLOCKED (not blocking, no room)."""
+        spent segment claimed its buffer), WAIT for room being made, or BLOCKED (not blocking, no room).
+        `staged` (a read-ahead past the prefetch window): room only from copies needed after every copy in use
+        (see `_fit`'s `furthest`)."""
         need_device = tier == "device" and seg.state != Residency.DEVICE
         need_host = seg.state == Residency.NVME and seg.host is None and not (seg.spent and need_device)
         horizon = None if blocking else self.trace.next_use(seg.name)
         for needed, t in ((need_host, "host"), (need_device, "device")):
             if needed:
-                fit = self._fit(t, seg, blocking=blocking, horizon=horizon)
+                fit = self._fit(t, seg, blocking=blocking, horizon=horizon, furthest=staged)
                 if fit.kind is not Kind.DONE:
                     return fit
         if need_host:  # a fresh buffer is made on the allocator, off the lock (_read, _claim)
