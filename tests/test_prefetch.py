@@ -86,17 +86,19 @@ def test_prefetch_follows_the_trace_within_prefetch_bytes_and_max_live_bytes(
 
 @pytest.mark.parametrize("order, staged", [("PVT", True), ("VPT", False)])
 def test_a_read_ahead_past_the_window_evicts_only_what_is_needed_after_every_copy_in_use(make_manager, order, staged):
-    """Past the prefetch window the trace's next uses are read to host, room taken only from a copy needed after
-    every copy still in use: with P held while T is read ahead, V may go where P comes back first (PVT), not
-    where V does (VPT: a fetch of T when P is released would drop P and keep V)."""
+    """Past the prefetch window a use on the device is read ahead to host, room taken only from a copy needed
+    after every copy still in use: with P held in host memory while T is read ahead, V may go where P comes back
+    first (PVT), not where V does (VPT: a fetch of T once P is released would drop P and keep V)."""
     mgr = make_manager(engine="threads", host_budget=2 * PAGE, prefetch_bytes=1)  # no page fits the window
+    tiers = {"P": "host", "V": "host", "T": "device"}
     for i, name in enumerate("PVT"):
         mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(i)).wait()
     for name in order:
-        use(mgr, name, "host")
+        use(mgr, name, tiers[name])
     mgr.end_step()
     for name in "PVT":
         mgr.evict(name).wait()
+    mgr.prefetch(["P", "V"], "host").wait()  # the host full, as a cache would hold them
     for name in order[:2]:  # the next step up to T, P held
         mgr.acquire(name, "host")
         if name == "V":
@@ -110,7 +112,7 @@ def test_a_read_ahead_past_the_window_evicts_only_what_is_needed_after_every_cop
         assert mgr.segments["T"].staged == staged
         assert states(mgr, "V", "T") == ([R.NVME, R.HOST] if staged else [R.HOST, R.NVME])
     mgr.release("P")
-    assert torch.equal(use(mgr, "T", "host"), page(2))
+    assert torch.equal(use(mgr, "T"), page(2))
 
 
 def test_evicting_a_prefetched_segment_undoes_the_prefetch(make_manager):
