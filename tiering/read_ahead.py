@@ -3,12 +3,13 @@ part of SwapManager, cut out as one concept). A prefetched copy is not pinned; `
 against `prefetch_bytes` until they are used or dropped.
 
 Two windows along the trace: the prefetch window brings uses all the way to their tier within `prefetch_bytes`
-(DeepSpeed's prefetch bucket: on a GPU, device memory held by what is not yet used); past it, the reads from nvme of
-uses on the device go on into host memory (`_stage`), within half the host budget and never taking room a fetch at
-the time of use would keep, so that the disk works while the compute runs from copies the host already holds (a LoRA
-block cached between its forward and its backward, the next one still on nvme). The prefetch window takes a staged
-copy the rest of the way when it gets there. Uses on the host (optimizer state) are not staged: the optimizer reads
-its state ahead itself, and staging it too read more bytes a step (bench/RESULTS.md, session 31)."""
+(DeepSpeed's prefetch bucket: on a GPU, device memory held by what is not yet used); past it, read-only segments
+(frozen weights, inference's) go on from nvme into host memory (`_stage`), within half the host budget and never
+taking room a fetch at the time of use would keep, so that the disk works while the compute runs from copies the host
+already holds (a LoRA block cached between its forward and its backward, the next one still on nvme). The prefetch
+window takes a staged copy the rest of the way when it gets there. Segments a step rewrites (trained shards,
+optimizer state) are not staged: staging them read 5-15% more bytes a step at 1b x 4 (bench/RESULTS.md, session
+31)."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -65,13 +66,13 @@ class ReadAhead:
                         if self._start_prefetch(seg, tier) is None:
                             break
                         continue
-                if tier == "device" and not self._stage(seg):
+                if seg.read_only and not self._stage(seg):
                     break
 
     def _stage(self, seg: Segment) -> bool:
-        """With the lock held: past the prefetch window, read `seg` (used next on the device) from nvme into host
-        memory if it is only there and room frees without waiting, taking it only from copies needed after every
-        copy in use (`_fit`'s `furthest`); whether the walk may go on."""
+        """With the lock held: past the prefetch window, read `seg` (read-only) from nvme into host memory if it is
+        only there and room frees without waiting, taking it only from copies needed after every copy in use
+        (`_fit`'s `furthest`); whether the walk may go on."""
         if seg.staged or seg.state.tier != "nvme":
             return True  # staged already, or on host: the window brings it the rest of the way
         if not self.config.prefetch_bytes or self._staged_bytes + seg.host_charge > self.config.host_budget // 2:
