@@ -58,7 +58,7 @@ def test_prefetch_follows_the_trace_within_prefetch_bytes_and_max_live_bytes(
     names = [f"s{i}" for i in range(8)]
     for i, name in enumerate(names):
         mgr.register(name, dtype=torch.uint8, shape=(ODD,), home="nvme", data=torch.full((ODD,), i, dtype=torch.uint8),
-                     read_only=True)  # as frozen weights: past the window, read on to host
+                     frozen=True)  # past the window, read on to host
     for name in names:
         use(mgr, name)
         assert mgr.stats.prefetches == 0  # nothing to follow while recording
@@ -87,14 +87,14 @@ def test_prefetch_follows_the_trace_within_prefetch_bytes_and_max_live_bytes(
 
 @pytest.mark.parametrize("order, staged", [("PVT", True), ("VPT", False)])
 def test_a_read_ahead_past_the_window_evicts_only_what_is_needed_after_every_copy_in_use(make_manager, order, staged):
-    """Past the prefetch window a read-only segment is read ahead to host, room taken only from a copy needed
+    """Past the prefetch window a frozen segment is read ahead to host, room taken only from a copy needed
     after every copy still in use: with P held in host memory while T is read ahead, V may go where P comes back
     first (PVT), not where V does (VPT: a fetch of T once P is released would drop P and keep V)."""
     mgr = make_manager(engine="threads", host_budget=2 * PAGE, prefetch_bytes=1)  # no page fits the window
     tiers = {"P": "host", "V": "host", "T": "device"}
     for i, name in enumerate("PVT"):
         mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(i),
-                     read_only=name == "T").wait()
+                     frozen=name == "T").wait()
     for name in order:
         use(mgr, name, tiers[name])
     mgr.end_step()
@@ -117,13 +117,13 @@ def test_a_read_ahead_past_the_window_evicts_only_what_is_needed_after_every_cop
     assert torch.equal(use(mgr, "T"), page(2))
 
 
-def test_past_the_window_only_read_only_segments_are_read_ahead(make_manager):
+def test_past_the_window_only_frozen_segments_are_read_ahead(make_manager):
     """A segment a step rewrites is not read ahead past the prefetch window (staging them read more bytes a
-    step); a read-only one is, and releasing it dirty is refused."""
+    step); a frozen one is, and a write to it (a checkpoint's load) still reaches nvme."""
     mgr = make_manager(engine="threads", prefetch_bytes=1)
     for i, name in enumerate("abc"):
         mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(i),
-                     read_only=name == "c").wait()
+                     frozen=name == "c").wait()
     for name in "abc":
         use(mgr, name)
     mgr.end_step()
@@ -133,10 +133,9 @@ def test_past_the_window_only_read_only_segments_are_read_ahead(make_manager):
     with mgr._lock:
         assert [mgr.segments[n].staged for n in "bc"] == [False, True]
     mgr.release("a")
-    mgr.acquire("c")
-    with pytest.raises(IllegalTransitionError, match="read-only"):
-        mgr.release("c", dirty=True)
-    mgr.release("c")
+    use(mgr, "c", add=5.0)
+    mgr.evict("c").wait()
+    assert torch.equal(use(mgr, "c"), page(7))
 
 
 def test_evicting_a_prefetched_segment_undoes_the_prefetch(make_manager):

@@ -3,8 +3,8 @@ part of SwapManager, cut out as one concept). A prefetched copy is not pinned; `
 against `prefetch_bytes` until they are used or dropped.
 
 Two windows along the trace: the prefetch window brings uses all the way to their tier within `prefetch_bytes`
-(DeepSpeed's prefetch bucket: on a GPU, device memory held by what is not yet used); past it, read-only segments
-(frozen weights, inference's) go on from nvme into host memory (`_stage`), within half the host budget and never
+(DeepSpeed's prefetch bucket: on a GPU, device memory held by what is not yet used); past it, frozen segments
+(only read by steps: frozen weights, inference's) go on from nvme into host memory (`_stage`), within half the host budget and never
 taking room a fetch at the time of use would keep, so that the disk works while the compute runs from copies the host
 already holds (a LoRA block cached between its forward and its backward, the next one still on nvme). The prefetch
 window takes a staged copy the rest of the way when it gets there. Segments a step rewrites (trained shards,
@@ -66,11 +66,11 @@ class ReadAhead:
                         if self._start_prefetch(seg, tier) is None:
                             break
                         continue
-                if seg.read_only and not self._stage(seg):
+                if seg.frozen and not self._stage(seg):
                     break
 
     def _stage(self, seg: Segment) -> bool:
-        """With the lock held: past the prefetch window, read `seg` (read-only) from nvme into host memory if it is
+        """With the lock held: past the prefetch window, read `seg` (frozen) from nvme into host memory if it is
         only there and room frees without waiting, taking it only from copies needed after every copy in use
         (`_fit`'s `furthest`); whether the walk may go on."""
         if seg.staged or seg.state.tier != "nvme":

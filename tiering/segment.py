@@ -59,8 +59,8 @@ class Segment:
     """Tick of the last fetch: the LRU order before a trace exists."""
     prefetched: bool = False
     """Brought in by prefetch and not yet fetched by a user (a fetch then counts as a hit)."""
-    read_only: bool = False
-    """Registered read-only: never released dirty, so every copy of it is clean (dropped, never written back)."""
+    frozen: bool = False
+    """Registered as only read by steps (frozen weights, inference's): what the read-ahead stages (read_ahead.py)."""
     staged: bool = False
     """Of those, read to host by the read-ahead beyond the prefetch window (`ReadAhead._stage`): counted apart from
     `prefetch_bytes`, and still to be brought the rest of the way when the window reaches it."""

@@ -81,15 +81,16 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
     # -- registration -------------------------------------------------------------------------------------
 
     def register(self, name: str, *, dtype: torch.dtype, shape: Iterable[int], home: Tier,
-                 data: torch.Tensor | None = None, read_only: bool = False) -> Handle:
+                 data: torch.Tensor | None = None, frozen: bool = False) -> Handle:
         """Add a segment resting in `home`, holding `data` (copied) or zeros. nvme-homed segments are staged
         through a host buffer and written out; the handle is done when the bytes have reached their home.
-        `read_only`: never released dirty (frozen weights): the read-ahead past the prefetch window stages it."""
+        `frozen`: steps only read it (frozen weights, inference's): the read-ahead past the prefetch window stages
+        it (a write, as a checkpoint's load makes, is written back as any)."""
         if home not in TIER_ORDER:
             raise TieringConfigError("home", home, "one of 'device', 'host', 'nvme'")
         if home == "nvme" and self.store is None:
             raise TieringError(f"segment {name!r} has home 'nvme' but the swap manager has no nvme store")
-        seg = Segment(name, dtype, torch.Size(shape), home, Residency.HOST, read_only=read_only)
+        seg = Segment(name, dtype, torch.Size(shape), home, Residency.HOST, frozen=frozen)
         if data is not None and (data.dtype != dtype or data.numel() != seg.shape.numel()):
             raise ValueError(f"data for {name!r} is {data.dtype} x {data.numel()}, expected {dtype} x {seg.shape.numel()}")
         with self._lock:
@@ -225,8 +226,6 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
             seg = self._get(name)
             if not seg.pins:
                 raise IllegalTransitionError(name, "release", "pinned", "not pinned")
-            if dirty and seg.read_only:
-                raise IllegalTransitionError(name, "release dirty", "writable", "registered read-only")
             if dirty:
                 seg.spent = False
                 seg.nvme_current = False

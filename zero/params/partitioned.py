@@ -120,10 +120,10 @@ class PartitionedPlacement(Placement):
                 stored = int8_weights.encode(master, torch.empty(int8_weights.stored_numel(flat.shard_numel),
                                                                  dtype=torch.uint8))
                 swap.register(segment, dtype=torch.uint8, shape=stored.shape, home=param_home, data=stored,
-                              read_only=True).wait()
+                              frozen=True).wait()
             else:
                 swap.register(segment, dtype=dtype, shape=(flat.shard_numel,), home=param_home,
-                              data=master.to(dtype), read_only=flat.frozen or driver is None).wait()
+                              data=master.to(dtype), frozen=flat.frozen or driver is None).wait()
             sub_groups = [] if not exact else driver.add_unit(
                 index, flat.name or "root", master, flat.group, sub_group_size,
                 segment if masters_are_params else None, start=flat.shard_start, extents=flat.extents)
