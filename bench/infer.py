@@ -1,7 +1,9 @@
 """Inference from the tiers against its bound: a GPT-2 shaped model saved with save_pretrained, generated from
 greedily by plain transformers in memory, by zero.init_inference with the weights in host memory, and with the
-weights on nvme under a host budget a quarter of their size (16 MiB at least). Each system runs in its own
-process (its peak RSS is its own); the tokens must be the same.
+weights on nvme under a host budget a quarter of their size (16 MiB at least, and never below twice the engine's
+minimum, zero.inference.engine.host_need, the largest shard: GPT-2's tied embedding is one unit, 154 MB at 124M, held
+while the next unit is read; at the minimum itself a fetch can find the budget pinned, session 31). Each system runs
+in its own process (its peak RSS is its own); the tokens must be the same.
 
     python bench/infer.py [--quick] [--layers 12] [--hidden 768] [--new-tokens 16] [--json PATH]
 
@@ -55,7 +57,9 @@ def child(args: argparse.Namespace) -> dict:
         config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
             "stage": 3, "offload_param": offload, "stage3_param_persistence_threshold": 0}}
         if args.child == "ours-nvme":
-            config["zero_tiering"] = {"host_budget": args.host_budget}
+            from zero.inference.engine import host_need
+
+            config["zero_tiering"] = {"host_budget": max(args.host_budget, 2 * host_need(model, config))}
         engine = model = zero.init_inference(model, config, weights=args.model)
     clock = Clock()
     start = time.perf_counter()
@@ -67,7 +71,7 @@ def child(args: argparse.Namespace) -> dict:
     if engine is not None:
         engine.close()
     return {"system": args.child, "prefill_s": clock.times[1] - start, "decode_tok_s": 1 / statistics.median(intervals),
-            "peak_rss": vm_hwm(),
+            "peak_rss": vm_hwm(), "host_budget": engine.swap.pool.budget if engine is not None else None,
             "nvme_read_per_token": read / max(1, args.new_tokens), "tokens": out[0, 32:].tolist()}
 
 
@@ -139,6 +143,8 @@ def main() -> None:
         r["bound_tok_s"] = bound
         shown = f"{bound:12.2f} {r['decode_tok_s'] / bound:9.2f}" if bound else f"{'':>12} {'':>9}"
         print(f"{r['system']:<10} {r['prefill_s']:10.3f} {r['decode_tok_s']:13.2f} {shown} {r['peak_rss'] / 1e6:12.0f}")
+    budget = next(r["host_budget"] for r in records if r["system"] == "ours-nvme")
+    print(f"ours-nvme's host budget: {budget / 1e6:.0f} MB")
     ours = next(r for r in records if r["system"] == "ours-cpu")
     print(f"weights in host memory, copy and forward on one memory bus: bound {bus_bound:.2f} tokens/s (the copy "
           f"at {memory_bound:.2f}, then the in-memory forward at {in_memory:.2f}); ours "

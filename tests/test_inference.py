@@ -69,6 +69,12 @@ def test_what_cannot_serve_is_named(tmp_path):
                                                     "zero_optimization": {"stage": 2}})
     with pytest.raises(PretrainedWeightsError, match=r"transformer\.wte\.weight.*shape \[97, 32\].*\[97, 64\]"):
         zero.init_inference(on_meta(gpt2_config(n_embd=64)), weights=tmp_path / "model")
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    with pytest.raises(ConfigError, match=r"zero_tiering.host_budget.*largest parameter shard.*raise it to at least"):
+        zero.init_inference(on_meta(gpt2_config()), inference_config("nvme", nvme, host_budget=4096),
+                            weights=tmp_path / "model")
+    assert not any(nvme.iterdir())  # refused before a byte was written
     os.unlink(tmp_path / "model" / "model.safetensors")
     with pytest.raises(PretrainedWeightsError, match="holds neither model.safetensors"):
         zero.init_inference(on_meta(gpt2_config()), weights=tmp_path / "model")

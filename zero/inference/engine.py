@@ -19,10 +19,10 @@ from torch import nn
 
 from tiering import SwapManager, check_room
 
-from ..services.budgets import HOMES, compute_dtype, nvme_segments, swap_config
+from ..services.budgets import HOMES, compute_dtype, host_minimum, nvme_segments, swap_config
 from ..comm import DataParallel, local_device
-from ..config import ConfigError, load_config
-from ..initialize import plan_units
+from ..config import Config, ConfigError, load_config
+from ..initialize import check_host_budget, plan_units
 from ..params.materialize import Materializer
 from ..params.partitioned import PartitionedPlacement
 from ..params.pretrained import PretrainedWeights
@@ -39,18 +39,12 @@ def init_inference(model: nn.Module, config: str | os.PathLike | Mapping | None 
     """An InferenceEngine over `model` (built on meta, or with real values it takes over) with one rank's
     weights partitioned into the tiers `config` names; `weights`: a safetensors checkpoint (a save_pretrained
     directory, sharded or not, or our export) the weights are read from."""
-    cfg = load_config(config if config is not None else DEFAULT_CONFIG,
-                      hidden_size=getattr(getattr(model, "config", None), "hidden_size", None))
+    cfg, dtype, plan = _plan(model, config)
     zo = cfg.zero_optimization
-    if zo.stage != 3:
-        raise ConfigError("zero_optimization.stage", "inference streams partitioned weights: use stage 3",
-                          value=zo.stage)
-    dtype = compute_dtype(cfg)
     device = local_device()
-    model.requires_grad_(True)  # every weight planned as training plans a trained one: the same units and names
-    plan = plan_units(model, [{"params": list(model.parameters())}], DataParallel())
     swap = SwapManager(swap_config(cfg, [flat for flat, _ in plan], dtype, optimizer=False))
     try:
+        check_host_budget(cfg, [flat for flat, _ in plan], dtype, swap.config.host_budget)  # before a byte is written
         if swap.store is not None:
             check_room(swap.store, nvme_segments(cfg, [flat for flat, _ in plan], dtype, optimizer=False))
         placement = PartitionedPlacement.build(
@@ -63,6 +57,26 @@ def init_inference(model: nn.Module, config: str | os.PathLike | Mapping | None 
         raise
     model.requires_grad_(False)
     return InferenceEngine(model, placement, swap, dtype, device).eval()  # no dropout: inference
+
+
+def host_need(model: nn.Module, config: str | os.PathLike | Mapping | None = None) -> int:
+    """The least host budget `init_inference` takes for `model` under `config` (budgets.host_minimum: with the
+    weights on nvme, the largest shard): the plan alone, nothing built or written."""
+    cfg, dtype, plan = _plan(model, config)
+    model.requires_grad_(False)
+    return sum(host_minimum(cfg, [flat for flat, _ in plan], dtype).values())
+
+
+def _plan(model: nn.Module, config: str | os.PathLike | Mapping | None) -> tuple[Config, torch.dtype, list]:
+    """The config read, the compute dtype and the units planned (every weight as a trained one: the same units and
+    names as training; the caller sets requires_grad back)."""
+    cfg = load_config(config if config is not None else DEFAULT_CONFIG,
+                      hidden_size=getattr(getattr(model, "config", None), "hidden_size", None))
+    if cfg.zero_optimization.stage != 3:
+        raise ConfigError("zero_optimization.stage", "inference streams partitioned weights: use stage 3",
+                          value=cfg.zero_optimization.stage)
+    model.requires_grad_(True)
+    return cfg, compute_dtype(cfg), plan_units(model, [{"params": list(model.parameters())}], DataParallel())
 
 
 class InferenceEngine(nn.Module):
