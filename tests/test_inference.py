@@ -74,7 +74,7 @@ def test_what_cannot_serve_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"zero_tiering.host_budget.*largest parameter shard.*raise it to at least"):
         zero.init_inference(on_meta(gpt2_config()), inference_config("nvme", nvme, host_budget=4096),
                             weights=tmp_path / "model")
-    assert not any(nvme.iterdir())  # refused before a byte was written
+    assert not any(nvme.iterdir())  # nothing left in the store's directory
     os.unlink(tmp_path / "model" / "model.safetensors")
     with pytest.raises(PretrainedWeightsError, match="holds neither model.safetensors"):
         zero.init_inference(on_meta(gpt2_config()), weights=tmp_path / "model")

@@ -3,13 +3,13 @@ part of SwapManager, cut out as one concept). A prefetched copy is not pinned; `
 against `prefetch_bytes` until they are used or dropped.
 
 Two windows along the trace: the prefetch window brings uses all the way to their tier within `prefetch_bytes`
-(DeepSpeed's prefetch bucket: on a GPU, device memory held by what is not yet used); past it, frozen segments
-(only read by steps: frozen weights, inference's) go on from nvme into host memory (`_stage`), within half the host budget and never
-taking room a fetch at the time of use would keep, so that the disk works while the compute runs from copies the host
-already holds (a LoRA block cached between its forward and its backward, the next one still on nvme). The prefetch
-window takes a staged copy the rest of the way when it gets there. Segments a step rewrites (trained shards,
-optimizer state) are not staged: staging them read 5-15% more bytes a step at 1b x 4 (bench/RESULTS.md, session
-31)."""
+(DeepSpeed's prefetch bucket: on a GPU, device memory held by what is not yet used); past it, frozen segments (only
+read by steps: frozen weights, inference's) go on from nvme into host memory (`_stage`), within half the host budget
+and never taking room a fetch at the time of use would keep, so that the disk works while the compute runs from
+copies the host already holds (a LoRA block cached between its forward and its backward, the next one still on
+nvme). The prefetch window takes a staged copy the rest of the way when it gets there. Segments a step rewrites
+(trained shards, optimizer state) are not staged: staging them read 5-15% more bytes a step at 1b x 4
+(bench/RESULTS.md, session 31)."""
 from __future__ import annotations
 
 from typing import Iterable
