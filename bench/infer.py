@@ -1,9 +1,8 @@
 """Inference from the tiers against its bound: a GPT-2 shaped model saved with save_pretrained, generated from
 greedily by plain transformers in memory, by zero.init_inference with the weights in host memory, and with the
-weights on nvme under a host budget a quarter of their size (16 MiB at least, and never below twice the engine's
-minimum, zero.inference.engine.host_need, the largest shard: GPT-2's tied embedding is one unit, 154 MB at 124M, and
-at the minimum itself a forward can find the budget pinned by shards whose copies are under way). Each system runs
-in its own process (its peak RSS is its own); the tokens must be the same.
+weights on nvme under a host budget a quarter of their size (16 MiB at least, and never below the engine's minimum,
+zero.inference.engine.host_need: GPT-2's tied embedding is one unit, 154 MB at 124M). Each system runs in its own
+process (its peak RSS is its own); the tokens must be the same.
 
     python bench/infer.py [--quick] [--layers 12] [--hidden 768] [--new-tokens 16] [--json PATH]
 
@@ -59,7 +58,7 @@ def child(args: argparse.Namespace) -> dict:
         if args.child == "ours-nvme":
             from zero.inference.engine import host_need
 
-            config["zero_tiering"] = {"host_budget": max(args.host_budget, 2 * host_need(model, config))}
+            config["zero_tiering"] = {"host_budget": max(args.host_budget, host_need(model, config))}
         engine = model = zero.init_inference(model, config, weights=args.model)
     clock = Clock()
     start = time.perf_counter()

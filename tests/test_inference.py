@@ -80,6 +80,27 @@ def test_what_cannot_serve_is_named(tmp_path):
         zero.init_inference(on_meta(gpt2_config()), weights=tmp_path / "model")
 
 
+def test_the_least_host_budget_is_enough(tmp_path):
+    """At exactly `host_need` (the largest shard: a tied embedding three times a block's) every forward of a
+    generation finds room: a gather that meets the room still pinned by a shard whose copy is under way waits for
+    its release (before, most such runs failed: the embedding's shard pinned, the next block's asked)."""
+    from zero.inference.engine import host_need
+
+    shape = {"n_layer": 4, "n_embd": 128, "n_head": 2, "vocab_size": 4096, "n_positions": 32}
+    reference = saved(gpt2_config(**shape), tmp_path / "model")
+    config = inference_config("nvme", tmp_path)
+    config["zero_tiering"] = {"host_budget": host_need(on_meta(gpt2_config(**shape)), config)}
+    for _ in range(2):
+        engine = zero.init_inference(on_meta(gpt2_config(**shape)), config, weights=tmp_path / "model")
+        try:
+            prompt = torch.tensor([[5, 17, 42]])
+            new = engine.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0)
+            assert torch.equal(new, reference.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0))
+            assert engine.swap.pool.peak_in_use <= config["zero_tiering"]["host_budget"]
+        finally:
+            engine.close()
+
+
 CHILD = r"""
 import json, resource, sys, torch, zero
 from transformers import AutoModelForCausalLM, GPT2Config

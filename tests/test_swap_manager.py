@@ -22,6 +22,7 @@ from tiering import (
     TieringConfigError,
     TieringError,
 )
+from tiering.handle import Handle
 from tiering.residency import TIER_ORDER, TRANSITIONS
 from tiering.timeline import Timeline
 from tiering.trace import Trace
@@ -165,6 +166,22 @@ def test_eviction_is_lru_before_a_trace_and_belady_once_one_exists(make_manager)
     assert states(mgr, "a", "b", "c", "d") == [R.DEVICE, R.DEVICE, R.DEVICE, R.HOST]
     use(mgr, "d")  # next uses: a in 0, b in 1, c in 2: Belady evicts c (LRU would evict a)
     assert states(mgr, "a", "b", "c", "d") == [R.DEVICE, R.DEVICE, R.HOST, R.DEVICE]
+
+
+def test_a_fetch_waits_for_a_release_pending_on_a_copy_instead_of_finding_the_tier_full(make_manager):
+    """`release_after`: a copy reads a's pinned bytes; a fetch of b that needs a's room waits for the copy's end
+    (then a's release) rather than raising BudgetExceededError, and a pin with no such release still raises."""
+    mgr = make_manager(device_budget=PAGE)
+    for name in "ab":
+        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="host", data=page(ord(name)))
+    mgr.acquire("a")
+    copy = Handle(label="a copy reading a")
+    mgr.release_after("a", copy)
+    threading.Timer(0.2, copy.part_done).start()
+    assert torch.equal(mgr.acquire("b"), page(ord("b")))  # waited: a released and evicted
+    assert states(mgr, "a", "b") == [R.HOST, R.DEVICE]
+    with pytest.raises(BudgetExceededError):
+        mgr.acquire("a")  # b is pinned with no release coming
 
 
 def test_reuse_distance_evicts_at_release_what_is_used_far_later(make_manager):

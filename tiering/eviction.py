@@ -117,7 +117,8 @@ class Eviction:
                 return DONE
             if not blocking:
                 return BLOCKED  # write-backs begun (if any) make room for a later try
-            moving = [s.move for s in self.segments.values() if s.move is not None and s not in keep]
+            moving = [h for s in self.segments.values() if s not in keep for h in (s.move, s.releasing)
+                      if h is not None]
             if not started and not moving:
                 if full is not None:
                     raise full  # the disk lacks the room, not the tier's budget: say so

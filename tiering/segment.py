@@ -68,6 +68,8 @@ class Segment:
     """The user expects its next fetch to overwrite it (`SwapManager.expect_overwrite`), until that fetch."""
     fetch_expected: bool = False
     """The user expects to fetch it again soon, off the trace (`SwapManager.expect_fetch`), until that fetch."""
+    releasing: Handle | None = None
+    """A copy reading its pinned bytes, whose end releases one pin (`SwapManager.release_after`)."""
     kept: Kept | None = None
     """The bytes preserved by `SwapManager.keep` until `commit` or `restore`."""
 

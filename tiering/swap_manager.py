@@ -219,6 +219,20 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
             self._prefetch_ahead()
         return handle
 
+    def release_after(self, name: str, handle: Handle) -> None:
+        """`release(name)` once `handle` is done (a copy reading the pinned bytes, whose end the caller's compute
+        does not wait on): until then a fetch that finds its tier full waits on `handle`, as on a write-back,
+        instead of finding only pinned copies there."""
+        with self._lock:
+            self._get(name).releasing = handle
+
+        def done(_: Handle) -> None:
+            with self._lock:
+                self._get(name).releasing = None
+            self.release(name)
+
+        handle.add_done_callback(done)
+
     def _release(self, name: str, dirty: bool, discard: bool) -> Handle:
         if dirty and discard:
             raise ValueError(f"release of {name!r}: dirty and discard contradict each other")

@@ -61,8 +61,7 @@ def init_inference(model: nn.Module, config: str | os.PathLike | Mapping | None 
 
 def host_need(model: nn.Module, config: str | os.PathLike | Mapping | None = None) -> int:
     """The least host budget `init_inference` takes for `model` under `config` (budgets.host_minimum: with the
-    weights on nvme, the largest shard): the plan alone, nothing built or written. A floor: a gather holds a shard
-    until its copy has landed while the next is read, so a forward at exactly this budget can find it all pinned."""
+    weights on nvme, the largest shard): the plan alone, nothing built or written."""
     cfg, dtype, plan = _plan(model, config)
     model.requires_grad_(False)
     return sum(host_minimum(cfg, [flat for flat, _ in plan], dtype).values())

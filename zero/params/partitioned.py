@@ -330,11 +330,10 @@ class PartitionedPlacement(Placement):
         start = time.perf_counter()
         fetched = self.swap.fetch(unit.segment, self.shard_tier)
 
-        def landed(copied: Handle) -> None:
+        def landed(copied: Handle) -> None:  # after the shard's release (release_after's callback comes first)
             try:
                 self.swap.timeline.add(unit.segment, f"{self.shard_tier}->device", start, time.perf_counter(),
                                        bytes=dst.numel() * dst.element_size())
-                self.swap.release(unit.segment)
             finally:
                 fill.done.part_done(copied.error)
 
@@ -344,6 +343,7 @@ class PartitionedPlacement(Placement):
                 fill.done.part_done(fetch.error)
                 return
             copied = Handle(label=f"copy into {unit.name or 'root'}")
+            self.swap.release_after(unit.segment, copied)  # a gather meanwhile waits for it rather than fail
             copied.add_done_callback(landed)
             try:
                 fill.copied = tier.copy(dst, self.swap.view(unit.segment), copied, after=after)
