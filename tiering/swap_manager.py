@@ -228,7 +228,9 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
 
         def done(_: Handle) -> None:
             with self._lock:
-                self._get(name).releasing = None
+                seg = self._get(name)
+                if seg.releasing is handle:  # not a later copy's, of a second pin
+                    seg.releasing = None
             self.release(name)
 
         handle.add_done_callback(done)
