@@ -57,10 +57,17 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
 
 
 def join_group(backend: str, **kwargs: Any) -> None:
-    """init_process_group, and the group destroyed when the process exits, while Python is still whole: one left
-    to the interpreter's teardown can abort the process there ("terminate called without an active exception":
-    gloo's threads outliving it, pytorch/pytorch#190489), after a script that finished its work."""
+    """init_process_group, and the group destroyed when the process exits (`destroy_at_exit`)."""
     dist.init_process_group(backend, **kwargs)
+    destroy_at_exit()
+
+
+@functools.cache
+def destroy_at_exit() -> None:
+    """Have the default group destroyed when the process exits, while Python is still whole (a group zero joined, or
+    one the caller's launcher did, such as Accelerate's, which nothing else destroys): one left to the interpreter's
+    teardown can abort the process there ("terminate called without an active exception": gloo's threads outliving
+    it, pytorch/pytorch#190489), after a script that finished its work. A group already destroyed is left alone."""
     atexit.register(_destroy_group)
 
 
@@ -133,6 +140,8 @@ class DataParallel:
             backend = "nccl" if device.type == "cuda" else "gloo"
             join_group(backend, timeout=timedelta(seconds=timeout))
             return cls(timeout=timeout)
+        if dist.is_available() and dist.is_initialized():
+            destroy_at_exit()
         return cls()
 
     def lost(self, name: str, err: RuntimeError) -> RankLostError | None:
