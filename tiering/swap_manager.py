@@ -21,11 +21,12 @@ from .errors import (
 )
 from .eviction import DONE, Eviction, Kind, Outcome
 from .handle import Handle, completed
-from .host_pool import HostBuffer, HostBufferPool, HostPoolConfig
+from .host_pool import HostBufferPool, HostPoolConfig
 from .adoption import Adoption
 from .intents import Intents
 from .kept import Keeping
 from .read_ahead import ReadAhead
+from .reservations import Reservations
 from .nvme_store import NvmeStore
 from .residency import TIER_ORDER, Residency, Tier
 from .segment import Segment
@@ -36,7 +37,7 @@ from .trace import Trace
 STALL_THRESHOLD_S = 1e-4  # an acquire shorter than this only did bookkeeping (the bytes were there)
 
 
-class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
+class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead, Reservations):
     """Segments moved among tiers under hard budgets.
 
     The calls: `register` a segment with a home tier (or `adopt` a device tensor as one); `fetch` it to a tier (pins it there) or `acquire` it
@@ -308,33 +309,6 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead):
                     pending = step.handle
             if pending is not None:
                 pending.wait()
-
-    def reserve_device(self, nbytes: int, what: str, part: str) -> None:
-        """Count `nbytes` of device memory the caller allocates itself (`part`: a gathered unit's full buffer,
-        the backward's gradients of a unit, the reduction's scratch) against the device budget, evicting segments
-        to make room first; undo with `unreserve_device`. Counted as the tier charges a buffer of that size (whole
-        pages without CUDA), as the room made for it was."""
-        nbytes = self.device_tier.charge(nbytes)
-        stand_in = Segment(what, torch.uint8, (nbytes,), "device", Residency.DEVICE)  # sized like the buffer
-        with self._lock:
-            self._fit("device", stand_in, blocking=True, wait=True)
-            self.device_tier.reserve(nbytes, what, part)
-            self._note_peaks()
-
-    def unreserve_device(self, nbytes: int, part: str) -> None:
-        with self._lock:
-            self.device_tier.unreserve(self.device_tier.charge(nbytes), part)
-
-    def acquire_host(self, nbytes: int, what: str) -> HostBuffer:
-        """A host buffer of `nbytes` from the pool for the caller's own use (a staging buffer), evicting segments
-        to make room first, as a segment brought to the host would; give it back with its `release()`."""
-        stand_in = Segment(what, torch.uint8, (nbytes,), "host", Residency.HOST)  # sized like the buffer
-        with self._lock:
-            self._fit("host", stand_in, blocking=True, wait=True)
-            buffer = self.pool.acquire(nbytes, what, unmade=True)
-            self._note_peaks()
-        buffer.make()  # off the lock
-        return buffer
 
     def end_step(self) -> None:
         """Mark a step boundary: the trace adopts this step's order if it changed."""
