@@ -15,6 +15,11 @@ number of disks.
     python3 bench/tiers.py --quick               # seconds; what the test suite runs
     python3 bench/tiers.py --size 2GiB --block-sizes 1M,8M --queue-depths 32 --reps 5   # vs fio at scale
     python3 bench/tiers.py --dir /mnt/nvme0 --dir /mnt/nvme1 --segments 4   # a store striped over two disks
+    python3 bench/tiers.py --size 1GiB --block-sizes 8M --queue-depths 8 --python-load   # a GIL-bound thread beside
+
+`--python-load` runs a thread of pure Python in this process while every transfer is timed, holding the GIL as a
+training thread does (Python, hooks, kernel launches: most of a GPU step): an engine that needs the GIL to keep its
+queue full loses its rate; fio, in a process of its own, is the rate without it.
 """
 from __future__ import annotations
 
@@ -26,7 +31,9 @@ import re
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
@@ -146,8 +153,27 @@ def layout(name: str, directories: list[str], segments: int) -> dict[str, int]:
     return {"dirs": len(directories), "segments": segments}
 
 
+class PythonLoad:
+    """A thread running pure Python for as long as the block lasts (see the module's docstring)."""
+
+    def __enter__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._spin, name="bench-python-load")
+        self._thread.start()
+
+    def _spin(self) -> None:
+        total = 0
+        while not self._stop.is_set():
+            for i in range(10_000):
+                total += i
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def measure_nvme(directories: list[str], segments: int, points: list[Point], names: list[str],
-                 reps: int) -> tuple[list[dict], dict]:
+                 reps: int, python_load: bool = False) -> tuple[list[dict], dict]:
     """Records for host<->nvme, and the median CPU % of each (engine, direction, point) for the table.
 
     A target that cannot run here (no libaio, no O_DIRECT, no aiofiles, fio failing) is dropped with the
@@ -178,7 +204,8 @@ def measure_nvme(directories: list[str], segments: int, points: list[Point], nam
                 order = targets[rep % len(targets):] + targets[: rep % len(targets)]
                 for direction in DIRECTIONS:
                     for target in order:
-                        samples[target.name, direction].append(target.run(direction))
+                        with PythonLoad() if python_load else nullcontext():
+                            samples[target.name, direction].append(target.run(direction))
         finally:
             for target in targets:
                 target.close()
@@ -283,6 +310,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--engines", default=",".join(ENGINES), help="NVMe paths to measure (%(default)s)")
     parser.add_argument("--reps", type=int, help=f"timed repetitions per measurement, median kept ({DEFAULTS['reps']})")
     parser.add_argument("--no-fio", action="store_true", help="do not run fio beside our engines")
+    parser.add_argument("--python-load", action="store_true",
+                        help="a thread of pure Python (holding the GIL) runs while each transfer is timed")
     parser.add_argument("--json", help="write the records here, a JSON list")
     parser.add_argument("--png", help="write a bar plot here")
     args = parser.parse_args(argv)
@@ -323,10 +352,11 @@ def main(argv: list[str] | None = None) -> None:
         print("note: fio not installed (apt-get install fio): no yardstick", file=sys.stderr)
     directories = args.dir or [tempfile.mkdtemp(prefix="zt-bench-")]
     print(f"note: NVMe files in {', '.join(directories)} ({args.segments} segments per transfer of our store); "
-          f"{os.cpu_count()} CPUs; torch {torch.__version__}", file=sys.stderr)
+          f"{os.cpu_count()} CPUs; torch {torch.__version__}"
+          f"{'; a thread of pure Python beside each transfer' if args.python_load else ''}", file=sys.stderr)
     try:
         records, cpu = measure_nvme(directories, args.segments, sweep(args.size, args.block_sizes, args.queue_depths),
-                                    names, args.reps)
+                                    names, args.reps, args.python_load)
     finally:
         if not args.dir:
             os.rmdir(directories[0])

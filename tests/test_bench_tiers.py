@@ -12,7 +12,7 @@ import sys
 
 from conftest import REPO_ROOT, child_env
 
-from tiering.engines import load_libaio
+from tiering.engines import load_aio
 from tiering.errors import EngineUnavailableError
 
 REQUIRED = {"pair": str, "direction": str, "engine": str, "block_size": int, "queue_depth": int, "bytes": int,
@@ -52,7 +52,7 @@ def run_quick(directory, out, *more_dirs) -> tuple[list[dict], str]:
 
 def libaio_loads() -> bool:
     try:
-        load_libaio()
+        load_aio()
     except EngineUnavailableError:
         return False
     return True

@@ -1,13 +1,12 @@
-"""Linux kernel AIO (io_submit / io_getevents) through the PyPI `libaio` package's ctypes bindings.
+"""Linux kernel AIO (io_submit / io_getevents), submitted and reaped by a C thread (tiering/_aio.c).
 
-One submitter path (the caller's thread, refilled from the reaper) and one reaper thread that blocks in
-io_getevents while requests are in flight and sleeps on a condition otherwise: no busy-waiting.
+The C reaper keeps the queue full without the GIL, however busy the training thread keeps it; a Python thread of
+our own takes the completions and runs their callbacks (checksums, the swap manager's bookkeeping) off that path.
 """
 from __future__ import annotations
 
-import ctypes
+import itertools
 import threading
-from collections import deque
 
 from ..aio_config import AioConfig
 from ..errors import EngineUnavailableError, IOFailedError
@@ -15,160 +14,78 @@ from ..handle import Handle
 from .base import IOEngine, Op, block_result
 
 
-def load_libaio():
-    """The ctypes bindings, or EngineUnavailableError saying what is missing."""
+def load_aio():
+    """The compiled queue (tiering._aio), or EngineUnavailableError saying why it is missing."""
     try:
-        from libaio import libaio as raw
+        from .. import _aio
     except ImportError as exc:
         raise EngineUnavailableError(
-            f"engine 'libaio' needs the PyPI package 'libaio' (pip install libaio): {exc}"
-        ) from exc
-    except OSError as exc:
-        raise EngineUnavailableError(
-            f"engine 'libaio' needs the system library libaio.so.1 (apt-get install libaio1): {exc}"
-        ) from exc
-    return raw
+            f"engine 'libaio' needs the C extension tiering._aio, built at install where a C compiler is present "
+            f"(pip install -e . with gcc): {exc}") from exc
+    return _aio
 
 
 class LibaioEngine(IOEngine):
     name = "libaio"
 
     def __init__(self, config: AioConfig):
-        self._raw = raw = load_libaio()
+        aio = load_aio()
         self._block_size = config.block_size
-        self._depth = config.queue_depth
-        self._single_submit = config.single_submit
-        self._overlap_events = config.overlap_events
-        self._ctx = raw.io_context_t()
         try:
-            raw.io_setup(self._depth, ctypes.byref(self._ctx))
+            self._queue = aio.Queue(config.queue_depth)
         except OSError as exc:
             raise EngineUnavailableError(
-                f"engine 'libaio': io_setup({self._depth}) failed: {exc.strerror} (is fs.aio-max-nr exhausted? "
-                "see /proc/sys/fs/aio-nr; lower aio.queue_depth or use engine 'threads')") from exc
-        self._iocbs = (raw.iocb * self._depth)()
-        self._iocb_ptrs = (raw.iocb_p * self._depth)(*[ctypes.pointer(c) for c in self._iocbs])
-        self._events = (raw.io_event * self._depth)()
-        # slot index -> (handle, op, path, offset, nbytes) of the block using that iocb
-        self._slots: list[tuple | None] = [None] * self._depth
-        self._free = list(range(self._depth - 1, -1, -1))
-        self._pending: deque[tuple] = deque()
-        self._in_flight = 0
-        self._cond = threading.Condition()
-        self._closing = False
-        self._reaper = threading.Thread(target=self._reap, name="tiering-libaio-reaper", daemon=True)
-        self._reaper.start()
+                f"engine 'libaio': io_setup({config.queue_depth}) failed: {exc.strerror} (is fs.aio-max-nr "
+                "exhausted? see /proc/sys/fs/aio-nr; lower aio.queue_depth or use engine 'threads')") from exc
+        self._tokens = itertools.count()
+        self._blocks: dict[int, tuple[Handle, Op, str, int, int]] = {}
+        self._lock = threading.Lock()
+        self._broken: str | None = None
+        self._closed = False
+        self._completer = threading.Thread(target=self._complete, name="tiering-libaio-done", daemon=True)
+        self._completer.start()
 
     def blocks(self, nbytes: int) -> int:
         return -(-nbytes // self._block_size)
 
     def submit(self, op: Op, fd: int, path: str, address: int, nbytes: int, offset: int, handle: Handle) -> None:
-        bs = self._block_size
-        with self._cond:
-            if self._closing:
-                raise RuntimeError("libaio engine is closed")
+        bs, write = self._block_size, op == "write"
+        batch = []
+        with self._lock:
+            if self._broken is not None:
+                broken = self._broken
+            else:
+                broken = None
+                for start in range(0, nbytes, bs):
+                    token, size = next(self._tokens), min(bs, nbytes - start)
+                    self._blocks[token] = (handle, op, path, offset + start, size)
+                    batch.append((token, write, fd, address + start, size, offset + start))
+        if broken is not None:
             for start in range(0, nbytes, bs):
-                self._pending.append((handle, op, fd, path, address + start, min(bs, nbytes - start), offset + start))
-            refused = self._pump()
-        self._finish(refused)
+                handle.part_done(IOFailedError(path, op, offset + start, min(bs, nbytes - start), broken, 0))
+            return
+        try:
+            self._queue.submit(batch)
+        except RuntimeError:  # closed under us: the engine broke (io_getevents failed) since the check above
+            with self._lock:
+                for token, *_ in batch:
+                    del self._blocks[token]
+            for _, _, _, _, size, at in batch:
+                handle.part_done(IOFailedError(path, op, at, size, self._broken or "libaio engine closed", 0))
 
-    def _pump(self) -> list[tuple[Handle, BaseException | None]]:
-        """Submit pending blocks into free slots; returns the blocks the kernel refused, to be completed by
-        the caller once it has dropped the lock (completion callbacks may take other locks)."""
-        refused: list[tuple[Handle, BaseException | None]] = []
-        if not self._overlap_events and self._in_flight:
-            return refused
-        raw = self._raw
-        batch: list[int] = []
-        while self._free and self._pending:
-            handle, op, fd, path, address, nbytes, offset = self._pending.popleft()
-            slot = self._free.pop()
-            iocb = self._iocbs[slot]
-            prep = raw.io_prep_pread if op == "read" else raw.io_prep_pwrite
-            prep(iocb, fd, ctypes.c_void_p(address), nbytes, offset)
-            iocb.data = ctypes.c_void_p(slot + 1)  # +1: a NULL data pointer reads back as None
-            self._slots[slot] = (handle, op, path, offset, nbytes)
-            batch.append(slot)
-        step = 1 if self._single_submit else len(batch) or 1
-        for i in range(0, len(batch), step):
-            self._submit_slots(batch[i : i + step], refused)
-        self._cond.notify()
-        return refused
-
-    @staticmethod
-    def _finish(completions: list[tuple[Handle, BaseException | None]]) -> None:
-        for handle, error in completions:
-            handle.part_done(error)
-
-    def _submit_slots(self, slots: list[int], refused: list) -> None:
-        raw = self._raw
-        array = (raw.iocb_p * len(slots))(*[self._iocb_ptrs[s] for s in slots])
-        done = 0
-        while done < len(slots):
-            try:
-                n = raw.io_submit(self._ctx, len(slots) - done, ctypes.cast(
-                    ctypes.byref(array, done * ctypes.sizeof(raw.iocb_p)), raw.iocb_pp))
-            except OSError as exc:
-                # The kernel refused the request outright (EINVAL, EBADF, ...): fail that block's handle.
-                slot = slots[done]
-                handle, op, path, offset, nbytes = self._slots[slot]
-                self._release(slot)
-                refused.append((handle, block_result(op, path, offset, nbytes, -exc.errno)))
-                done += 1
-                continue
-            self._in_flight += n
-            done += n
-
-    def _release(self, slot: int) -> None:
-        self._slots[slot] = None
-        self._free.append(slot)
-
-    def _reap(self) -> None:
-        raw = self._raw
-        while True:
-            with self._cond:
-                while not self._in_flight:
-                    if self._closing and not self._pending:
-                        return
-                    self._cond.wait()
-            # io_getevents releases the GIL (ctypes) and returns as soon as one request completes.
-            try:
-                n = raw.io_getevents(self._ctx, 1, self._depth, self._events, None)
-            except InterruptedError:
-                continue
-            except OSError as exc:
-                self._fail_all(exc)
-                return
-            finished = []
-            with self._cond:
-                for i in range(n):
-                    event = self._events[i]
-                    slot = event.data - 1
-                    handle, op, path, offset, nbytes = self._slots[slot]
-                    finished.append((handle, block_result(op, path, offset, nbytes, event.res)))
-                    self._release(slot)
-                self._in_flight -= n
-                finished += self._pump()
-                self._cond.notify_all()
-            self._finish(finished)
-
-    def _fail_all(self, exc: OSError) -> None:
-        """io_getevents itself failed: the engine is broken. Every request owed a completion fails (the
-        kernel may still touch their buffers, so callers must not reuse them), and so does every later one."""
-        with self._cond:
-            self._closing = True
-            owed = [slot for slot in self._slots if slot is not None] + [
-                (h, op, path, offset, nbytes) for h, op, _, path, _, nbytes, offset in self._pending]
-            self._pending.clear()
-            self._in_flight = 0
-        self._finish([(h, IOFailedError(path, op, offset, nbytes, f"libaio engine broken: io_getevents: {exc}",
-                                        exc.errno or 0)) for h, op, path, offset, nbytes in owed])
+    def _complete(self) -> None:
+        """The completer thread: each block's result to its handle, until the queue is closed and drained."""
+        while completions := self._queue.wait_done():
+            with self._lock:
+                blocks = [(self._blocks.pop(token), result) for token, result in completions]
+            for (handle, op, path, offset, nbytes), result in blocks:
+                handle.part_done(block_result(op, path, offset, nbytes, result))
+        with self._lock:  # the reaper ended: on close, or on an io_getevents failure (every block owed failed)
+            if not self._closed:
+                self._broken = "libaio engine broken: io_getevents failed"
 
     def close(self) -> None:
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        self._reaper.join()
-        if self._ctx:
-            self._raw.io_destroy(self._ctx)
-            self._ctx = None
+        with self._lock:
+            self._closed = True
+        self._queue.close()
+        self._completer.join()

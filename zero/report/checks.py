@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 
 from tiering import NvmeStore, NvmeStoreConfig, TieringError, aligned_empty
-from tiering.engines import load_libaio
+from tiering.engines import load_aio
 from tiering.errors import EngineUnavailableError, fmt_bytes
 from ..comm import local_device
 from ..services.compute_speed import dtype_speed
@@ -95,11 +95,12 @@ def cpu_adam() -> Check:
 
 def libaio() -> Check:
     try:
-        load_libaio()
+        load_aio()
     except EngineUnavailableError as exc:
         return Check("libaio", "WARN", str(exc),
-                     "apt-get install libaio1 (and pip install libaio); the `threads` engine serves meanwhile")
-    return Check("libaio", "OK", "loads: engine 'libaio' is available")
+                     "`pip install -e .` with a C compiler (gcc) and the Python headers builds it; the `threads` "
+                     "engine serves meanwhile")
+    return Check("libaio", "OK", "tiering._aio is built: engine 'libaio' is available")
 
 
 def nvme(path: str) -> list[Check]:
