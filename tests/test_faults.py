@@ -434,6 +434,13 @@ def test_two_processes_share_an_nvme_path_and_a_checkpoint_directory(tmp_path):
     assert not torch.equal(states[0]["master/1/0"], states[1]["master/1/0"]), "two different runs"
 
 
+def meet(go: str, what: str, seed: str) -> None:
+    """Wait until both processes have reached `what` (a file each beside `go`)."""
+    open(f"{go}.{what}-{seed}", "w").close()
+    while len([n for n in os.listdir(os.path.dirname(go)) if f".{what}-" in n]) < 2:
+        time.sleep(0.01)
+
+
 def child_share(nvme: str, ckpt: str, go: str, seed: str, out: str) -> None:
     from checkpoint_models import TinyLM, ds_config
     import zero
@@ -451,11 +458,10 @@ def child_share(nvme: str, ckpt: str, go: str, seed: str, out: str) -> None:
         engine.step()
     engine.save_checkpoint(ckpt, tag=f"p{seed}")
     torch.save(snapshot(engine), out)
-    open(f"{go}.saved-{seed}", "w").close()
-    while len([n for n in os.listdir(os.path.dirname(go)) if ".saved-" in n]) < 2:
-        time.sleep(0.01)  # both saved, both stores still open
+    meet(go, "saved", seed)  # both saved, both stores still open
     report = {"own_file_kept": os.path.exists(own), "removed_by_sweep": [f.path for f in engine.swap.store.stale.removed],
               "other_file_untouched": all(os.path.exists(p) for p in others) and len(others) == 1}
+    meet(go, "checked", seed)  # neither closes (removing its file) before the other has looked
     engine.close()
     print(json.dumps(report), flush=True)
 
