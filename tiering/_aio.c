@@ -2,7 +2,8 @@
 
 A Python reaper thread needs the GIL after every io_getevents to refill the queue; while the training thread holds it
 (Python, hooks, kernel launches: most of a GPU step) the reaper waits up to the interpreter's switch interval per
-completion and the disk drains (bench/RESULTS.md, session 32: reads at 0.73x with one Python-bound thread beside them).
+completion and the disk drains (bench/RESULTS.md, session 32: reads at 0.76x, writes at 0.63x of fio's rate with
+one Python-bound thread beside them).
 Here the reaper is a pthread: it waits in io_getevents, records each completion and submits the next blocks into the
 freed slots, all without the GIL. Python hands blocks in with `submit` and takes completions with `wait_done` (on a
 thread of its own, which runs the callbacks): neither is on the path that keeps the disk busy.
@@ -50,6 +51,8 @@ typedef struct {
     Done *done;
     size_t done_cap, done_len;
     int inflight;
+    int single_submit;  /* one io_submit call per block */
+    int overlap_events; /* refill as each completion arrives; 0: only once the whole batch is done */
     int closing;   /* no more submits; the reaper ends once nothing is pending or in flight */
     int exited;    /* the reaper has ended: wait_done returns [] once the done list is empty */
     int started;
@@ -82,6 +85,7 @@ static int push_done(Queue *q, long long token, long long result) {
 /* With the lock held: move pending blocks into free slots and submit them. A block the kernel refuses outright
    completes at once with -errno, as a failed transfer would. */
 static void pump(Queue *q) {
+    if (!q->overlap_events && q->inflight) return;
     int n = 0;
     while (q->nfree && q->pending_len) {
         Block *b = &q->pending[q->pending_head];
@@ -101,7 +105,7 @@ static void pump(Queue *q) {
     }
     int submitted = 0;
     while (submitted < n) {
-        long r = sys_io_submit(q->ctx, n - submitted, q->batch + submitted);
+        long r = sys_io_submit(q->ctx, q->single_submit ? 1 : n - submitted, q->batch + submitted);
         if (r > 0) {
             q->inflight += (int)r;
             submitted += (int)r;
@@ -167,16 +171,21 @@ out:
     return NULL;
 }
 
+/* Refuse further submits and join the reaper once nothing is pending or in flight (the GIL released). */
+static void stop(Queue *q) {
+    if (!q->started) return;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&q->lock);
+    q->closing = 1;
+    pthread_cond_signal(&q->work);
+    pthread_mutex_unlock(&q->lock);
+    pthread_join(q->reaper, NULL);
+    Py_END_ALLOW_THREADS
+    q->started = 0;
+}
+
 static void Queue_dealloc(Queue *q) {
-    if (q->started) {
-        Py_BEGIN_ALLOW_THREADS
-        pthread_mutex_lock(&q->lock);
-        q->closing = 1;
-        pthread_cond_signal(&q->work);
-        pthread_mutex_unlock(&q->lock);
-        pthread_join(q->reaper, NULL);
-        Py_END_ALLOW_THREADS
-    }
+    stop(q);
     if (q->ctx) sys_io_destroy(q->ctx);
     pthread_mutex_destroy(&q->lock);
     pthread_cond_destroy(&q->work);
@@ -187,9 +196,9 @@ static void Queue_dealloc(Queue *q) {
 }
 
 static int Queue_init(Queue *q, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"depth", NULL};
-    int depth;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i", kwlist, &depth)) return -1;
+    static char *kwlist[] = {"depth", "single_submit", "overlap_events", NULL};
+    int depth, single_submit = 0, overlap_events = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i|pp", kwlist, &depth, &single_submit, &overlap_events)) return -1;
     if (q->started || q->iocbs) {
         PyErr_SetString(PyExc_RuntimeError, "Queue is initialized once");
         return -1;
@@ -198,7 +207,12 @@ static int Queue_init(Queue *q, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "depth must be at least 1");
         return -1;
     }
+    pthread_mutex_init(&q->lock, NULL);
+    pthread_cond_init(&q->work, NULL);
+    pthread_cond_init(&q->ready, NULL);
     q->depth = depth;
+    q->single_submit = single_submit;
+    q->overlap_events = overlap_events;
     q->iocbs = calloc(depth, sizeof(struct iocb));
     q->batch = calloc(depth, sizeof(struct iocb *));
     q->events = calloc(depth, sizeof(struct io_event));
@@ -212,9 +226,6 @@ static int Queue_init(Queue *q, PyObject *args, PyObject *kwds) {
     }
     for (int i = 0; i < depth; i++) q->free_slots[i] = depth - 1 - i;
     q->nfree = depth;
-    pthread_mutex_init(&q->lock, NULL);
-    pthread_cond_init(&q->work, NULL);
-    pthread_cond_init(&q->ready, NULL);
     if (sys_io_setup((unsigned)depth, &q->ctx) < 0) {
         q->ctx = 0;
         PyErr_SetFromErrno(PyExc_OSError);
@@ -316,15 +327,7 @@ static PyObject *Queue_wait_done(Queue *q, PyObject *unused) {
 
 /* close(): no more submits; waits (without the GIL) until everything submitted has completed. */
 static PyObject *Queue_close(Queue *q, PyObject *unused) {
-    if (!q->started) Py_RETURN_NONE;
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&q->lock);
-    q->closing = 1;
-    pthread_cond_signal(&q->work);
-    pthread_mutex_unlock(&q->lock);
-    pthread_join(q->reaper, NULL);
-    Py_END_ALLOW_THREADS
-    q->started = 0;
+    stop(q);
     Py_RETURN_NONE;
 }
 

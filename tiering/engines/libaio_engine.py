@@ -32,7 +32,8 @@ class LibaioEngine(IOEngine):
         aio = load_aio()
         self._block_size = config.block_size
         try:
-            self._queue = aio.Queue(config.queue_depth)
+            self._queue = aio.Queue(config.queue_depth, single_submit=config.single_submit,
+                                    overlap_events=config.overlap_events)
         except OSError as exc:
             raise EngineUnavailableError(
                 f"engine 'libaio': io_setup({config.queue_depth}) failed: {exc.strerror} (is fs.aio-max-nr "
