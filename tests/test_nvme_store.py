@@ -3,8 +3,8 @@
 - Round trips (hypothesis): any tensor, of every dtype torch can copy, staged through an aligned host buffer,
   written, read back into a poisoned buffer, byte-identical, and the bytes are in the file itself.
 - Many requests in flight: small block_size and queue_depth so transfers span blocks and the queue fills.
-- The libaio engine's C queue keeps the disk fed while this thread holds the GIL; without it built, `auto` takes
-  threads and says why.
+- The libaio engine's C queue keeps the disk fed while this thread holds the GIL; a forked child using it gets an
+  error, not a hang; without it built, `auto` takes threads and says why.
 - A store's life and its settings' errors: test_nvme_store_life.py.
 - Bad input: missing / read-only nvme_path, no O_DIRECT (ramfs), out-of-range requests, unaligned buffers, the
   nvme budget, a full disk (RLIMIT_FSIZE in a child process; a small tmpfs): typed errors that name the path
@@ -15,9 +15,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 import warnings
 
 import pytest
@@ -311,6 +313,35 @@ def test_libaio_keeps_the_disk_fed_while_another_thread_holds_the_gil(make_store
         os.close(fd)
     handle.wait(timeout=30)
     assert landed == bytes(src[:nbytes].numpy())
+
+
+def test_a_forked_child_reading_its_parents_store_gets_an_error_not_a_hang(make_store):
+    """A forked child (a DataLoader worker, say) has neither the queue's reaper thread nor its AIO context: a
+    transfer there fails at once naming why, where it would wait forever for a completion nobody reaps."""
+    store = make_store(engine="libaio")
+    ext = store.allocate(64 * KiB)
+    buf = aligned_empty(64 * KiB)
+    store.write(ext, buf).wait(timeout=30)
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only for the error asked for
+        code = 2
+        try:
+            store.read(ext, buf).wait(timeout=10)
+        except OSError as exc:
+            code = 0 if "forked child" in str(exc) else 1
+        finally:
+            os._exit(code)
+    for _ in range(300):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung")
+    assert os.waitstatus_to_exitcode(status) == 0
+    store.read(ext, buf).wait(timeout=30)  # the parent's queue is untouched
 
 
 def test_without_the_built_queue_auto_takes_threads_and_libaio_says_what_is_missing(tmp_path, monkeypatch):

@@ -56,6 +56,7 @@ typedef struct {
     int closing;   /* no more submits; the reaper ends once nothing is pending or in flight */
     int exited;    /* the reaper has ended: wait_done returns [] once the done list is empty */
     int started;
+    pid_t owner; /* a forked child has neither the reaper nor the AIO context: it may not use the queue */
     pthread_mutex_t lock;
     pthread_cond_t work; /* the reaper waits here while nothing is in flight */
     pthread_cond_t ready; /* wait_done waits here for completions */
@@ -173,7 +174,7 @@ out:
 
 /* Refuse further submits and join the reaper once nothing is pending or in flight (the GIL released). */
 static void stop(Queue *q) {
-    if (!q->started) return;
+    if (!q->started || getpid() != q->owner) return;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&q->lock);
     q->closing = 1;
@@ -186,7 +187,7 @@ static void stop(Queue *q) {
 
 static void Queue_dealloc(Queue *q) {
     stop(q);
-    if (q->ctx) sys_io_destroy(q->ctx);
+    if (q->ctx && getpid() == q->owner) sys_io_destroy(q->ctx);
     pthread_mutex_destroy(&q->lock);
     pthread_cond_destroy(&q->work);
     pthread_cond_destroy(&q->ready);
@@ -238,6 +239,7 @@ static int Queue_init(Queue *q, PyObject *args, PyObject *kwds) {
         return -1;
     }
     q->started = 1;
+    q->owner = getpid();
     return 0;
 }
 
@@ -261,6 +263,11 @@ static PyObject *Queue_submit(Queue *q, PyObject *blocks) {
         }
     }
     Py_DECREF(seq);
+    if (getpid() != q->owner) {
+        free(parsed);
+        return PyErr_Format(PyExc_RuntimeError, "the AIO queue belongs to process %d: a forked child cannot use it",
+                            (int)q->owner);
+    }
     int closed = 0, nomem = 0;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&q->lock);

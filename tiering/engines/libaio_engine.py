@@ -67,12 +67,12 @@ class LibaioEngine(IOEngine):
             return
         try:
             self._queue.submit(batch)
-        except RuntimeError:  # closed under us: the engine broke (io_getevents failed) since the check above
+        except RuntimeError as exc:  # closed under us (io_getevents failed since the check above), or a forked child
             with self._lock:
                 for token, *_ in batch:
                     del self._blocks[token]
             for _, _, _, _, size, at in batch:
-                handle.part_done(IOFailedError(path, op, at, size, self._broken or "libaio engine closed", 0))
+                handle.part_done(IOFailedError(path, op, at, size, self._broken or str(exc), 0))
 
     def _complete(self) -> None:
         """The completer thread: each block's result to its handle, until the queue is closed and drained."""
