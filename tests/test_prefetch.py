@@ -243,3 +243,31 @@ def test_prefetch_checks_every_name_before_moving_any(make_manager):
     with pytest.raises(KeyError, match="nope"):
         mgr.prefetch(["h", "nope"], "device")
     assert states(mgr, "h") == [R.HOST] and mgr.stats.prefetches == 0
+
+
+def test_a_write_landing_before_its_callback_is_added_starts_no_read_ahead_inside_the_eviction(make_manager):
+    """A write-back that a read-ahead's eviction started may be done before its callback is added (a fast disk, a
+    buffered write): the callback then runs there, inside the `_fit` walking its victims, and must not read ahead
+    from there (that read-ahead evicted the victims still being walked: a host copy gone under it)."""
+    mgr = make_manager(engine="threads", host_budget=3 * PAGE, prefetch_bytes=8 * PAGE)
+    small, large = [f"d{i}" for i in range(3)], ["e0", "e1"]
+    for i, name in enumerate(small):
+        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(i)).wait()
+    for i, name in enumerate(large):
+        mgr.register(name, dtype=torch.float32, shape=(PAGE // 2,), home="nvme",
+                     data=torch.full((PAGE // 2,), 5.0 + i)).wait()
+    for name in small:
+        use(mgr, name, "host", add=10.0)  # three dirty one-page copies fill the budget; e0 needs two of them gone
+    write = mgr.store.write
+
+    def landed_at_once(*args, **kwargs):
+        handle = write(*args, **kwargs)
+        handle.wait(MOVE_TIMEOUT)
+        return handle
+
+    mgr.store.write = landed_at_once
+    mgr.prefetch(large, "host").wait(MOVE_TIMEOUT)
+    for i, name in enumerate(small):
+        assert torch.equal(use(mgr, name, "host"), page(i + 10))
+    for i, name in enumerate(large):
+        assert torch.equal(use(mgr, name, "host"), torch.full((PAGE // 2,), 5.0 + i))

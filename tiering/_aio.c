@@ -211,6 +211,7 @@ static int Queue_init(Queue *q, PyObject *args, PyObject *kwds) {
     pthread_mutex_init(&q->lock, NULL);
     pthread_cond_init(&q->work, NULL);
     pthread_cond_init(&q->ready, NULL);
+    q->owner = getpid();
     q->depth = depth;
     q->single_submit = single_submit;
     q->overlap_events = overlap_events;
@@ -239,7 +240,6 @@ static int Queue_init(Queue *q, PyObject *args, PyObject *kwds) {
         return -1;
     }
     q->started = 1;
-    q->owner = getpid();
     return 0;
 }
 

@@ -257,8 +257,15 @@ class Eviction:
             if h.error is None and self.config.checksums:  # off the lock: the bytes do not change while moving
                 seg.checksum = checksum(seg.storage("host"))
             self._settle(seg, "host->nvme", start, action, final, h.error, landed)
-            if h.error is None:  # the room this write freed (or made free to take) may be what a prefetch waits for
+            # The room this write freed (or made free to take) may be what a prefetch waits for; not where the
+            # write landed before its callback was added (this thread, inside the `_fit` that started it: a read-ahead
+            # from there would evict the victims that `_fit` is still walking).
+            if h.error is None and not getattr(self._thread, "writing", False):
                 self._prefetch_ahead()
 
-        self.store.write(seg.extent, seg.host.storage, seg.nbytes).add_done_callback(written)
+        self._thread.writing = True
+        try:
+            self.store.write(seg.extent, seg.host.storage, seg.nbytes).add_done_callback(written)
+        finally:
+            self._thread.writing = False
         return final

@@ -74,7 +74,7 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead, Reservations)
         """What the last `prefetch` call could not start for want of room, in its order: started as room
         frees (a write landing, a fetch, a release), so a caller's read-ahead keeps the disk queue full."""
         self._closing = False  # no prefetch may start once close() began
-        self._thread = threading.local()  # per thread: `untraced` set while inside untraced()
+        self._thread = threading.local()  # per thread: `untraced` inside untraced(), `writing` in eviction._write
         self._allocator = ThreadPoolExecutor(1, thread_name_prefix="tiering-alloc")
         """Makes fresh host buffers off the lock, in the order they were asked for: those reads land in (_read) and
         those a fetch to overwrite claims (_claim)."""

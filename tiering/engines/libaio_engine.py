@@ -53,10 +53,8 @@ class LibaioEngine(IOEngine):
         bs, write = self._block_size, op == "write"
         batch = []
         with self._lock:
-            if self._broken is not None:
-                broken = self._broken
-            else:
-                broken = None
+            broken = self._broken
+            if broken is None:
                 for start in range(0, nbytes, bs):
                     token, size = next(self._tokens), min(bs, nbytes - start)
                     self._blocks[token] = (handle, op, path, offset + start, size)
