@@ -3,8 +3,7 @@
 - Round trips (hypothesis): any tensor, of every dtype torch can copy, staged through an aligned host buffer,
   written, read back into a poisoned buffer, byte-identical, and the bytes are in the file itself.
 - Many requests in flight: small block_size and queue_depth so transfers span blocks and the queue fills.
-- The libaio engine's C queue keeps the disk fed while this thread holds the GIL; a forked child using it gets an
-  error, not a hang; without it built, `auto` takes threads and says why.
+- The libaio engine's own behaviour (its C queue, the engine `auto` picks): test_libaio_engine.py.
 - A store's life and its settings' errors: test_nvme_store_life.py.
 - Bad input: missing / read-only nvme_path, no O_DIRECT (ramfs), out-of-range requests, unaligned buffers, the
   nvme budget, a full disk (RLIMIT_FSIZE in a child process; a small tmpfs): typed errors that name the path
@@ -15,11 +14,9 @@ from __future__ import annotations
 import errno
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
-import time
 import warnings
 
 import pytest
@@ -34,7 +31,6 @@ from tiering import (
     AlignmentError,
     BudgetExceededError,
     DirectIOUnsupportedError,
-    EngineUnavailableError,
     Extent,
     HostBufferPool,
     HostPoolConfig,
@@ -292,78 +288,6 @@ def test_close_waits_for_everything_in_flight(tmp_path, engine):
     for h in handles:
         h.wait(timeout=0)
     assert not os.listdir(tmp_path)
-
-
-def test_libaio_keeps_the_disk_fed_while_another_thread_holds_the_gil(make_store):
-    """The libaio engine refills its queue without the GIL: a write of 64 blocks through a queue 2 deep lands
-    while this thread never lets the GIL go (a builtin's C loop, as a training thread in Python or launching
-    kernels holds it), read back over a second descriptor before the write's handle is even looked at. A reaper
-    that needs the GIL to submit the next blocks lands the first 2 at most."""
-    store = make_store(engine="libaio", block_size=4 * KiB, queue_depth=2)
-    nbytes = 64 * 4 * KiB
-    ext = store.allocate(nbytes)
-    src = aligned_empty(nbytes)
-    src[:nbytes] = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
-    fd = os.open(store.path_of(ext), os.O_RDONLY)
-    try:
-        handle = store.write(ext, src, nbytes)
-        sum(range(30_000_000))  # ~0.3 s in C, the GIL held throughout
-        landed = os.pread(fd, nbytes, ext.offset)
-    finally:
-        os.close(fd)
-    handle.wait(timeout=30)
-    assert landed == bytes(src[:nbytes].numpy())
-
-
-def test_a_forked_child_reading_its_parents_store_gets_an_error_not_a_hang(make_store):
-    """A forked child (a DataLoader worker, say) has neither the queue's reaper thread nor its AIO context: a
-    transfer there fails at once naming why, where it would wait forever for a completion nobody reaps."""
-    store = make_store(engine="libaio")
-    ext = store.allocate(64 * KiB)
-    buf = aligned_empty(64 * KiB)
-    store.write(ext, buf).wait(timeout=30)
-    pid = os.fork()
-    if pid == 0:  # the child: exit 0 only for the error asked for
-        code = 2
-        try:
-            store.read(ext, buf).wait(timeout=10)
-        except OSError as exc:
-            code = 0 if "forked child" in str(exc) else 1
-        finally:
-            os._exit(code)
-    for _ in range(300):
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.1)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child hung")
-    assert os.waitstatus_to_exitcode(status) == 0
-    store.read(ext, buf).wait(timeout=30)  # the parent's queue is untouched
-
-
-def test_without_the_built_queue_auto_takes_threads_and_libaio_says_what_is_missing(tmp_path, monkeypatch):
-    """An install without a C compiler has no tiering._aio: `auto` runs on threads and says why; an explicit
-    `libaio` is one typed error naming the missing extension."""
-    import tiering
-
-    monkeypatch.setitem(sys.modules, "tiering._aio", None)
-    monkeypatch.delattr(tiering, "_aio", raising=False)
-    store = NvmeStore(NvmeStoreConfig(nvme_path=str(tmp_path), aio=AioConfig(engine="auto")))
-    try:
-        assert store.engine_name == "threads" and "tiering._aio" in store.engine_reason
-    finally:
-        store.close()
-    with pytest.raises(EngineUnavailableError, match="C extension tiering._aio"):
-        NvmeStore(NvmeStoreConfig(nvme_path=str(tmp_path), aio=AioConfig(engine="libaio")))
-
-
-def test_auto_on_a_disk_picks_libaio_and_says_why(make_store):
-    store = make_store(engine="auto")
-    assert store.engine_name == "libaio" and store.direct_io
-    assert "libaio" in store.engine_reason and "O_DIRECT" in store.engine_reason
 
 
 def test_store_grows_by_its_size_up_to_grow_step_and_reuses_freed_space(make_store):

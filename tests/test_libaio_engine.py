@@ -1,0 +1,88 @@
+"""The libaio engine (tiering/_aio.c under tiering/engines/libaio_engine.py): its C queue keeps the disk fed while
+the caller's thread holds the GIL; a forked child using its parent's queue gets an error, not a hang; `auto` picks it
+on a disk and says why, and without it built takes threads and says what is missing."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+import torch
+
+from tiering import AioConfig, EngineUnavailableError, NvmeStore, NvmeStoreConfig, aligned_empty
+
+KiB = 1 << 10
+
+
+def test_libaio_keeps_the_disk_fed_while_another_thread_holds_the_gil(make_store):
+    """The libaio engine refills its queue without the GIL: a write of 64 blocks through a queue 2 deep lands
+    while this thread never lets the GIL go (a builtin's C loop, as a training thread in Python or launching
+    kernels holds it), read back over a second descriptor before the write's handle is even looked at. A reaper
+    that needs the GIL to submit the next blocks lands the first 2 at most."""
+    store = make_store(engine="libaio", block_size=4 * KiB, queue_depth=2)
+    nbytes = 64 * 4 * KiB
+    ext = store.allocate(nbytes)
+    src = aligned_empty(nbytes)
+    src[:nbytes] = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    fd = os.open(store.path_of(ext), os.O_RDONLY)
+    try:
+        handle = store.write(ext, src, nbytes)
+        sum(range(30_000_000))  # ~0.3 s in C, the GIL held throughout
+        landed = os.pread(fd, nbytes, ext.offset)
+    finally:
+        os.close(fd)
+    handle.wait(timeout=30)
+    assert landed == bytes(src[:nbytes].numpy())
+
+
+def test_a_forked_child_reading_its_parents_store_gets_an_error_not_a_hang(make_store):
+    """A forked child (a DataLoader worker, say) has neither the queue's reaper thread nor its AIO context: a
+    transfer there fails at once naming why, where it would wait forever for a completion nobody reaps."""
+    store = make_store(engine="libaio")
+    ext = store.allocate(64 * KiB)
+    buf = aligned_empty(64 * KiB)
+    store.write(ext, buf).wait(timeout=30)
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only for the error asked for
+        code = 2
+        try:
+            store.read(ext, buf).wait(timeout=10)
+        except OSError as exc:
+            code = 0 if "forked child" in str(exc) else 1
+        finally:
+            os._exit(code)
+    for _ in range(300):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung")
+    assert os.waitstatus_to_exitcode(status) == 0
+    store.read(ext, buf).wait(timeout=30)  # the parent's queue is untouched
+
+
+def test_without_the_built_queue_auto_takes_threads_and_libaio_says_what_is_missing(tmp_path, monkeypatch):
+    """An install without a C compiler has no tiering._aio: `auto` runs on threads and says why; an explicit
+    `libaio` is one typed error naming the missing extension."""
+    import tiering
+
+    monkeypatch.setitem(sys.modules, "tiering._aio", None)
+    monkeypatch.delattr(tiering, "_aio", raising=False)
+    store = NvmeStore(NvmeStoreConfig(nvme_path=str(tmp_path), aio=AioConfig(engine="auto")))
+    try:
+        assert store.engine_name == "threads" and "tiering._aio" in store.engine_reason
+    finally:
+        store.close()
+    with pytest.raises(EngineUnavailableError, match="C extension tiering._aio"):
+        NvmeStore(NvmeStoreConfig(nvme_path=str(tmp_path), aio=AioConfig(engine="libaio")))
+
+
+def test_auto_on_a_disk_picks_libaio_and_says_why(make_store):
+    store = make_store(engine="auto")
+    assert store.engine_name == "libaio" and store.direct_io
+    assert "libaio" in store.engine_reason and "O_DIRECT" in store.engine_reason
