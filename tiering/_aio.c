@@ -70,16 +70,22 @@ static long sys_io_getevents(aio_context_t ctx, long min_nr, long nr, struct io_
     return syscall(SYS_io_getevents, ctx, min_nr, nr, events, NULL);
 }
 
-/* With the lock held. 0, or -1 where memory ran out. */
-static int push_done(Queue *q, long long token, long long result) {
-    if (q->done_len == q->done_cap) {
-        size_t cap = q->done_cap ? 2 * q->done_cap : 64;
-        Done *grown = realloc(q->done, cap * sizeof(Done));
-        if (!grown) return -1;
-        q->done = grown;
-        q->done_cap = cap;
-    }
+/* With the lock held. Room for every completion owed (submit reserves it), so a completion is never dropped. */
+static void push_done(Queue *q, long long token, long long result) {
     q->done[q->done_len++] = (Done){token, result};
+}
+
+/* With the lock held: room in the done list for everything owed a completion once n more blocks are queued.
+   0, or -1 where memory ran out (the submit fails; nothing queued). */
+static int reserve_done(Queue *q, size_t n) {
+    size_t need = q->done_len + (size_t)q->inflight + q->pending_len + n;
+    if (need <= q->done_cap) return 0;
+    size_t cap = q->done_cap ? q->done_cap : 64;
+    while (cap < need) cap *= 2;
+    Done *grown = realloc(q->done, cap * sizeof(Done));
+    if (!grown) return -1;
+    q->done = grown;
+    q->done_cap = cap;
     return 0;
 }
 
@@ -273,6 +279,8 @@ static PyObject *Queue_submit(Queue *q, PyObject *blocks) {
     pthread_mutex_lock(&q->lock);
     if (q->closing) {
         closed = 1;
+    } else if (reserve_done(q, (size_t)n)) {
+        nomem = 1;
     } else if (q->pending_len + (size_t)n > q->pending_cap) {
         size_t cap = q->pending_cap;
         while (q->pending_len + (size_t)n > cap) cap *= 2;
@@ -306,19 +314,39 @@ static PyObject *Queue_submit(Queue *q, PyObject *blocks) {
 }
 
 /* wait_done(): the completions since the last call, as [(token, result)], waiting (without the GIL) for at least
-   one; [] once the queue is closed and every completion was taken. */
+   one; [] once the queue is closed and every completion was taken. Where memory runs out, MemoryError, and the
+   completions stay queued for the next call. */
 static PyObject *Queue_wait_done(Queue *q, PyObject *unused) {
     Done *taken = NULL;
-    size_t ntaken = 0;
+    size_t ntaken = 0, room = 0;
+    int nomem = 0;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&q->lock);
-    while (!q->done_len && !q->exited) pthread_cond_wait(&q->ready, &q->lock);
-    taken = q->done;
-    ntaken = q->done_len;
-    q->done = NULL;
-    q->done_len = q->done_cap = 0;
+    for (;;) {
+        while (!q->done_len && !q->exited) pthread_cond_wait(&q->ready, &q->lock);
+        if (q->done_len <= room) break;
+        size_t want = q->done_len;
+        pthread_mutex_unlock(&q->lock);
+        Done *grown = realloc(taken, want * sizeof(Done));
+        pthread_mutex_lock(&q->lock);
+        if (!grown) {
+            nomem = 1;
+            break;
+        }
+        taken = grown;
+        room = want;
+    }
+    if (!nomem) {
+        ntaken = q->done_len;
+        if (ntaken) memcpy(taken, q->done, ntaken * sizeof(Done));
+        q->done_len = 0;
+    }
     pthread_mutex_unlock(&q->lock);
     Py_END_ALLOW_THREADS
+    if (nomem) {
+        free(taken);
+        return PyErr_NoMemory();
+    }
     PyObject *out = PyList_New((Py_ssize_t)ntaken);
     for (size_t i = 0; out && i < ntaken; i++) {
         PyObject *pair = Py_BuildValue("(LL)", taken[i].token, taken[i].result);

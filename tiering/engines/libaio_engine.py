@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 
 from ..aio_config import AioConfig
 from ..errors import EngineUnavailableError, IOFailedError
@@ -65,7 +66,8 @@ class LibaioEngine(IOEngine):
             return
         try:
             self._queue.submit(batch)
-        except RuntimeError as exc:  # closed under us (io_getevents failed since the check above), or a forked child
+        except (RuntimeError, MemoryError) as exc:  # closed under us (io_getevents failed since the check above), a
+            # forked child, or no memory for the queue's lists: nothing of the batch was queued
             with self._lock:
                 for token, *_ in batch:
                     del self._blocks[token]
@@ -74,7 +76,7 @@ class LibaioEngine(IOEngine):
 
     def _complete(self) -> None:
         """The completer thread: each block's result to its handle, until the queue is closed and drained."""
-        while completions := self._queue.wait_done():
+        while completions := self._wait_done():
             with self._lock:
                 blocks = [(self._blocks.pop(token), result) for token, result in completions]
             for (handle, op, path, offset, nbytes), result in blocks:
@@ -82,6 +84,14 @@ class LibaioEngine(IOEngine):
         with self._lock:  # the reaper ended: on close, or on an io_getevents failure (every block owed failed)
             if not self._closed:
                 self._broken = "libaio engine broken: io_getevents failed"
+
+    def _wait_done(self) -> list[tuple[int, int]]:
+        """The queue's next completions; out of memory, they stay queued in C and are asked for again."""
+        while True:
+            try:
+                return self._queue.wait_done()
+            except MemoryError:
+                time.sleep(0.01)
 
     def close(self) -> None:
         with self._lock:
