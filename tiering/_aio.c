@@ -315,7 +315,7 @@ static PyObject *Queue_submit(Queue *q, PyObject *blocks) {
 
 /* wait_done(): the completions since the last call, as [(token, result)], waiting (without the GIL) for at least
    one; [] once the queue is closed and every completion was taken. Where memory runs out, MemoryError, and the
-   completions stay queued for the next call. */
+   completions stay queued for the next call: they leave the queue only once handed over. One thread calls it. */
 static PyObject *Queue_wait_done(Queue *q, PyObject *unused) {
     Done *taken = NULL;
     size_t ntaken = 0, room = 0;
@@ -339,7 +339,6 @@ static PyObject *Queue_wait_done(Queue *q, PyObject *unused) {
     if (!nomem) {
         ntaken = q->done_len;
         if (ntaken) memcpy(taken, q->done, ntaken * sizeof(Done));
-        q->done_len = 0;
     }
     pthread_mutex_unlock(&q->lock);
     Py_END_ALLOW_THREADS
@@ -357,6 +356,14 @@ static PyObject *Queue_wait_done(Queue *q, PyObject *unused) {
         PyList_SET_ITEM(out, (Py_ssize_t)i, pair);
     }
     free(taken);
+    if (out && ntaken) { /* handed over: off the front of the list (the reaper may have added more behind) */
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&q->lock);
+        q->done_len -= ntaken;
+        memmove(q->done, q->done + ntaken, q->done_len * sizeof(Done));
+        pthread_mutex_unlock(&q->lock);
+        Py_END_ALLOW_THREADS
+    }
     return out;
 }
 
