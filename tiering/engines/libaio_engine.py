@@ -71,8 +71,9 @@ class LibaioEngine(IOEngine):
             with self._lock:
                 for token, *_ in batch:
                     del self._blocks[token]
+            why = self._broken or str(exc) or "no memory for the AIO queue's lists"
             for _, _, _, _, size, at in batch:
-                handle.part_done(IOFailedError(path, op, at, size, self._broken or str(exc), 0))
+                handle.part_done(IOFailedError(path, op, at, size, why, 0))
 
     def _complete(self) -> None:
         """The completer thread: each block's result to its handle, until the queue is closed and drained."""
