@@ -31,12 +31,20 @@ RECORD = textwrap.dedent("""
         dist.all_reduce(total)
         record.update(rank=dist.get_rank(), world_size=dist.get_world_size(), sum=int(total))
         dist.destroy_process_group()
-    if os.environ.get("FAIL_ON_RANK") == os.environ["RANK"]:
+    if os.environ.get("FAIL_ON_RANK") == os.environ["RANK"]:  # once the others have recorded: torchrun then stops them
+        import time
+        others = [os.path.join(out, f"rank{r}.json") for r in range(int(os.environ["WORLD_SIZE"]))
+                  if str(r) != os.environ["RANK"]]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(map(os.path.exists, others)):
+            time.sleep(0.05)
         sys.exit(3)
-    with open(os.path.join(out, f"rank{os.environ['RANK']}.json"), "w") as f:
+    with open(os.path.join(out, f".rank{os.environ['RANK']}.tmp"), "w") as f:
         json.dump(record, f)
+    os.replace(f.name, os.path.join(out, f"rank{os.environ['RANK']}.json"))
 """)
-"""A script (or module) that records what its process saw, one file per rank."""
+"""A script (or module) that records what its process saw, one file per rank (whole or not at all); a rank told
+to fail exits 3 once the others have recorded (a launcher stops the rest when one fails)."""
 
 
 def free_port() -> int:
