@@ -1,16 +1,20 @@
 """The libaio engine (tiering/_aio.c under tiering/engines/libaio_engine.py): its C queue keeps the disk fed while
-the caller's thread holds the GIL; a forked child using its parent's queue gets an error, not a hang; `auto` picks it
-on a disk and says why, and without it built takes threads and says what is missing."""
+the caller's thread holds the GIL; a forked child using its parent's queue gets an error, not a hang; every block
+comes back once, refused ones too; `auto` picks it on a disk and says why, and without it built takes threads and
+says what is missing."""
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import subprocess
 import sys
 import time
 
 import pytest
 import torch
 
+from conftest import child_env
 from tiering import AioConfig, EngineUnavailableError, NvmeStore, NvmeStoreConfig, aligned_empty
 
 KiB = 1 << 10
@@ -113,3 +117,25 @@ def test_the_queue_hands_back_every_completion_once_however_many_wait_uncollecte
         os.close(fd)
     assert done == {t: 4 * KiB for t in range(600)}
     assert path.read_bytes() == bytes([7]) * (600 * 4 * KiB)
+
+
+REFUSED = """
+from tiering import _aio
+queue = _aio.Queue(4, single_submit=False, overlap_events=True)
+queue.submit([(t, 0, -1, 4096, 4096, 4096 * t) for t in range(10)])  # fd -1: io_submit refuses each (EBADF)
+done = {}
+while len(done) < 10:
+    done.update(queue.wait_done())
+queue.close()
+print(sorted(done.items()))
+"""
+
+
+def test_blocks_the_kernel_refuses_each_complete_with_its_error_and_close_returns():
+    """io_submit refusing every block of a queue with nothing in flight (a bad descriptor): each fails at once with
+    -EBADF and the blocks beyond the queue's depth take the freed slots, so all ten come back and close returns (in
+    a child process: a block left pending, with no completion to pump it, would hang it)."""
+    done = subprocess.run([sys.executable, "-c", REFUSED], capture_output=True, text=True, timeout=120,
+                          env=child_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == str([(t, -errno.EBADF) for t in range(10)])

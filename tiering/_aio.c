@@ -89,47 +89,70 @@ static int reserve_done(Queue *q, size_t n) {
     return 0;
 }
 
-/* With the lock held: move pending blocks into free slots and submit them. A block the kernel refuses outright
-   completes at once with -errno, as a failed transfer would. */
-static void pump(Queue *q) {
-    if (!q->overlap_events && q->inflight) return;
-    int n = 0;
-    while (q->nfree && q->pending_len) {
-        Block *b = &q->pending[q->pending_head];
-        q->pending_head = (q->pending_head + 1) % q->pending_cap;
-        q->pending_len--;
-        int slot = q->free_slots[--q->nfree];
-        struct iocb *cb = &q->iocbs[slot];
-        memset(cb, 0, sizeof(*cb));
-        cb->aio_lio_opcode = b->write ? IOCB_CMD_PWRITE : IOCB_CMD_PREAD;
-        cb->aio_fildes = (uint32_t)b->fd;
-        cb->aio_buf = b->address;
-        cb->aio_nbytes = b->nbytes;
-        cb->aio_offset = b->offset;
-        cb->aio_data = (uint64_t)slot;
-        q->slot_token[slot] = b->token;
-        q->batch[n++] = cb;
-    }
-    int submitted = 0;
-    while (submitted < n) {
-        long r = sys_io_submit(q->ctx, q->single_submit ? 1 : n - submitted, q->batch + submitted);
-        if (r > 0) {
-            q->inflight += (int)r;
-            submitted += (int)r;
-            continue;
-        }
-        int err = r == 0 ? EAGAIN : errno;
-        int slot = (int)q->batch[submitted]->aio_data;
-        push_done(q, q->slot_token[slot], -(long long)err);
+/* With the lock held: put the batch's blocks from `first` on back at the front of the pending ring, in order, their
+   slots freed (they left the ring in this pump, so it has room for them). */
+static void unqueue(Queue *q, int first, int n) {
+    for (int i = n - 1; i >= first; i--) {
+        struct iocb *cb = q->batch[i];
+        int slot = (int)cb->aio_data;
+        q->pending_head = (q->pending_head + q->pending_cap - 1) % q->pending_cap;
+        q->pending[q->pending_head] = (Block){q->slot_token[slot], cb->aio_lio_opcode == IOCB_CMD_PWRITE,
+                                              (int)cb->aio_fildes, cb->aio_buf, cb->aio_nbytes, cb->aio_offset};
+        q->pending_len++;
         q->free_slots[q->nfree++] = slot;
-        submitted++;
     }
+}
+
+/* With the lock held: move pending blocks into free slots and submit them, until the slots or the blocks run out. A
+   block the kernel refuses outright completes at once with -errno, as a failed transfer would, and its slot takes
+   the next (every block gets its completion, even where nothing is in flight to pump again); EAGAIN while others
+   are in flight is the kernel short of room for now: the rest wait for the next completion. */
+static void pump(Queue *q) {
+    while (q->nfree && q->pending_len && (q->overlap_events || !q->inflight)) {
+        int n = 0;
+        while (q->nfree && q->pending_len) {
+            Block *b = &q->pending[q->pending_head];
+            q->pending_head = (q->pending_head + 1) % q->pending_cap;
+            q->pending_len--;
+            int slot = q->free_slots[--q->nfree];
+            struct iocb *cb = &q->iocbs[slot];
+            memset(cb, 0, sizeof(*cb));
+            cb->aio_lio_opcode = b->write ? IOCB_CMD_PWRITE : IOCB_CMD_PREAD;
+            cb->aio_fildes = (uint32_t)b->fd;
+            cb->aio_buf = b->address;
+            cb->aio_nbytes = b->nbytes;
+            cb->aio_offset = b->offset;
+            cb->aio_data = (uint64_t)slot;
+            q->slot_token[slot] = b->token;
+            q->batch[n++] = cb;
+        }
+        int submitted = 0;
+        while (submitted < n) {
+            long r = sys_io_submit(q->ctx, q->single_submit ? 1 : n - submitted, q->batch + submitted);
+            if (r > 0) {
+                q->inflight += (int)r;
+                submitted += (int)r;
+                continue;
+            }
+            int err = r == 0 ? EAGAIN : errno;
+            if (err == EAGAIN && q->inflight) {
+                unqueue(q, submitted, n);
+                goto out;
+            }
+            int slot = (int)q->batch[submitted]->aio_data;
+            push_done(q, q->slot_token[slot], -(long long)err);
+            q->free_slots[q->nfree++] = slot;
+            submitted++;
+        }
+    }
+out:
     if (q->inflight) pthread_cond_signal(&q->work);
     if (q->done_len) pthread_cond_signal(&q->ready);
 }
 
-/* io_getevents failed for good: everything owed a completion fails with its errno (the kernel may still touch the
-   buffers of those in flight, so their callers must not reuse them), and so does every later submit. */
+/* io_getevents failed for good: everything owed a completion fails with its errno, and so does every later submit.
+   The caller destroyed the context first (io_destroy waits for what is in flight): no failed block's buffer is
+   still being written by the kernel when its caller takes it back. */
 static void fail_all(Queue *q, int err) {
     for (int slot = 0; slot < q->depth; slot++) {
         int free_ = 0;
@@ -159,6 +182,11 @@ static void *reap(void *arg) {
         pthread_mutex_lock(&q->lock);
         if (n < 0) {
             if (err == EINTR) continue;
+            q->closing = 1; /* no submit while the lock is let go */
+            pthread_mutex_unlock(&q->lock);
+            sys_io_destroy(q->ctx);
+            pthread_mutex_lock(&q->lock);
+            q->ctx = 0;
             fail_all(q, err);
             goto out;
         }
@@ -181,6 +209,7 @@ out:
 /* Refuse further submits and join the reaper once nothing is pending or in flight (the GIL released). */
 static void stop(Queue *q) {
     if (!q->started || getpid() != q->owner) return;
+    q->started = 0; /* under the GIL: a second close meanwhile joins nothing */
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&q->lock);
     q->closing = 1;
@@ -188,7 +217,6 @@ static void stop(Queue *q) {
     pthread_mutex_unlock(&q->lock);
     pthread_join(q->reaper, NULL);
     Py_END_ALLOW_THREADS
-    q->started = 0;
 }
 
 static void Queue_dealloc(Queue *q) {
