@@ -1,6 +1,6 @@
 """The main job: train a GPT-style language model whose training state does not fit the device budget.
 
-    python -m zero.train                              # built-in default: a few minutes on a 2-core CPU
+    python -m zero.train                              # built-in default: about a minute on a 2-core CPU
     python -m zero.train --config configs/zero3_nvme.json --preset 124m --steps 100 --data my.txt
     torchrun --nproc_per_node 2 -m zero.train         # two data-parallel ranks (gloo on CPU); rank 0 reports
 
