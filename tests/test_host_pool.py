@@ -106,6 +106,24 @@ def test_budget_is_hard_and_the_error_carries_the_numbers():
     rest.release()
 
 
+def test_memory_the_machine_cannot_give_leaves_the_books_as_they_were():
+    """A buffer whose memory cannot be had (64 TiB, more than any machine here) fails with the allocator's error
+    and its count is given back once, whether it was made at once or later by `make()` and released."""
+    p = HostBufferPool(HostPoolConfig(budget=1 << 50, pin=False, arena=False))
+    with pytest.raises(OSError):  # ENOMEM
+        p.acquire(1 << 46, "huge")
+    assert p.in_use == 0 and p.held == 0
+    unmade = p.acquire(1 << 46, "huge later", unmade=True)
+    assert p.in_use == 1 << 46
+    with pytest.raises(OSError):
+        unmade.make()
+    unmade.release()
+    assert p.in_use == 0 and p.held == 0
+    small = p.acquire(4 * KiB)  # the pool still works
+    assert p.in_use == 4 * KiB
+    small.release()
+
+
 def test_requested_is_the_rounded_size_it_would_take():
     p = pool(8 * KiB)
     with pytest.raises(BudgetExceededError) as info:

@@ -533,3 +533,20 @@ def test_a_fresh_buffer_a_read_lands_in_is_made_off_the_lock(make_manager, engin
     assert [owned for _, owned in made] == [False, False, False], made
     assert [name.split("_")[0] for name, _ in made[:2]] == ["tiering-alloc"] * 2
     assert torch.equal(use(mgr, "b", "host"), page(3))
+
+
+def test_a_write_the_store_refuses_at_once_fails_its_move_and_the_bytes_stay_on_host(make_manager, engine):
+    """A write-back whose submit raises on the calling thread (here: the store closed under the manager) ends the
+    move with that error instead of leaving the segment WRITING forever: the copy stays on the host, current and
+    dirty, and reads back as written."""
+    mgr = make_manager(engine=engine)
+    mgr.register("a", dtype=torch.float32, shape=(PAGE // 4,), home="nvme").wait()
+    with mgr.held("a", "host", dirty=True) as view:
+        view.fill_(3.0)
+    mgr.store.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        mgr.evict("a").wait(MOVE_TIMEOUT)
+    seg = mgr.segments["a"]
+    assert seg.state == Residency.HOST and seg.move is None and seg.host_current and not seg.nvme_current
+    with mgr.held("a", "host") as view:
+        assert torch.equal(view, torch.full((PAGE // 4,), 3.0))

@@ -265,7 +265,12 @@ class Eviction:
 
         self._thread.writing = True
         try:
-            self.store.write(seg.extent, seg.host.storage, seg.nbytes).add_done_callback(written)
+            try:
+                write = self.store.write(seg.extent, seg.host.storage, seg.nbytes)
+            except BaseException as exc:  # noqa: BLE001  (refused at once: the move fails with it, as a failed write)
+                write = Handle(label=f"write {seg.name}")
+                write.part_done(exc)
+            write.add_done_callback(written)
         finally:
             self._thread.writing = False
         return final

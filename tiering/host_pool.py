@@ -56,9 +56,10 @@ class HostBuffer:
         return not self.unmade and not self.spans
 
     def make(self) -> None:
-        """Allocate an unmade buffer's memory, or fault in its pages (slow, so outside the caller's locks)."""
+        """Allocate an unmade buffer's memory, or fault in its pages (slow, so outside the caller's locks). On
+        failure the buffer stays unmade, its bytes still counted: its `release()` gives them back, once."""
         if self.unmade:
-            self.storage = self.pool.allocate(self.unmade)
+            self.storage = aligned_empty(self.unmade, pin=self.pool.pin)
             self.unmade = 0
         if self.spans:
             self.pool.arena.touch(self.spans)
@@ -159,7 +160,7 @@ class HostBufferPool:
         else:
             buffer = HostBuffer(self, storage, nbytes, what, unmade=size if storage is None else 0)
         if not unmade:
-            buffer.make()
+            made(buffer)
         return buffer
 
     def _lend(self, size: int) -> tuple[torch.Tensor, list[tuple[int, int]]] | None:
@@ -186,16 +187,6 @@ class HostBufferPool:
             self._held -= self._cached.pop(0).numel()
         if self.held > self.budget:
             self.arena.shed(self.held - self.budget)
-
-    def allocate(self, size: int) -> torch.Tensor:
-        """The memory of a buffer of `size` bytes counted already; on failure the count is given back."""
-        try:
-            return aligned_empty(size, pin=self.pin)
-        except BaseException:
-            with self._lock:
-                self._held -= size
-                self._in_use -= size
-            raise
 
     def _take_cached(self, size: int) -> torch.Tensor | None:
         for i, storage in enumerate(self._cached):  # sorted by size: the first fit is the best fit
@@ -231,3 +222,13 @@ class HostBufferPool:
             if self.arena is not None:
                 freed += self.arena.shed(self.arena.populated)
         return freed
+
+
+def made(buffer: HostBuffer) -> HostBuffer:
+    """`buffer`, made; where that fails, released (its count given back) before the error goes on."""
+    try:
+        buffer.make()
+    except BaseException:
+        buffer.pool.release(buffer)
+        raise
+    return buffer

@@ -62,8 +62,7 @@ class ReadAhead:
                     window = (self._prefetched_bytes + seg.nbytes <= self.config.prefetch_bytes
                               and not (tier == "device" and live_cap is not None and live > live_cap))
                     if window:
-                        self._unprefetch(seg)  # staged: now the window's
-                        if self._start_prefetch(seg, tier) is None:
+                        if self._start_prefetch(seg, tier) is None:  # (staged: now the window's)
                             break
                         continue
                 if seg.frozen and not self._stage(seg):
@@ -84,13 +83,23 @@ class ReadAhead:
         where no room frees without waiting."""
         handle = self._bring(seg, tier, pin=False, blocking=False, staged=staged)
         if handle is not None:
+            self._unprefetch(seg)  # counted once: a copy prefetched (or staged) before now counts for this move
             seg.prefetched, seg.staged = True, staged
             if staged:
                 self._staged_bytes += seg.host_charge
             else:
                 self._prefetched_bytes += seg.nbytes
             self.stats.prefetches += 1
+            handle.add_done_callback(lambda h: self._uncount_failed(seg, h))
         return handle
+
+    def _uncount_failed(self, seg: Segment, handle: Handle) -> None:
+        """A prefetch that failed left the segment where it was: it no longer counts as prefetched (unless a
+        later move of it is under way)."""
+        if handle.error is not None:
+            with self._lock:
+                if not seg.state.moving:
+                    self._unprefetch(seg)
 
     def _unprefetch(self, seg: Segment) -> None:
         if seg.staged:

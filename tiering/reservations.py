@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .host_pool import HostBuffer
+from .host_pool import HostBuffer, made
 from .residency import Residency
 from .segment import Segment
 
@@ -35,5 +35,4 @@ class Reservations:
             self._fit("host", stand_in, blocking=True, wait=True)
             buffer = self.pool.acquire(nbytes, what, unmade=True)
             self._note_peaks()
-        buffer.make()  # off the lock
-        return buffer
+        return made(buffer)  # off the lock

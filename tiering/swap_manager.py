@@ -149,12 +149,7 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead, Reservations)
         fails. A discarded segment must be fetched this way."""
         with self._lock:
             seg = self._get(name)
-            self._check_target(seg, tier)
-            if overwrite and seg.pins:
-                raise IllegalTransitionError(name, "fetch to overwrite", "unpinned", f"pinned {seg.pins} times")
-            if seg.spent and not overwrite:
-                raise IllegalTransitionError(name, "fetch", "bytes to read (fetch it with overwrite=True)",
-                                             "discarded")
+            self._check_fetch(seg, tier, overwrite)
             seg.spent = overwrite
             seg.overwrite_expected = seg.fetch_expected = False
             if not getattr(self._thread, "untraced", False):
@@ -166,7 +161,7 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead, Reservations)
             else:
                 self.stats.misses += 1
             self._unprefetch(seg)
-        handle = self._bring(seg, tier, pin=True, blocking=True)
+        handle = self._bring(seg, tier, pin=True, blocking=True, overwrite=overwrite)
         self._prefetch_ahead()
         return handle
 
@@ -362,6 +357,16 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead, Reservations)
 
     # -- bringing a segment up ------------------------------------------------------------------------------
 
+    def _check_fetch(self, seg: Segment, tier: Tier, overwrite: bool) -> None:
+        """What a fetch to `tier` needs, checked when it is asked and again each time `_bring` takes the lock (another
+        thread may have pinned the segment elsewhere, or discarded it, meanwhile)."""
+        self._check_target(seg, tier)
+        if overwrite and seg.pins:
+            raise IllegalTransitionError(seg.name, "fetch to overwrite", "unpinned", f"pinned {seg.pins} times")
+        if seg.spent and not overwrite:
+            raise IllegalTransitionError(seg.name, "fetch", "bytes to read (fetch it with overwrite=True)",
+                                         "discarded")
+
     def _check_target(self, seg: Segment, tier: Tier) -> None:
         if tier not in ("device", "host"):
             raise TieringConfigError("tier", tier, "'device' or 'host'")
@@ -371,12 +376,15 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead, Reservations)
             raise IllegalTransitionError(seg.name, f"fetch to {tier}", f"unpinned or pinned in {tier}",
                                          f"pinned in {seg.pinned_tier}")
 
-    def _bring(self, seg: Segment, tier: Tier, *, pin: bool, blocking: bool, staged: bool = False) -> Handle | None:
+    def _bring(self, seg: Segment, tier: Tier, *, pin: bool, blocking: bool, staged: bool = False,
+               overwrite: bool = False) -> Handle | None:
         """Start the moves that put `seg` in `tier`. Blocking: wait (outside the lock) for room or for a move
         of `seg` already in flight, then retry. Not blocking: None if that would be needed. `staged`: see
-        `_start_up`."""
+        `_start_up`. `pin`: for a fetch (`overwrite` as it was asked), whose checks hold each time."""
         while True:
             with self._lock:
+                if pin:
+                    self._check_fetch(seg, tier, overwrite)
                 wait_on = seg.move if seg.state.moving else None
                 own = wait_on is not None  # waiting on a move of `seg` itself, not for room
                 if wait_on is None and seg.state == Residency.DEVICE and tier == "host":
@@ -396,8 +404,8 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead, Reservations)
                         if pin:
                             seg.pins += 1
                             seg.pinned_tier = tier
-                            if not handle.done():
-                                handle.add_done_callback(lambda h, s=seg: self._unpin_on_failure(s, h))
+                            # (at once where the move already failed: a read refused on this thread)
+                            handle.add_done_callback(lambda h, s=seg: self._unpin_on_failure(s, h))
                         return handle
             if not blocking:
                 return None
