@@ -32,6 +32,8 @@ class Adoption:
             if name in self.segments:
                 raise ValueError(f"segment {name!r} is already registered")
             self._fit("device", seg, blocking=True, wait=True)
+            if name in self.segments:  # registered by another thread while room was made (the lock let go)
+                raise ValueError(f"segment {name!r} is already registered")
             seg.device = self.device_tier.adopt(tensor.reshape(-1).view(torch.uint8), name)
             self.segments[name] = seg
             self._note_peaks()
@@ -39,6 +41,8 @@ class Adoption:
             return completed(name)
         while True:  # the first step home: device->host, once the host has room
             with self._lock:
+                if seg.state.moving:  # another thread's room-making started its way home: that move is the one
+                    return seg.move
                 step = self._evict_step(seg, blocking=True)
                 if step.kind is not Kind.WAIT:
                     return step.handle if step.kind is Kind.STARTED else completed(name)

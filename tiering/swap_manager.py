@@ -13,12 +13,7 @@ import torch
 
 from .checksum import checksum
 from .device_tier import DeviceTier
-from .errors import (
-    ChecksumMismatchError,
-    IllegalTransitionError,
-    TieringConfigError,
-    TieringError,
-)
+from .errors import ChecksumMismatchError, IllegalTransitionError, TieringConfigError, TieringError
 from .eviction import DONE, Eviction, Kind, Outcome
 from .handle import Handle, completed
 from .host_pool import HostBufferPool, HostPoolConfig
@@ -97,12 +92,13 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead, Reservations)
         with self._lock:
             if name in self.segments:
                 raise ValueError(f"segment {name!r} is already registered")
+            self._fit("device" if home == "device" else "host", seg, blocking=True, wait=True)
+            if name in self.segments:  # registered by another thread while room was made (the lock let go)
+                raise ValueError(f"segment {name!r} is already registered")
             if home == "device":
-                self._fit("device", seg, blocking=True, wait=True)
                 seg.device = self.device_tier.allocate(seg.nbytes, name)
                 seg.state = Residency.DEVICE
             else:
-                self._fit("host", seg, blocking=True, wait=True)
                 seg.host = self.pool.acquire(seg.nbytes, name)
                 seg.host_current = True
             self._note_peaks()
@@ -334,9 +330,14 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead, Reservations)
         when the manager is collected: whoever holds it (an engine in a reference cycle) holds no buffer."""
         with self._lock:
             self._closing = True
-        for move in [seg.move for seg in self.segments.values() if seg.move is not None]:
-            with contextlib.suppress(TieringError):  # closing: whoever waited on the move was told
-                move.wait()
+        while True:  # until none is left: a move may start while another is waited for (a write-back making room)
+            with self._lock:
+                moves = [seg.move for seg in self.segments.values() if seg.move is not None]
+            if not moves:
+                break
+            for move in moves:
+                with contextlib.suppress(TieringError):  # closing: whoever waited on the move was told
+                    move.wait()
         self._allocator.shutdown()
         self.device_tier.close()
         with self._lock:
@@ -358,8 +359,7 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead, Reservations)
     # -- bringing a segment up ------------------------------------------------------------------------------
 
     def _check_fetch(self, seg: Segment, tier: Tier, overwrite: bool) -> None:
-        """What a fetch to `tier` needs, checked when it is asked and again each time `_bring` takes the lock (another
-        thread may have pinned the segment elsewhere, or discarded it, meanwhile)."""
+        """What a fetch to `tier` needs; checked again whenever `_bring` takes the lock (pinned or discarded since)."""
         self._check_target(seg, tier)
         if overwrite and seg.pins:
             raise IllegalTransitionError(seg.name, "fetch to overwrite", "unpinned", f"pinned {seg.pins} times")
