@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from checkpoint_models import (  # noqa: E402
 from conftest import REPO_ROOT, child_env  # noqa: E402
 
 import zero  # noqa: E402
+from tiering.stale import this_host  # noqa: E402
 from zero.checkpoint.format import (  # noqa: E402
     CheckpointBoundaryError,
     CheckpointCorruptError,
@@ -121,7 +123,9 @@ def test_checkpoint_layout_and_manifest(resumed):
         assert f.read() == tag
     tag_dir = os.path.join(ckpt, tag)
     names = sorted(os.listdir(tag_dir))
-    assert names == ["manifest.json", "rank00000-of-00001.data", "rank00000-of-00001.state.pt"]
+    assert names[0] == "manifest.json" and len(names) == 3
+    data, state = names[1:]  # this save's id in both names
+    assert re.fullmatch(r"rank00000-of-00001\.[0-9a-f]{8}\.data", data) and state == data[:-len("data")] + "state.pt"
     manifest = read_manifest(tag_dir)
     assert sorted(manifest["files"]) == [n for n in names if n != "manifest.json"]
     for name, entry in manifest["files"].items():
@@ -172,6 +176,37 @@ def saved(tmp_path_factory):
     return ckpt, state
 
 
+def test_saving_again_under_a_tag_replaces_its_files_and_loads_the_new_state(saved, tmp_path):
+    """A second save under the same tag writes its files beside the first's (each save's names carry an id), its
+    manifest replaces the first in one rename, then the first's files go: the directory holds one checkpoint, the
+    newer, and it loads bitwise. A temporary file of a dead process (an interrupted save's) goes too."""
+    import shutil
+
+    source, _ = saved
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(source, ckpt)
+    first = sorted(os.listdir(ckpt / "two"))
+    dead = ckpt / "two" / f".rank00000-of-00001.0123abcd.data.tmp-{this_host()}-{2 ** 22 + 1}-deadbeef"
+    dead.write_bytes(b"left by a killed save")
+    engine = build("stage3-bf16-nvme", str(tmp_path))
+    try:
+        engine.load_checkpoint(ckpt)
+        train(engine, 1)
+        engine.save_checkpoint(ckpt, tag="two")
+        state = snapshot(engine)
+    finally:
+        engine.close()
+    names = sorted(os.listdir(ckpt / "two"))
+    assert len(names) == 3 and not set(names) & set(first) - {"manifest.json"}
+    assert sorted(read_manifest(str(ckpt / "two"))["files"]) == [n for n in names if n != "manifest.json"]
+    engine = build("stage3-bf16-nvme", str(tmp_path))
+    try:
+        engine.load_checkpoint(ckpt)
+        assert_same(snapshot(engine), state)
+    finally:
+        engine.close()
+
+
 def flip(path, offset: int) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
@@ -189,7 +224,8 @@ def test_a_flipped_byte_in_a_checkpoint_file_is_refused_naming_the_file(saved, t
     shutil.copytree(source, ckpt)
     tag_dir = ckpt / "two"
     manifest = read_manifest(str(tag_dir))
-    name = {"data": "rank00000-of-00001.data", "state": "rank00000-of-00001.state.pt", "manifest": "manifest.json"}[target]
+    rank = manifest["ranks"][0]
+    name = {"data": rank["data"], "state": rank["state"], "manifest": "manifest.json"}[target]
     if target == "data":  # a byte inside unit 1's exp_avg record
         record = next(r for r in manifest["ranks"][0]["records"] if r.get("unit") == 1 and r["part"] == "exp_avg")
         flip(tag_dir / name, record["offset"] + 5)

@@ -7,8 +7,8 @@ A checkpoint, for `engine.save_checkpoint(save_dir, tag)` with N ranks:
     save_dir/
       latest                            the tag of the newest complete checkpoint; replaced after its manifest
       <tag>/
-        rank00000-of-0000N.data         this rank's tensors, raw bytes, one record after another (see below)
-        rank00000-of-0000N.state.pt     this rank's small state (torch.save): engine counters, optimizer step
+        rank00000-of-0000N.<id>.data    this rank's tensors, raw bytes, one record after another (see below)
+        rank00000-of-0000N.<id>.state.pt this rank's small state (torch.save): engine counters, optimizer step
                                         and hyperparameters, loss scaler, LR scheduler, RNG states, client_state
         ...                             the same two files for every rank
         model_config.json               the model's `config.to_dict()` (transformers models), when it has one
@@ -28,15 +28,19 @@ loads into M.
 Atomicity. Every file is written under a temporary name (`.<name>.tmp-<host>-<pid>-<random>`) in its final
 directory, fsynced, renamed, and the directory fsynced. The manifest is written only after every rank's files
 are in place, and `latest` only after the manifest: a tag directory without `manifest.json` is incomplete
-and never loads; `latest` never names one. Leftover temporary files of an interrupted save are harmless (no
-manifest names them).
+and never loads; `latest` never names one. Each save's rank files carry an id of their own
+(`rank00000-of-0000N.<id>.data`), so saving again under a tag writes beside the files its manifest names: until
+the new manifest replaces the old in one rename, the old checkpoint is whole; then the files no manifest names
+(and temporary files of this host's dead processes: an interrupted save's) are removed.
 """
 from __future__ import annotations
 
+import contextlib
 import errno as errno_codes
 import importlib.metadata
 import json
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -45,7 +49,7 @@ import numpy as np
 import torch
 import xxhash
 
-from tiering.stale import this_host
+from tiering.stale import pid_alive, this_host
 
 from ..optim.driver import STATE_PARTS
 
@@ -59,12 +63,42 @@ CHUNK = 16 << 20
 """Bytes moved per read/write call and per host staging copy of a device tensor."""
 
 
-def data_file(rank: int, world_size: int) -> str:
-    return f"rank{rank:05d}-of-{world_size:05d}.data"
+def data_file(rank: int, world_size: int, save: str = "") -> str:
+    return f"rank{rank:05d}-of-{world_size:05d}{save}.data"
 
 
-def state_file(rank: int, world_size: int) -> str:
-    return f"rank{rank:05d}-of-{world_size:05d}.state.pt"
+def state_file(rank: int, world_size: int, save: str = "") -> str:
+    return f"rank{rank:05d}-of-{world_size:05d}{save}.state.pt"
+
+
+def save_id() -> str:
+    """What tells one save's rank files from another's under the same tag (`.` and 8 hex digits)."""
+    return f".{secrets.token_hex(4)}"  # secrets: never the `random` module's state
+
+
+RANK_FILE = re.compile(r"rank\d{5}-of-\d{5}(\.[0-9a-f]{8})?\.(data|state\.pt)")
+TEMP_FILE = re.compile(r"\..+\.tmp-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}")
+
+
+def check_tag_name(tag: str) -> None:
+    """A tag is one plain directory name: no separator, not hidden, no surrounding blanks or control characters
+    (`latest` is read stripped)."""
+    if (not tag or tag in (".", "..", LATEST) or "/" in tag or "\\" in tag or tag.startswith(".")
+            or tag != tag.strip() or not tag.isprintable()):
+        raise CheckpointError(f"checkpoint tag {tag!r} is not a plain directory name")
+
+
+def remove_replaced(tag_dir: str, kept: Iterable[str]) -> None:
+    """After a manifest landed: remove the rank files of earlier saves under this tag that it does not name, and
+    temporary files of this host's processes that are gone (an interrupted save's). Best effort: what cannot be
+    removed stays, named by no manifest."""
+    kept = set(kept)
+    for name in os.listdir(tag_dir):
+        temp = TEMP_FILE.fullmatch(name)
+        if (RANK_FILE.fullmatch(name) and name not in kept) or (
+                temp and temp["host"] == this_host() and not pid_alive(int(temp["pid"]))):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(tag_dir, name))
 
 
 def library_version() -> str:
@@ -336,6 +370,7 @@ def resolve(path: str, tag: str | None) -> str:
             if os.path.exists(os.path.join(path, MANIFEST)):
                 return path
             raise CheckpointNotFoundError(os.path.join(path, LATEST), "no tag given and no `latest` file")
+    check_tag_name(str(tag))
     tag_dir = os.path.join(path, str(tag))
     if not os.path.isdir(tag_dir):
         raise CheckpointNotFoundError(tag_dir, f"no checkpoint with tag {tag!r}")

@@ -21,6 +21,7 @@ from .format import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     RecordReader,
+    check_tag_name,
     dtype_name,
     read_latest,
     read_manifest,
@@ -76,6 +77,7 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str | os.PathLike, tag: Any = 
     tag_dir = os.path.join(load_dir, str(tag))
     error: BaseException | None = None
     try:  # nothing in the engine changes until every rank has verified what it will read
+        check_tag_name(str(tag))  # never a path out of load_dir
         if not os.path.isdir(tag_dir):
             raise CheckpointNotFoundError(tag_dir, f"no checkpoint with tag {tag!r}")
         manifest = read_manifest(tag_dir)

@@ -32,11 +32,14 @@ from .format import (
     CheckpointBoundaryError,
     CheckpointError,
     Record,
+    check_tag_name,
     data_file,
     dtype_name,
     fsync_dir,
     library_version,
     manifest_bytes,
+    remove_replaced,
+    save_id,
     state_file,
     write_atomic,
 )
@@ -67,17 +70,19 @@ def check_boundary(engine: ZeroEngine) -> None:
             f"failed part way. A checkpoint now would hold a half-applied step.")
 
 
-def check_tag(engine: ZeroEngine, tag: str) -> None:
-    if not tag or tag in (".", "..", LATEST) or "/" in tag or "\\" in tag or tag.startswith("."):
-        raise CheckpointError(f"checkpoint tag {tag!r} is not a plain directory name")
-    tags = engine.dp.all_gather_object(tag)
+def check_tag(engine: ZeroEngine, tag: str) -> str:
+    """The tag every rank saves under: rank 0's. Ranks that passed others are an error with
+    `checkpoint.tag_validation` Fail, a warning with Warn (one checkpoint's parts must share its directory)."""
+    tags = engine.dp.all_gather_object(tag)  # first, so a bad tag on one rank is every rank's error
+    check_tag_name(tags[0])
     if len(set(tags)) > 1:
         mode = str(engine.config.checkpoint.tag_validation).lower()
         message = f"ranks save under different tags: {tags}"
         if mode == "fail":
             raise CheckpointError(message + " (checkpoint.tag_validation is Fail)")
         if mode == "warn":
-            warnings.warn(message, stacklevel=3)
+            warnings.warn(message + f"; saving under rank 0's, {tags[0]!r}", stacklevel=3)
+    return tags[0]
 
 
 def rng_state() -> dict:
@@ -111,7 +116,7 @@ def small_state(engine: ZeroEngine, client_state: Any) -> dict:
 
 def write_rank(engine: ZeroEngine, tag_dir: str, client_state: Any, exclude_frozen_parameters: bool) -> dict:
     """This rank's data file (streamed, one segment held at a time) and state file. Returns its manifest entry."""
-    rank, world = engine.dp.rank, engine.dp.world_size
+    rank, world, save = engine.dp.rank, engine.dp.world_size, save_id()
     records: list[Record] = []
 
     def extra(name: str, tensor: torch.Tensor, is_param: bool) -> None:
@@ -121,7 +126,7 @@ def write_rank(engine: ZeroEngine, tag_dir: str, client_state: Any, exclude_froz
         records.append(Record(rank, "extra", offset, nbytes, dtype_name(tensor.dtype), digest, name=name,
                               shape=tuple(tensor.shape), is_param=is_param))
 
-    with AtomicFile(tag_dir, data_file(rank, world)) as f:
+    with AtomicFile(tag_dir, data_file(rank, world, save)) as f:
         for piece in engine.state_tensors():
             with piece.held(False) as tensor:
                 offset, nbytes, digest = f.write_tensor(tensor)
@@ -139,8 +144,8 @@ def write_rank(engine: ZeroEngine, tag_dir: str, client_state: Any, exclude_froz
         files = {f.name: f.commit()}
     buffer = io.BytesIO()
     torch.save(small_state(engine, client_state), buffer)
-    files[state_file(rank, world)] = write_atomic(tag_dir, state_file(rank, world), buffer.getvalue())
-    return {"rank": rank, "data": data_file(rank, world), "state": state_file(rank, world),
+    files[state_file(rank, world, save)] = write_atomic(tag_dir, state_file(rank, world, save), buffer.getvalue())
+    return {"rank": rank, "data": data_file(rank, world, save), "state": state_file(rank, world, save),
             "records": [r.to_json() for r in records], "files": files}
 
 
@@ -150,16 +155,13 @@ def save_checkpoint(engine: ZeroEngine, save_dir: str | os.PathLike, tag: Any = 
     rank must call it. Returns the tag directory. `exclude_frozen_parameters`: frozen parameters are not written
     (the manifest names them: a load keeps the engine's). See the module docstring and format.py."""
     check_boundary(engine)
-    tag = f"global_step{engine.counters.global_steps}" if tag is None else str(tag)
-    check_tag(engine, tag)
+    tag = check_tag(engine, f"global_step{engine.counters.global_steps}" if tag is None else str(tag))
     save_dir = os.fspath(save_dir)
     tag_dir = os.path.join(save_dir, tag)
     error: BaseException | None = None
-    try:
+    try:  # (a tag saved before keeps its manifest and files until the new manifest replaces them: format.py)
         os.makedirs(tag_dir, exist_ok=True)
-        if engine.dp.rank == 0 and os.path.exists(os.path.join(tag_dir, MANIFEST)):
-            os.unlink(os.path.join(tag_dir, MANIFEST))  # this tag is incomplete until its new manifest lands
-            fsync_dir(tag_dir)
+        fsync_dir(save_dir)  # the tag directory's entry survives a power loss, `latest` or not
     except OSError as exc:
         error = exc
     agree(engine.dp, error, f"creating checkpoint directory {tag_dir!r}")
@@ -204,3 +206,4 @@ def write_manifest(engine: ZeroEngine, save_dir: str, tag: str, tag_dir: str, en
     write_atomic(tag_dir, MANIFEST, manifest_bytes(manifest))
     if save_latest:
         write_atomic(save_dir, LATEST, tag.encode())
+    remove_replaced(tag_dir, [MANIFEST, *files])
