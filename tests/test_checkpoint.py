@@ -207,6 +207,22 @@ def test_saving_again_under_a_tag_replaces_its_files_and_loads_the_new_state(sav
         engine.close()
 
 
+def test_a_buffer_of_another_shape_is_refused_before_anything_loads(saved, tmp_path):
+    """The checkpoint holds the 0-d buffer `tokens_seen`; an engine whose buffer is 3 long would take it by
+    broadcasting (every element the saved count): refused, naming it and both shapes, with nothing changed."""
+    ckpt, _ = saved
+    engine = build("stage3-bf16-nvme", str(tmp_path))
+    try:
+        engine.module.register_buffer("tokens_seen", torch.zeros(3, dtype=torch.long))
+        before = snapshot(engine)
+        with pytest.raises(CheckpointMismatchError, match=r"'tokens_seen' as \[\], the engine as \[3\]"):
+            engine.load_checkpoint(ckpt)
+        assert_same(before, snapshot(engine))
+        assert torch.equal(engine.module.tokens_seen, torch.zeros(3, dtype=torch.long))
+    finally:
+        engine.close()
+
+
 def flip(path, offset: int) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)

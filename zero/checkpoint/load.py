@@ -91,10 +91,14 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str | os.PathLike, tag: Any = 
             if piece.part in parts:
                 ranks |= reader.ranks_for(piece.unit, piece.part, piece.start, piece.numel)
         excluded = set(manifest.get("excluded", ()))
-        for name in extra_names(engine, excluded):
-            if name not in reader.extras:
+        for name, shape in extra_shapes(engine, excluded).items():
+            record = reader.extras.get(name)
+            if record is None:
                 raise CheckpointMismatchError(f"checkpoint {tag_dir!r} has no {name!r}")
-            ranks.add(reader.extras[name].rank)
+            if tuple(record.shape) != shape:  # (a copy would broadcast a smaller one: silently wrong)
+                raise CheckpointMismatchError(f"checkpoint {tag_dir!r} holds {name!r} as {list(record.shape)}, the "
+                                              f"engine as {list(shape)}")
+            ranks.add(record.rank)
         entries = {entry["rank"]: entry for entry in manifest["ranks"]}
         state_entry = entries[rank if same_world else 0]
         verify_files(tag_dir, manifest, [entries[r]["data"] for r in sorted(ranks)] + [state_entry["state"]])
@@ -121,12 +125,12 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str | os.PathLike, tag: Any = 
     return tag_dir, state["client_state"]
 
 
-def extra_names(engine: ZeroEngine, excluded: set[str]) -> list[str]:
-    """The names the checkpoint must hold whole: what no unit holds, and frozen units' parameters, less those
-    it left out (`exclude_frozen_parameters`: the engine keeps its own)."""
-    names = [name for name, _, _ in extras(engine)] + [slot.name for unit in frozen_units(engine)
-                                                       for slot in unit.flat.slots]
-    return [name for name in names if name not in excluded]
+def extra_shapes(engine: ZeroEngine, excluded: set[str]) -> dict[str, tuple[int, ...]]:
+    """What the checkpoint must hold whole, by name, with the engine's shape: what no unit holds, and frozen units'
+    parameters, less those it left out (`exclude_frozen_parameters`: the engine keeps its own)."""
+    shapes = {name: tuple(tensor.shape) for name, tensor, _ in extras(engine)}
+    shapes.update((slot.name, tuple(slot.shape)) for unit in frozen_units(engine) for slot in unit.flat.slots)
+    return {name: shape for name, shape in shapes.items() if name not in excluded}
 
 
 def load_tensors(engine: ZeroEngine, reader: RecordReader, parts: tuple[str, ...], excluded: set[str]) -> None:
