@@ -83,6 +83,18 @@ def test_a_striped_path_names_the_directory_that_is_short(small_disk, tmp_path):
             check_room(store, [16 * MiB] * 10)
 
 
+def test_two_directories_on_one_filesystem_share_its_free_space(small_disk):
+    """Two directories of nvme_path on the same 64 MiB tmpfs: 40 MiB fits, but 2 x 40 MiB does not, though each
+    directory alone would seem to have room for its half."""
+    (small_disk / "a").mkdir()
+    (small_disk / "b").mkdir()
+    with NvmeStore(NvmeStoreConfig(nvme_path=(str(small_disk / "a"), str(small_disk / "b")))) as store:
+        check_room(store, [20 * MiB] * 2)
+        with pytest.raises(NvmeSpaceError, match=f"nvme_path '{small_disk / 'a'}', '{small_disk / 'b'}': .* more "
+                                                 "than the .* free on the filesystem they share"):
+            check_room(store, [20 * MiB] * 4)
+
+
 def test_the_main_job_on_a_small_disk_is_one_line_and_a_nonzero_exit(small_disk):
     done = subprocess.run([sys.executable, "-m", "zero.train", "--preset", "small", "--steps", "1",
                            "--nvme-path", str(small_disk)],

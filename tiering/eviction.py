@@ -237,10 +237,13 @@ class Eviction:
     def _clean(self, seg: Segment) -> Handle:
         """Write-behind: write a dirty host copy to nvme and keep it, so that making room later drops it at
         once instead of waiting for a write. A fetch meanwhile waits for the write (the bytes must not change
-        under it). On failure the copy stays dirty, and evicting it writes it (and reports the error) as
+        under it); a holder whose pin predates it (`keep` cleans pinned copies) may still write: then the copy
+        stays dirty. On failure the copy stays dirty, and evicting it writes it (and reports the error) as
         before."""
+        began = seg.writes
+
         def landed() -> None:
-            seg.nvme_current = True
+            seg.nvme_current = seg.writes == began
 
         return self._write(seg, "clean", landed)
 

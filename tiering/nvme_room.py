@@ -23,15 +23,24 @@ def bytes_per_file(store: NvmeStore, sizes: Iterable[int]) -> list[int]:
 
 
 def check_room(store: NvmeStore, sizes: Iterable[int]) -> None:
-    """Raise NvmeSpaceError where the segments of `sizes` cannot fit: a directory whose filesystem has too
-    little free space (beyond what its file already holds), or the store's budget."""
+    """Raise NvmeSpaceError where the segments of `sizes` cannot fit: a filesystem with too little free space
+    (beyond what the store's files on it already hold) for the directories on it, or the store's budget."""
     needed = bytes_per_file(store, sizes)
     budget = store.config.budget
     if budget is not None and sum(needed) > budget:
         raise NvmeSpaceError("zero_tiering.nvme_budget", sum(needed), budget, "the budget's {}")
+    # Per filesystem (directories may share one): what its files must hold, and what it has for them: its free
+    # space and the files' own bytes (reusable).
+    shared: dict[int, tuple[list[str], list[int]]] = {}
     for file, need in zip(store.files, needed):
-        stat = os.statvfs(os.path.dirname(file.path))
-        free = stat.f_bavail * stat.f_frsize + file.capacity  # the file's own bytes are reusable
+        directory = os.path.dirname(file.path)
+        stat = os.statvfs(directory)
+        directories, sums = shared.setdefault(stat.f_fsid, ([], [0, stat.f_bavail * stat.f_frsize]))
+        directories.append(directory)
+        sums[0] += need
+        sums[1] += file.capacity
+    for directories, (need, free) in shared.values():
         if need > free:
-            raise NvmeSpaceError(f"nvme_path {os.path.dirname(file.path)!r}", need, free,
-                                 "the {} free there")
+            raise NvmeSpaceError(f"nvme_path {', '.join(map(repr, directories))}", need, free,
+                                 "the {} free there" if len(directories) == 1 else
+                                 "the {} free on the filesystem they share")

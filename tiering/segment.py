@@ -66,6 +66,8 @@ class Segment:
     `prefetch_bytes`, and still to be brought the rest of the way when the window reaches it."""
     overwrite_expected: bool = False
     """The user expects its next fetch to overwrite it (`SwapManager.expect_overwrite`), until that fetch."""
+    writes: int = 0
+    """Dirty releases so far: a write-behind that began before the last one marks nothing current."""
     fetch_expected: bool = False
     """The user expects to fetch it again soon, off the trace (`SwapManager.expect_fetch`), until that fetch."""
     releasing: Handle | None = None

@@ -236,7 +236,7 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead, Reservations)
                 raise IllegalTransitionError(name, "release", "pinned", "not pinned")
             if dirty:
                 seg.spent = False
-                seg.nvme_current = False
+                seg.nvme_current, seg.writes = False, seg.writes + 1
                 if seg.pinned_tier == "device":
                     seg.host_current = False
             seg.unpin()
