@@ -391,8 +391,8 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead, Reservations)
                     step = self._evict_step(seg, blocking=blocking)  # down to host first
                     if step.kind is Kind.BLOCKED:
                         return None
-                    own = step.kind is Kind.STARTED
-                    wait_on = step.handle  # None when DONE: dropped to host at once
+                    wait_on = step.handle  # None when DONE: dropped to host at once (started here: its failure
+                    # is this fetch's, not a prefetch's to retry past)
                 if wait_on is None:
                     up = self._start_up(seg, tier, blocking, staged)
                     if up.kind is Kind.BLOCKED:

@@ -6,6 +6,7 @@ our own takes the completions and runs their callbacks (checksums, the swap mana
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 
@@ -81,7 +82,10 @@ class LibaioEngine(IOEngine):
             with self._lock:
                 blocks = [(self._blocks.pop(token), result) for token, result in completions]
             for (handle, op, path, offset, nbytes), result in blocks:
-                handle.part_done(block_result(op, path, offset, nbytes, result))
+                try:
+                    handle.part_done(block_result(op, path, offset, nbytes, result))
+                except BaseException:  # noqa: BLE001  (a callback's: the thread must live, or every later handle hangs)
+                    logging.getLogger(__name__).exception("completing a block of %s raised", path)
         with self._lock:  # the reaper ended: on close, or on an io_getevents failure (every block owed failed)
             if not self._closed:
                 self._broken = "libaio engine broken: io_getevents failed"

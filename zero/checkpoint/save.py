@@ -154,11 +154,15 @@ def save_checkpoint(engine: ZeroEngine, save_dir: str | os.PathLike, tag: Any = 
     """Save the engine's whole training state under `save_dir/tag` (default tag `global_step<N>`); every
     rank must call it. Returns the tag directory. `exclude_frozen_parameters`: frozen parameters are not written
     (the manifest names them: a load keeps the engine's). See the module docstring and format.py."""
-    check_boundary(engine)
+    error: BaseException | None = None
+    try:
+        check_boundary(engine)
+    except CheckpointBoundaryError as exc:  # (a step that failed part way may have failed on one rank only)
+        error = exc
+    agree(engine.dp, error, "saving a checkpoint at this step")
     tag = check_tag(engine, f"global_step{engine.counters.global_steps}" if tag is None else str(tag))
     save_dir = os.fspath(save_dir)
     tag_dir = os.path.join(save_dir, tag)
-    error: BaseException | None = None
     try:  # (a tag saved before keeps its manifest and files until the new manifest replaces them: format.py)
         os.makedirs(tag_dir, exist_ok=True)
         fsync_dir(save_dir)  # the tag directory's entry survives a power loss, `latest` or not
