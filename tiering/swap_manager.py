@@ -391,8 +391,7 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead, Reservations)
                     step = self._evict_step(seg, blocking=blocking)  # down to host first
                     if step.kind is Kind.BLOCKED:
                         return None
-                    wait_on = step.handle  # None when DONE: dropped to host at once (started here: its failure
-                    # is this fetch's, not a prefetch's to retry past)
+                    wait_on = step.handle  # None when DONE; started here, so its failure is raised, not retried
                 if wait_on is None:
                     up = self._start_up(seg, tier, blocking, staged)
                     if up.kind is Kind.BLOCKED:
