@@ -405,6 +405,27 @@ def test_room_on_device_passes_over_a_victim_with_no_room_below_and_keeps_the_se
     assert torch.equal(use(mgr, "v"), torch.ones(2 * PAGE // 4))
 
 
+def test_a_fetch_waiting_for_room_another_fetch_holds_is_not_failed_by_that_fetch(make_manager):
+    """Host room for one page; `a` is being read (its read held, then failed) when `c` is fetched: `c` waits for
+    the room `a` holds and then reads its own bytes. `a`'s error is `a`'s caller's alone."""
+    mgr = make_manager(engine="threads", host_budget=PAGE)
+    for name, value in (("a", 1), ("c", 2)):
+        mgr.register(name, dtype=torch.float32, shape=(PAGE // 4,), home="nvme", data=page(value)).wait()
+        mgr.evict(name).wait(MOVE_TIMEOUT)
+    held, read, a_extent = Handle(label="held read"), mgr.store.read, mgr.segments["a"].extent
+    mgr.store.read = lambda extent, *args: held if extent == a_extent else read(extent, *args)
+    fetch_a = mgr.fetch("a", "host")
+    out = {}
+    waiter = threading.Thread(target=lambda: out.update(c=use(mgr, "c", "host")))
+    waiter.start()
+    waiter.join(0.3)  # `c` waits for the room `a`'s read holds
+    held.part_done(IOFailedError(mgr.store.path, "read", 0, PAGE, "held by the test"))
+    waiter.join(MOVE_TIMEOUT)
+    with pytest.raises(IOFailedError):
+        fetch_a.wait(MOVE_TIMEOUT)
+    assert torch.equal(out["c"], page(2))
+
+
 def test_host_copy_under_a_pinned_device_copy_is_a_cache_that_may_go(make_manager):
     mgr = make_manager(engine="threads", host_budget=2 * PAGE, device_budget=4 * PAGE)
     for name in "abc":

@@ -18,7 +18,7 @@ from enum import Enum
 
 from .checksum import checksum
 from .errors import BudgetExceededError, StoreFullError
-from .handle import Handle, gather
+from .handle import Handle, gather, settled
 from .residency import Residency, Tier
 from .segment import Segment
 
@@ -124,7 +124,8 @@ class Eviction:
                     raise full  # the disk lacks the room, not the tier's budget: say so
                 raise BudgetExceededError(tier, int(self._budget(tier)), self._used(tier), nbytes, seg.name,
                                           parts=self.device_tier.parts() if tier == "device" else None) from blocked
-            pending = gather(started or moving[:1], f"room in {tier}")
+            # Another's move frees room when it ends, however it ends: its error is its owner's.
+            pending = gather(started, f"room in {tier}") if started else settled(moving[0], f"room in {tier}")
             if not wait:
                 return Outcome(Kind.WAIT, pending)
             self._lock.release()

@@ -86,3 +86,11 @@ def gather(handles: Iterable[Handle], label: str = "") -> Handle:
     for handle in handles:
         handle.add_done_callback(lambda h: group.part_done(h.error))
     return group
+
+
+def settled(handle: Handle, label: str = "") -> Handle:
+    """Done when `handle` is, and never failed: for a waiter that needs only the operation over (the room it
+    frees), where its error is its owner's to raise."""
+    out = Handle(label=label)
+    handle.add_done_callback(lambda h: out.part_done())
+    return out
