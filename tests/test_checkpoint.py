@@ -9,7 +9,8 @@
 - Verification: a flipped byte in a data file, a state file or the manifest is refused, naming the file (and
   the damaged record); a tag without manifest is incomplete; another model is a mismatch; none of these
   changes the engine.
-- World size: saved with 2 ranks and loaded with 1, and the other way, the state is the same (resharded).
+- World size: saved with 2 ranks and loaded with 1, and the other way, the state is the same (resharded);
+  ranks whose `latest` files disagree, and a load failing on one rank after verification: every rank raises.
 
 Children run this file as a script (`python tests/test_checkpoint.py <command> ...`), so the code they run is
 the code here.
@@ -38,6 +39,7 @@ from tiering.stale import this_host  # noqa: E402
 from zero.checkpoint.format import (  # noqa: E402
     CheckpointBoundaryError,
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointIncompleteError,
     CheckpointMismatchError,
     read_manifest,
@@ -361,6 +363,10 @@ def test_saved_with_two_ranks_loads_into_one_and_back(tmp_path):
                 assert torch.equal(a, b), f"1 -> 2 ranks: unit {index} {part}"
         assert fresh.global_steps == 2 and fresh.optimizer.step_count == 2
         assert all(d["loaded_counters"] == (2, 4, 0, 2) for d in dumps)
+        for d in dumps:  # neither rank waited for the other: both refused, naming what
+            assert "rank 0: 't', rank 1: None" in d["refused"]["latest"]
+        assert "refused by the test" in dumps[1]["refused"]["apply"]
+        assert "failed on 1 rank(s): rank 1: CheckpointError" in dumps[0]["refused"]["apply"]
     finally:
         fresh.close()
 
@@ -380,8 +386,25 @@ def child_two_ranks(root: str) -> None:
         engine.load_checkpoint(os.path.join(root, "one"), tag="t")
     loaded = {part: unit_pieces(engine, part) for part in parts}
     counters = (engine.global_steps, engine.micro_steps, engine.skipped_steps, engine.optimizer.step_count)
+    refused = {}
+    # Each rank's own `latest` (node-local directories): rank 0's names "t", rank 1's directory has none.
+    own = os.path.join(root, "two" if rank == 0 else "empty")
+    os.makedirs(own, exist_ok=True)
+    with pytest.raises(CheckpointMismatchError) as info:
+        engine.load_checkpoint(own)
+    refused["latest"] = str(info.value)
+    # A failure after verification on rank 1 alone (its counters refuse their state): every rank raises.
+    def refuse(state: dict) -> None:
+        raise RuntimeError("refused by the test")
+
+    if rank == 1:
+        engine.counters.load_state_dict = refuse
+    with pytest.raises(CheckpointError) as info:
+        engine.load_checkpoint(os.path.join(root, "two"), tag="t")
+    refused["apply"] = str(info.value)
     engine.close()
-    torch.save({"trained": trained, "loaded": loaded, "loaded_counters": counters}, os.path.join(root, f"rank{rank}.pt"))
+    torch.save({"trained": trained, "loaded": loaded, "loaded_counters": counters, "refused": refused},
+               os.path.join(root, f"rank{rank}.pt"))
 
 
 @pytest.mark.parametrize("name, tiering", [("stage3-fp32-nvme-dropout", {}), ("stage3-bf16-nvme", {}),

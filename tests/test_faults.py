@@ -129,6 +129,8 @@ def test_kill_9_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path, 
         assert path == str(ckpt / "a") and client_state == {"saved": "a"}
         train(engine, 2)
         resumed = snapshot(engine)
+        engine.save_checkpoint(ckpt, tag="c")  # the killed save's temporary file goes, whichever tag it was under
+        assert not os.path.exists(partial)
     finally:
         engine.close()
     engine = build(CONFIG, str(nvme))

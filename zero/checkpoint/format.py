@@ -94,11 +94,27 @@ def remove_replaced(tag_dir: str, kept: Iterable[str]) -> None:
     removed stays, named by no manifest."""
     kept = set(kept)
     for name in os.listdir(tag_dir):
-        temp = TEMP_FILE.fullmatch(name)
-        if (RANK_FILE.fullmatch(name) and name not in kept) or (
-                temp and temp["host"] == this_host() and not pid_alive(int(temp["pid"]))):
+        if (RANK_FILE.fullmatch(name) and name not in kept) or dead_temp(name):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(tag_dir, name))
+
+
+def remove_dead_temps(save_dir: str) -> None:
+    """Temporary files of this host's processes that are gone, in `save_dir` and every tag directory in it: a
+    save killed under a tag that is never saved again would keep them (a data file's size each) for good."""
+    with contextlib.suppress(OSError):
+        dirs = [save_dir, *(entry.path for entry in os.scandir(save_dir) if entry.is_dir(follow_symlinks=False))]
+        for directory in dirs:
+            for name in os.listdir(directory):
+                if dead_temp(name):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(directory, name))
+
+
+def dead_temp(name: str) -> bool:
+    """`name` is a temporary file (AtomicFile's) of a process of this host that is gone."""
+    temp = TEMP_FILE.fullmatch(name)
+    return temp is not None and temp["host"] == this_host() and not pid_alive(int(temp["pid"]))
 
 
 def library_version() -> str:

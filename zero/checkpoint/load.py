@@ -17,6 +17,7 @@ from ..optim.driver import STATE_PARTS
 from ..optim.state_format import StateFormat
 from .format import (
     CHUNK,
+    LATEST,
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -69,7 +70,7 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str | os.PathLike, tag: Any = 
     uninterrupted run (the main job's); off by default, as DeepSpeed's load leaves them as the script set them."""
     load_dir = os.fspath(load_dir)
     if tag is None:
-        tag = read_latest(load_dir)
+        tag = latest_tag(engine, load_dir)
         if tag is None:
             warnings.warn(f"no `latest` file in {load_dir!r}: nothing loaded (pass tag= to load a given "
                           "checkpoint)", stacklevel=3)
@@ -113,16 +114,35 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str | os.PathLike, tag: Any = 
     try:
         with reader:
             load_tensors(engine, reader, parts, excluded)
-    except Exception as exc:
-        raise CheckpointError(f"loading {tag_dir!r} failed part way, after verification: the engine's state is "
-                              f"partly loaded; load again or rebuild the engine ({exc})") from exc
-    apply_state(engine, state, load_optimizer_states, load_lr_scheduler_states, same_world, saved_world,
-                load_rng_states)
+        apply_state(engine, state, load_optimizer_states, load_lr_scheduler_states, same_world, saved_world,
+                    load_rng_states)
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it before raising
+        error = CheckpointError(f"loading {tag_dir!r} failed part way, after verification: the engine's state is "
+                                f"partly loaded; load again or rebuild the engine ({type(exc).__name__}: {exc})")
+        error.__cause__ = exc
+    agree(engine.dp, error, f"loading checkpoint {tag_dir!r}")
     saved_format = StateFormat(**manifest.get("state_format", {}))
     if saved_format != engine.driver.state_format:
         warnings.warn(f"checkpoint {tag_dir!r} holds {saved_format.describe()} optimizer state; this run stores "
                       f"{engine.driver.state_format.describe()}: converted on load", stacklevel=3)
     return tag_dir, state["client_state"]
+
+
+def latest_tag(engine: ZeroEngine, load_dir: str) -> str | None:
+    """The tag `latest` names, the same on every rank: each reads its own `latest` (directories may be each
+    node's own), and a rank that fails to, or reads another tag, is every rank's error, not a rank waiting
+    forever in the load's first collective."""
+    error, tag = None, None
+    try:
+        tag = read_latest(load_dir)
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it before raising
+        error = exc
+    agree(engine.dp, error, f"reading {os.path.join(load_dir, LATEST)!r}")
+    tags = engine.dp.all_gather_object(tag)
+    if len(set(tags)) > 1:
+        raise CheckpointMismatchError(f"the ranks' `latest` in {load_dir!r} name different checkpoints: "
+                                      + ", ".join(f"rank {rank}: {t!r}" for rank, t in enumerate(tags)))
+    return tag
 
 
 def extra_shapes(engine: ZeroEngine, excluded: set[str]) -> dict[str, tuple[int, ...]]:

@@ -38,6 +38,7 @@ from .format import (
     fsync_dir,
     library_version,
     manifest_bytes,
+    remove_dead_temps,
     remove_replaced,
     save_id,
     state_file,
@@ -211,3 +212,4 @@ def write_manifest(engine: ZeroEngine, save_dir: str, tag: str, tag_dir: str, en
     if save_latest:
         write_atomic(save_dir, LATEST, tag.encode())
     remove_replaced(tag_dir, [MANIFEST, *files])
+    remove_dead_temps(save_dir)
