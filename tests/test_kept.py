@@ -127,6 +127,19 @@ def test_no_room_keeps_nothing(make_manager):
     nvme.register("d", dtype=torch.float32, shape=(N,), home="nvme").wait()
     assert not nvme.keep("c"), "a second copy of c (2 pages) does not fit the 4-page budget beside c and d"
     assert nvme.keep("d")
+    # Extents are whole pages: two segments of 100 bytes take a page each, and so do their copies.
+    small = make_manager(engine="threads", nvme_budget=3 * PAGE)
+    for name in "ef":
+        small.register(name, dtype=torch.uint8, shape=(100,), home="nvme",
+                       data=torch.full((100,), 7, dtype=torch.uint8)).wait()
+    assert small.keep("e") and not small.keep("f"), "one copy's page fits beside the two, not two"
+    for name in "ef":
+        view = small.acquire(name, "host")
+        view.fill_(9)
+        small.release(name, dirty=True)
+        small.evict(name).wait(MOVE_TIMEOUT)  # "e" to a fresh page, "f" over its own
+    small.restore("e")
+    assert read(small, "e").tolist() == [7] * 100 and read(small, "f").tolist() == [9] * 100
 
 
 def test_a_device_copy_is_kept_in_the_device_tier(make_manager):

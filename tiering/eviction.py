@@ -252,7 +252,7 @@ class Eviction:
         if self._fresh_extent(seg):
             extent = self.store.allocate(seg.nbytes, seg.name)
             if seg.extent is not None:  # the kept copy's: no longer shared
-                self._cow_pending -= seg.nbytes
+                self._cow_pending -= seg.nvme_charge
             seg.extent = extent
             self.stats.peak_bytes["nvme"] = max(self.stats.peak_bytes["nvme"], self.store.used_bytes)
         final, start = self._begin(seg, action, action, None)

@@ -53,12 +53,12 @@ class Keeping:
             return True
         if seg.home == "nvme" and seg.nvme_current and seg.extent is not None:
             budget = self.store.config.budget
-            if budget is not None and self.store.used_bytes + self._cow_pending + seg.nbytes > budget:
+            if budget is not None and self.store.used_bytes + self._cow_pending + seg.nvme_charge > budget:
                 return False
-            if budget is None and self._cow_pending + seg.nbytes > self.store.spare_bytes():
+            if budget is None and self._cow_pending + seg.nvme_charge > self.store.spare_bytes():
                 return False  # the disk's last bytes are not for an optional copy
             seg.kept = Kept(seg.extent, seg.checksum, None, None)
-            self._cow_pending += seg.nbytes
+            self._cow_pending += seg.nvme_charge
             return True
         if seg.home == "nvme":
             # Written home, then kept there: a kept buffer could not be evicted, and would take room others need.
@@ -89,7 +89,7 @@ class Keeping:
             seg.spent = False
             if kept.extent is not None:
                 if seg.extent == kept.extent:
-                    self._cow_pending -= seg.nbytes
+                    self._cow_pending -= seg.nvme_charge
                 elif seg.extent is not None:
                     self.store.free(seg.extent)
                 seg.extent, seg.checksum = kept.extent, kept.checksum
@@ -124,7 +124,7 @@ class Keeping:
         elif kept.buffer is not None:
             kept.buffer.release()
         elif seg.extent == kept.extent:
-            self._cow_pending -= seg.nbytes  # never rewritten: the segment's bytes are the kept ones
+            self._cow_pending -= seg.nvme_charge  # never rewritten: the segment's bytes are the kept ones
         else:
             self.store.free(kept.extent)
 

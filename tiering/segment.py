@@ -108,6 +108,11 @@ class Segment:
         """What a host copy takes from the host budget: whole 4 KiB pages."""
         return align_up(max(self.nbytes, 1))
 
+    @property
+    def nvme_charge(self) -> int:
+        """What an extent of it takes from the store's budget and the disk: whole 4 KiB blocks."""
+        return align_up(self.nbytes)
+
     def capacity(self, tier: Tier) -> int:
         """Bytes the copy in `tier` holds (a reused buffer may be larger than the segment)."""
         return (self.device if tier == "device" else self.host).capacity

@@ -60,7 +60,9 @@ class StoreFile:
         self._fd, self.direct_io, detail = self._open(self.path)
         self._closed = False
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # Blocking: another store's sweep of stale files may hold this new file's lock for a moment (it
+            # then leaves the file alone: this process runs); nobody else has reason to.
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
             self._engine, self.engine_reason = choose_engine(aio, self.path, self.direct_io, detail)
         except BaseException:
             self._remove_file()
