@@ -85,7 +85,7 @@ def check_round_trip(mgr, home, evicted_before, evicted_after, writes, undo) -> 
     assert mgr.segments["s"].kept is None
 
 
-def test_keeping_a_segment_on_nvme_moves_no_byte(make_manager):
+def test_keeping_a_segment_whose_nvme_copy_is_current_moves_no_byte(make_manager):
     mgr = make_manager(engine="threads")
     mgr.register("s", dtype=torch.float32, shape=(N,), home="nvme", data=torch.full((N,), 1.0)).wait()
     moved = dict(mgr.stats.bytes_moved)
@@ -93,6 +93,16 @@ def test_keeping_a_segment_on_nvme_moves_no_byte(make_manager):
     assert mgr.keep("s")
     assert dict(mgr.stats.bytes_moved) == moved and mgr.pool.in_use == in_use
     assert mgr.segments["s"].state == Residency.NVME
+    mgr.commit("s")
+    # A clean copy on the device: the nvme copy is kept, not a second device buffer.
+    assert torch.equal(read(mgr, "s", "device"), torch.full((N,), 1.0))
+    on_device, moved = mgr.device_tier.in_use, dict(mgr.stats.bytes_moved)
+    assert mgr.keep("s")
+    assert mgr.device_tier.in_use == on_device and dict(mgr.stats.bytes_moved) == moved
+    with mgr.held("s", "device", dirty=True) as view:
+        view.fill_(2.0)
+    mgr.restore("s")
+    assert torch.equal(read(mgr, "s", "device"), torch.full((N,), 1.0))
 
 
 def test_a_damaged_kept_extent_is_a_checksum_error_at_the_read(make_manager, tmp_path):

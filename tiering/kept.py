@@ -42,6 +42,11 @@ class Keeping:
 
     def _keep_settled(self, seg: Segment) -> bool | Handle:
         """With the lock held and `seg` settled: keep it, or the handle of a move to wait for first."""
+        current = seg.home == "nvme" and seg.nvme_current and seg.extent is not None
+        if current and self._cow_fits(seg):  # wherever its copies are: none is copied, the device's budget spared
+            seg.kept = Kept(seg.extent, seg.checksum, None, None)
+            self._cow_pending += seg.nvme_charge
+            return True
         if seg.state == Residency.DEVICE:
             free = self.device_tier.free_bytes()
             if free is not None and self.device_tier.charge(seg.nbytes) > free:
@@ -51,15 +56,8 @@ class Keeping:
             self._note_peaks()
             seg.kept = Kept(None, None, buffer, "device")
             return True
-        if seg.home == "nvme" and seg.nvme_current and seg.extent is not None:
-            budget = self.store.config.budget
-            if budget is not None and self.store.used_bytes + self._cow_pending + seg.nvme_charge > budget:
-                return False
-            if budget is None and self._cow_pending + seg.nvme_charge > self.store.spare_bytes():
-                return False  # the disk's last bytes are not for an optional copy
-            seg.kept = Kept(seg.extent, seg.checksum, None, None)
-            self._cow_pending += seg.nvme_charge
-            return True
+        if current:
+            return False
         if seg.home == "nvme":
             # Written home, then kept there: a kept buffer could not be evicted, and would take room others need.
             return self._clean(seg) if not self._closing else False
@@ -70,6 +68,14 @@ class Keeping:
             seg.kept = Kept(None, None, buffer, "host")
             return True
         return False
+
+    def _cow_fits(self, seg: Segment) -> bool:
+        """Room for the copy-on-write extent: within the nvme budget, or without one in the store's spare bytes
+        (the disk's last bytes are not for an optional copy)."""
+        budget = self.store.config.budget
+        if budget is not None:
+            return self.store.used_bytes + self._cow_pending + seg.nvme_charge <= budget
+        return self._cow_pending + seg.nvme_charge <= self.store.spare_bytes()
 
     def commit(self, name: str) -> None:
         """Drop the kept copy: the bytes written since `keep` stand."""
