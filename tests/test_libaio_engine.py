@@ -57,17 +57,33 @@ def test_a_forked_child_reading_its_parents_store_gets_an_error_not_a_hang(make_
             code = 0 if "forked child" in str(exc) else 1
         finally:
             os._exit(code)
+    assert child_exit(pid) == 0
+    store.read(ext, buf).wait(timeout=30)  # the parent's queue is untouched
+    from tiering import _aio
+    queue = _aio.Queue(4, single_submit=False, overlap_events=True)  # the queue itself, waited on in a child
+    pid = os.fork()
+    if pid == 0:
+        code = 2
+        try:
+            queue.wait_done()
+        except RuntimeError as exc:
+            code = 0 if "forked child" in str(exc) else 1
+        finally:
+            os._exit(code)
+    assert child_exit(pid) == 0
+    queue.close()
+
+
+def child_exit(pid: int) -> int:
+    """A forked child's exit code; a child still running after 30 s is killed and the test fails (it hung)."""
     for _ in range(300):
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            break
+            return os.waitstatus_to_exitcode(status)
         time.sleep(0.1)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child hung")
-    assert os.waitstatus_to_exitcode(status) == 0
-    store.read(ext, buf).wait(timeout=30)  # the parent's queue is untouched
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung")
 
 
 def test_without_the_built_queue_auto_takes_threads_and_libaio_says_what_is_missing(tmp_path, monkeypatch):
@@ -136,6 +152,35 @@ def test_blocks_the_kernel_refuses_each_complete_with_its_error_and_close_return
     -EBADF and the blocks beyond the queue's depth take the freed slots, so all ten come back and close returns (in
     a child process: a block left pending, with no completion to pump it, would hang it)."""
     done = subprocess.run([sys.executable, "-c", REFUSED], capture_output=True, text=True, timeout=120,
+                          env=child_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == str([(t, -errno.EBADF) for t in range(10)])
+
+
+EMPTIED = """
+from tiering import _aio
+blocks = []
+class Token:
+    def __init__(self, t):
+        self.t = t
+    def __index__(self):
+        blocks.clear()  # the caller's list emptied (its blocks freed) while the queue reads it
+        return self.t
+blocks.extend((Token(t), 0, -1, 4096, 4096, 4096 * t) for t in range(10))
+queue = _aio.Queue(4, single_submit=False, overlap_events=True)
+queue.submit(blocks)
+done = {}
+while len(done) < 10:
+    done.update(queue.wait_done())
+queue.close()
+print(sorted(done.items()))
+"""
+
+
+def test_a_list_of_blocks_changed_while_submit_reads_it_is_submitted_as_it_was_given():
+    """submit reads a snapshot of the list: an item's conversion (Python code) emptying the list neither frees
+    the blocks under it nor shortens what it reads (in a child process: a crash fails the test, not the run)."""
+    done = subprocess.run([sys.executable, "-c", EMPTIED], capture_output=True, text=True, timeout=120,
                           env=child_env())
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == str([(t, -errno.EBADF) for t in range(10)])

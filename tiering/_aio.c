@@ -278,10 +278,20 @@ static int Queue_init(Queue *q, PyObject *args, PyObject *kwds) {
 }
 
 /* submit(blocks): blocks is a list of (token, write, fd, address, nbytes, offset). */
+/* A forked child has neither the reaper nor the AIO context: RuntimeError (returns 1) rather than a child that
+   waits forever for completions nobody reaps. */
+static int not_owner(Queue *q) {
+    if (getpid() == q->owner) return 0;
+    PyErr_Format(PyExc_RuntimeError, "the AIO queue belongs to process %d: a forked child cannot use it",
+                 (int)q->owner);
+    return 1;
+}
+
 static PyObject *Queue_submit(Queue *q, PyObject *blocks) {
-    PyObject *seq = PySequence_Fast(blocks, "submit takes a list of blocks");
+    /* A tuple of them: what an item's conversion runs (an __index__) cannot resize it or free an item under us. */
+    PyObject *seq = PySequence_Tuple(blocks);
     if (!seq) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
     Block *parsed = n ? malloc(n * sizeof(Block)) : NULL;
     if (n && !parsed) {
         Py_DECREF(seq);
@@ -289,7 +299,7 @@ static PyObject *Queue_submit(Queue *q, PyObject *blocks) {
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         Block *b = &parsed[i];
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "LiiKKL;a block is (token, write, fd, address, "
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(seq, i), "LiiKKL;a block is (token, write, fd, address, "
                               "nbytes, offset)", &b->token, &b->write, &b->fd, &b->address, &b->nbytes, &b->offset)) {
             free(parsed);
             Py_DECREF(seq);
@@ -297,10 +307,9 @@ static PyObject *Queue_submit(Queue *q, PyObject *blocks) {
         }
     }
     Py_DECREF(seq);
-    if (getpid() != q->owner) {
+    if (not_owner(q)) {
         free(parsed);
-        return PyErr_Format(PyExc_RuntimeError, "the AIO queue belongs to process %d: a forked child cannot use it",
-                            (int)q->owner);
+        return NULL;
     }
     int closed = 0, nomem = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -348,6 +357,7 @@ static PyObject *Queue_wait_done(Queue *q, PyObject *unused) {
     Done *taken = NULL;
     size_t ntaken = 0, room = 0;
     int nomem = 0;
+    if (not_owner(q)) return NULL;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&q->lock);
     for (;;) {
