@@ -207,6 +207,25 @@ def test_speculation_counts_the_room_its_kept_extents_need():
     assert speculated_share(plain, 1 << 30, 2 << 30, None) == 1.0
 
 
+def test_on_a_cpu_device_the_speculated_step_counts_the_checksums_beside_the_compute(tmp_path):
+    """Without a GPU the compute and the I/O's CPU work share the cores: with checksums on (the default), the
+    speculated step counts one pass of the checksum over every byte read or written; off, none."""
+    from zero.plan.__main__ import disk_figures
+    from zero.plan.machine import Machine
+    from zero.plan.predict import predict
+
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": 3, "offload_param": nvme, "offload_optimizer": nvme}}
+    args = parse_args(["--model", "tiny", "--nvme-path", str(tmp_path), *DISK])
+    machine = Machine(ram_bytes=64 << 30, gpu_bytes=0, disk=disk_figures(args), matmul_flops=1e11,
+                      adam_elements=1e8, copy_bytes=1e10, fresh_bytes=1e10, checksum_bytes=1e6, compact_adam={})
+    on = predict(from_preset("tiny"), machine, config, 0, None)
+    off = predict(from_preset("tiny"), machine, {**config, "zero_tiering": {"checksums": False}}, 0, None)
+    assert on.bytes_per_step == off.bytes_per_step > 0
+    assert on.step_s >= on.bytes_per_step / 1e6 > off.step_s
+
+
 def test_unit_major_accumulation_moves_each_unit_once_and_keeps_every_micro_batchs_inputs(tmp_path):
     """Accumulation 4, stage 3 on nvme, the host budget the engine derives (its working window: no cache):
     unit-major reads each parameter twice a step and its gradient accumulator not at all, writing that once, where
@@ -225,7 +244,8 @@ def test_unit_major_accumulation_moves_each_unit_once_and_keeps_every_micro_batc
             "zero_tiering": {"speculative_step": False}}
     args = parse_args(["--model", "tiny", "--nvme-path", str(tmp_path), *DISK])
     machine = Machine(ram_bytes=64 << 30, gpu_bytes=0, disk=disk_figures(args), matmul_flops=1e11,
-                      adam_elements=1e8, copy_bytes=1e10, fresh_bytes=1e10, compact_adam={})
+                      adam_elements=1e8, copy_bytes=1e10, fresh_bytes=1e10, checksum_bytes=1e10,
+                      compact_adam={})
     runs = {}
     for schedule in ("unit-major", "micro-batch"):
         config = json.loads(json.dumps(base))
@@ -257,7 +277,8 @@ def test_frozen_parameters_are_read_twice_a_step_and_never_written(tmp_path):
               "zero_tiering": {"speculative_step": False}}
     args = parse_args(["--model", "tiny", "--nvme-path", str(tmp_path), *DISK])
     machine = Machine(ram_bytes=64 << 30, gpu_bytes=0, disk=disk_figures(args), matmul_flops=1e11,
-                      adam_elements=1e8, copy_bytes=1e10, fresh_bytes=1e10, compact_adam={})
+                      adam_elements=1e8, copy_bytes=1e10, fresh_bytes=1e10, checksum_bytes=1e10,
+                      compact_adam={})
     whole = predict(from_preset("tiny"), machine, config, 0, None)
     shape = from_preset("tiny")
     for block in shape.model.blocks:

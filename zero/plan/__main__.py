@@ -24,8 +24,8 @@ from ..cli import add_common_flags, run_command
 from ..comm import local_device
 from ..services.compute_speed import dtype_speed, fast_alternative, slow_dtype_line
 from ..optim.state_format import StateFormat
-from .machine import (Machine, adam_rate, compact_adam_rate, gpu_memory, host_ram, matmul_rate, memory_rates,
-                      nvme_directory, parse_memory)
+from .machine import (Machine, adam_rate, checksum_rate, compact_adam_rate, gpu_memory, host_ram, matmul_rate,
+                      memory_rates, nvme_directory, parse_memory)
 from .model_source import PlanInputError, load_model
 from .predict import (PRECISIONS, Prediction, compact_formats, ds_config, host_budget_for, placement_of, placements,
                       predict)
@@ -102,6 +102,7 @@ def plan(args: argparse.Namespace, base_rss: int) -> dict:
         gpu_bytes=parse_memory("--gpu-memory", args.gpu_memory) if args.gpu_memory else gpu_memory(),
         disk=disk, matmul_flops=rate / (speed.slowdown if speed.slow else 1.0),
         adam_elements=adam_rate(dtype), **dict(zip(("copy_bytes", "fresh_bytes"), memory_rates())),
+        checksum_bytes=checksum_rate(),
         compact_adam={fmt: compact_adam_rate(fmt, dtype) for fmt in formats if not fmt.exact})
     nvme_free = None
     if disk is not None:
@@ -147,7 +148,7 @@ def plan(args: argparse.Namespace, base_rss: int) -> dict:
             print(f"wrote {args.out}: python -m zero.train --config {args.out} ...")
     best = chosen or min(predictions, key=lambda p: p.peak_rss_bytes)
     rates = {key: getattr(machine, key) for key in ("ram_bytes", "gpu_bytes", "matmul_flops", "adam_elements",
-                                                     "copy_bytes", "fresh_bytes")}
+                                                     "copy_bytes", "fresh_bytes", "checksum_bytes")}
     return {**best.to_json(), "fits": chosen is not None, "explanation": explain(predictions, chosen),
             "model": {"params": shape.params, "layers": shape.layers, "hidden": shape.hidden, "vocab": shape.vocab},
             "slow_compute": slow_line,

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tiering.checksum import checksum
+
 from ..config.sizes import parse_size
 from ..optim.adam_math import AdamThreads, adam_step
 from ..optim.compact_step import compact_step
@@ -35,6 +37,8 @@ class Machine:
     fresh_bytes: float
     """Bytes per second of memory allocated and touched for the first time (page faults: autograd's fresh
     gradients and activations every step)."""
+    checksum_bytes: float
+    """Bytes per second one core checksums (tiering/checksum.py: every byte written to nvme and read back)."""
     compact_adam: dict = field(default_factory=dict)
     """CPU-Adam elements per second for each compact StateFormat planned (compact_adam_rate)."""
 
@@ -136,6 +140,17 @@ def memory_rates() -> tuple[float, float]:
         torch.empty(n, dtype=torch.uint8).fill_(1)
         fresh.append(n / (time.perf_counter() - start))
     return sorted(copies)[1], sorted(fresh)[1]
+
+
+def checksum_rate() -> float:
+    """Bytes per second `checksum` takes over 256 MiB already touched, the median of three."""
+    data = torch.ones(256 << 20, dtype=torch.uint8)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        checksum(data)
+        times.append(time.perf_counter() - start)
+    return data.numel() / sorted(times)[1]
 
 
 def nvme_directory(path: str) -> str:

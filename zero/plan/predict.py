@@ -19,8 +19,8 @@ today's engine, with its terms measured on this machine or counted from the mode
   (write-behind), which hide behind compute;
   With the speculative step (zero_tiering.speculative_step, where it is served) the optimizer phase runs
   inside the backward: the step is then the larger of the compute plus what runs beside it on the same cores
-  (with a GPU, CPU-Adam's share of the last unit; on a CPU device, all of the early steps' CPU-Adam and a copy
-  pass over each byte the I/O moves) and the forward plus all of the step's I/O, and the boundary's gradients
+  (with a GPU, CPU-Adam's share of the last unit; on a CPU device, all of the early steps' CPU-Adam, a copy
+  pass over each byte the I/O moves and its checksum) and the forward plus all of the step's I/O, and the boundary's gradients
   are stepped while in host memory (not written and read back). With state on nvme, a sub-group steps early only where the previous state can be kept
   in a fresh extent (tiering/kept.py: within the nvme budget, or without one the disk's free space less its
   reserve): the share of the step's nvme writes that room holds speculates, the rest steps at the boundary
@@ -297,8 +297,9 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     if speculative:  # the optimizer phase inside the backward (a third of the compute is the forward)
         if machine.gpu_bytes:  # the backward on the GPU, CPU-Adam and the I/O's copies beside it on the host
             beside = adam * largest / n
-        else:  # one set of cores: the early steps' CPU-Adam and the I/O's copies (a pass over each byte) add up
-            beside = share * adam + (reads + writes) / machine.copy_bytes
+        else:  # one set of cores: the early steps' CPU-Adam, the I/O's copies and checksums (a pass over each byte)
+            hashed = (reads + writes) / machine.checksum_bytes if cfg.zero_tiering.checksums else 0.0
+            beside = share * adam + (reads + writes) / machine.copy_bytes + hashed
         step = max(compute + beside, compute / 3 + fb_io + share * opt_io) + (1 - share) * optimizer
 
     prediction = Prediction(placement, config, tiers, peak_rss, device_peak, reads, writes, compute, optimizer,
