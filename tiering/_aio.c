@@ -277,7 +277,6 @@ static int Queue_init(Queue *q, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
-/* submit(blocks): blocks is a list of (token, write, fd, address, nbytes, offset). */
 /* A forked child has neither the reaper nor the AIO context: RuntimeError (returns 1) rather than a child that
    waits forever for completions nobody reaps. */
 static int not_owner(Queue *q) {
@@ -287,6 +286,7 @@ static int not_owner(Queue *q) {
     return 1;
 }
 
+/* submit(blocks): blocks is a list of (token, write, fd, address, nbytes, offset). */
 static PyObject *Queue_submit(Queue *q, PyObject *blocks) {
     /* A tuple of them: what an item's conversion runs (an __index__) cannot resize it or free an item under us. */
     PyObject *seq = PySequence_Tuple(blocks);

@@ -1,6 +1,7 @@
 """The machine a plan is for: memory (RAM, GPU), the disk under nvme_path (read, write and mixed GB/s, as
 `python -m zero.report --bandwidth` measured them, or given), and this machine's compute rates, measured in a
-second or two: matmul FLOP/s at the model's width in the compute dtype, and CPU-Adam elements per second."""
+second or two: matmul FLOP/s at the model's width in the compute dtype, CPU-Adam elements per second, and the
+bytes per second of a copy, of fresh memory and of the checksum."""
 from __future__ import annotations
 
 import os
