@@ -365,8 +365,9 @@ def test_saved_with_two_ranks_loads_into_one_and_back(tmp_path):
         assert all(d["loaded_counters"] == (2, 4, 0, 2) for d in dumps)
         for d in dumps:  # neither rank waited for the other: both refused, naming what
             assert "rank 0: 't', rank 1: None" in d["refused"]["latest"]
-        assert "refused by the test" in dumps[1]["refused"]["apply"]
-        assert "failed on 1 rank(s): rank 1: CheckpointError" in dumps[0]["refused"]["apply"]
+        for where in ("fill", "apply"):
+            assert "refused by the test" in dumps[1]["refused"][where]
+            assert "failed on 1 rank(s): rank 1: CheckpointError" in dumps[0]["refused"][where]
     finally:
         fresh.close()
 
@@ -393,15 +394,20 @@ def child_two_ranks(root: str) -> None:
     with pytest.raises(CheckpointMismatchError) as info:
         engine.load_checkpoint(own)
     refused["latest"] = str(info.value)
-    # A failure after verification on rank 1 alone (its counters refuse their state): every rank raises.
-    def refuse(state: dict) -> None:
+    # A failure after verification on rank 1 alone, reading a tensor or applying the counters: every rank raises
+    # (none goes on into the collectives that refill the gathered units).
+    def refuse(*args) -> None:
         raise RuntimeError("refused by the test")
 
-    if rank == 1:
-        engine.counters.load_state_dict = refuse
-    with pytest.raises(CheckpointError) as info:
-        engine.load_checkpoint(os.path.join(root, "two"), tag="t")
-    refused["apply"] = str(info.value)
+    from zero.checkpoint import load
+    for where, target, name in (("fill", load, "fill"), ("apply", engine.counters, "load_state_dict")):
+        original = getattr(target, name)
+        if rank == 1:
+            setattr(target, name, refuse)
+        with pytest.raises(CheckpointError) as info:
+            engine.load_checkpoint(os.path.join(root, "two"), tag="t")
+        setattr(target, name, original)
+        refused[where] = str(info.value)
     engine.close()
     torch.save({"trained": trained, "loaded": loaded, "loaded_counters": counters, "refused": refused},
                os.path.join(root, f"rank{rank}.pt"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -415,10 +416,16 @@ def test_a_fetch_waiting_for_room_another_fetch_holds_is_not_failed_by_that_fetc
     held, read, a_extent = Handle(label="held read"), mgr.store.read, mgr.segments["a"].extent
     mgr.store.read = lambda extent, *args: held if extent == a_extent else read(extent, *args)
     fetch_a = mgr.fetch("a", "host")
+    move = mgr.segments["a"].move
+    callbacks = len(move._callbacks)
     out = {}
     waiter = threading.Thread(target=lambda: out.update(c=use(mgr, "c", "host")))
     waiter.start()
-    waiter.join(0.3)  # `c` waits for the room `a`'s read holds
+    for _ in range(int(MOVE_TIMEOUT / 0.01)):  # until `c` waits on `a`'s move for the room it holds
+        if len(move._callbacks) > callbacks or not waiter.is_alive():
+            break
+        time.sleep(0.01)
+    assert len(move._callbacks) > callbacks, "c did not wait for the room a's read holds"
     held.part_done(IOFailedError(mgr.store.path, "read", 0, PAGE, "held by the test"))
     waiter.join(MOVE_TIMEOUT)
     with pytest.raises(IOFailedError):

@@ -110,8 +110,8 @@ class Segment:
 
     @property
     def nvme_charge(self) -> int:
-        """What an extent of it takes from the store's budget and the disk: whole 4 KiB blocks."""
-        return align_up(self.nbytes)
+        """What an extent of it takes from the store's budget and the disk: whole 4 KiB blocks, at least one."""
+        return align_up(max(self.nbytes, 1))
 
     def capacity(self, tier: Tier) -> int:
         """Bytes the copy in `tier` holds (a reused buffer may be larger than the segment)."""

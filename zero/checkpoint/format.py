@@ -31,12 +31,13 @@ are in place, and `latest` only after the manifest: a tag directory without `man
 and never loads; `latest` never names one. Each save's rank files carry an id of their own
 (`rank00000-of-0000N.<id>.data`), so saving again under a tag writes beside the files its manifest names: until
 the new manifest replaces the old in one rename, the old checkpoint is whole; then the files no manifest names
-(and temporary files of this host's dead processes: an interrupted save's) are removed.
+(and, under every tag, temporary files whose writers are gone: an interrupted save's) are removed (cleanup.py).
+A writer holds its temporary file's lock until it renames it, so a file whose lock can be taken is a dead one's.
 """
 from __future__ import annotations
 
-import contextlib
 import errno as errno_codes
+import fcntl
 import importlib.metadata
 import json
 import os
@@ -49,7 +50,7 @@ import numpy as np
 import torch
 import xxhash
 
-from tiering.stale import pid_alive, this_host
+from tiering.stale import this_host
 
 from ..optim.driver import STATE_PARTS
 
@@ -86,35 +87,6 @@ def check_tag_name(tag: str) -> None:
     if (not tag or tag in (".", "..", LATEST) or "/" in tag or "\\" in tag or tag.startswith(".")
             or tag != tag.strip() or not tag.isprintable()):
         raise CheckpointError(f"checkpoint tag {tag!r} is not a plain directory name")
-
-
-def remove_replaced(tag_dir: str, kept: Iterable[str]) -> None:
-    """After a manifest landed: remove the rank files of earlier saves under this tag that it does not name, and
-    temporary files of this host's processes that are gone (an interrupted save's). Best effort: what cannot be
-    removed stays, named by no manifest."""
-    kept = set(kept)
-    for name in os.listdir(tag_dir):
-        if (RANK_FILE.fullmatch(name) and name not in kept) or dead_temp(name):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(tag_dir, name))
-
-
-def remove_dead_temps(save_dir: str) -> None:
-    """Temporary files of this host's processes that are gone, in `save_dir` and every tag directory in it: a
-    save killed under a tag that is never saved again would keep them (a data file's size each) for good."""
-    with contextlib.suppress(OSError):
-        dirs = [save_dir, *(entry.path for entry in os.scandir(save_dir) if entry.is_dir(follow_symlinks=False))]
-        for directory in dirs:
-            for name in os.listdir(directory):
-                if dead_temp(name):
-                    with contextlib.suppress(OSError):
-                        os.unlink(os.path.join(directory, name))
-
-
-def dead_temp(name: str) -> bool:
-    """`name` is a temporary file (AtomicFile's) of a process of this host that is gone."""
-    temp = TEMP_FILE.fullmatch(name)
-    return temp is not None and temp["host"] == this_host() and not pid_alive(int(temp["pid"]))
 
 
 def library_version() -> str:
@@ -243,6 +215,7 @@ class AtomicFile:
         self.temp_path = os.path.join(directory, temp_name(name))
         try:
             self._file = open(self.temp_path, "xb", buffering=0)
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)  # while it writes: its file is not a dead writer's
         except OSError as exc:
             raise CheckpointIOError(self.path, "create", 0, 0, exc, self.temp_path) from exc
         self.size = 0

@@ -121,6 +121,7 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str | os.PathLike, tag: Any = 
                                 f"partly loaded; load again or rebuild the engine ({type(exc).__name__}: {exc})")
         error.__cause__ = exc
     agree(engine.dp, error, f"loading checkpoint {tag_dir!r}")
+    engine.state_loaded()  # collectives (gathered units refilled): every rank, once every rank has loaded
     saved_format = StateFormat(**manifest.get("state_format", {}))
     if saved_format != engine.driver.state_format:
         warnings.warn(f"checkpoint {tag_dir!r} holds {saved_format.describe()} optimizer state; this run stores "
@@ -169,7 +170,6 @@ def load_tensors(engine: ZeroEngine, reader: RecordReader, parts: tuple[str, ...
     for unit in frozen_units(engine):
         if not any(slot.name in excluded for slot in unit.flat.slots):
             load_frozen(engine, reader, unit)
-    engine.state_loaded()
 
 
 def load_frozen(engine: ZeroEngine, reader: RecordReader, unit) -> None:

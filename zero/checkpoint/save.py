@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .cleanup import remove_dead_temps, remove_replaced
 from .format import (
     FORMAT,
     FORMAT_VERSION,
@@ -38,8 +39,6 @@ from .format import (
     fsync_dir,
     library_version,
     manifest_bytes,
-    remove_dead_temps,
-    remove_replaced,
     save_id,
     state_file,
     write_atomic,
