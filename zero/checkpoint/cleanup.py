@@ -13,16 +13,13 @@ from .format import RANK_FILE, TEMP_FILE
 
 
 def remove_replaced(tag_dir: str, kept: Iterable[str]) -> None:
-    """After a manifest landed: remove the rank files of earlier saves under this tag that it does not name, and
-    temporary files of this host's processes that are gone (an interrupted save's). Best effort: what cannot be
-    removed stays, named by no manifest."""
+    """After a manifest landed: remove the rank files of earlier saves under this tag that it does not name. Best
+    effort: what cannot be removed stays, named by no manifest."""
     kept = set(kept)
     for name in os.listdir(tag_dir):
         if RANK_FILE.fullmatch(name) and name not in kept:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(tag_dir, name))
-        else:
-            remove_if_dead(os.path.join(tag_dir, name))
 
 
 def remove_dead_temps(save_dir: str) -> None:
