@@ -105,6 +105,24 @@ def test_keeping_a_segment_whose_nvme_copy_is_current_moves_no_byte(make_manager
     assert torch.equal(read(mgr, "s", "device"), torch.full((N,), 1.0))
 
 
+def test_restoring_a_segment_not_written_since_its_keep_keeps_its_copies(make_manager):
+    mgr = make_manager(engine="threads")
+    mgr.register("s", dtype=torch.float32, shape=(N,), home="nvme", data=torch.full((N,), 1.0)).wait()
+    assert torch.equal(read(mgr, "s", "device"), torch.full((N,), 1.0))
+    used = mgr.store.used_bytes
+    assert mgr.keep("s")
+    assert torch.equal(read(mgr, "s", "device"), torch.full((N,), 1.0))  # read, never written
+    mgr.restore("s")
+    assert mgr.segments["s"].state == Residency.DEVICE, "a restore dropped copies holding the kept bytes"
+    moved = dict(mgr.stats.bytes_moved)
+    assert torch.equal(read(mgr, "s", "device"), torch.full((N,), 1.0))
+    assert dict(mgr.stats.bytes_moved) == moved
+    write(mgr, "s", 2.0, "device")  # the copy-on-write room was given back: a write-back may reuse the extent
+    mgr.evict("s").wait(MOVE_TIMEOUT)
+    mgr.evict("s").wait(MOVE_TIMEOUT)
+    assert mgr.store.used_bytes == used and torch.equal(read(mgr, "s"), torch.full((N,), 2.0))
+
+
 def test_a_damaged_kept_extent_is_a_checksum_error_at_the_read(make_manager, tmp_path):
     mgr = make_manager(engine="threads")
     mgr.register("s", dtype=torch.float32, shape=(N,), home="nvme", data=torch.full((N,), 1.0)).wait()

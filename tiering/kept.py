@@ -2,12 +2,12 @@
 out as one concept).
 
 `keep(name)` preserves the bytes the segment holds now; `commit(name)` drops them (the writes stand);
-`restore(name)` makes them the segment's bytes again (the writes are undone). Where the nvme copy is current it
-is the kept copy and no byte moves: the segment's next write-back goes to a fresh extent instead of over it
-(copy on write), and a restore reinstates the old extent with its checksum, so a damaged file is a
-ChecksumMismatchError at the read, never wrong bytes; a dirty copy of an nvme-homed segment is written home
-first. Elsewhere the bytes are copied into a buffer of the tier holding them (host or device), within that
-budget's free room.
+`restore(name)` makes them the segment's bytes again (the writes are undone; a segment not written since keeps
+its copies). Where the nvme copy is current it is the kept copy and no byte moves: the segment's next write-back
+goes to a fresh extent instead of over it (copy on write), and a restore reinstates the old extent with its
+checksum, so a damaged file is a ChecksumMismatchError at the read, never wrong bytes; a dirty copy of an
+nvme-homed segment is written home first. Elsewhere the bytes are copied into a buffer of the tier holding them
+(host or device), within that budget's free room.
 """
 from __future__ import annotations
 
@@ -90,6 +90,9 @@ class Keeping:
         def undo(seg: Segment) -> None:
             kept = self._take_kept(seg, "restore")
             seg.kept = None
+            if kept.extent is not None and seg.extent == kept.extent and seg.nvme_current and not seg.spent:
+                self._cow_pending -= seg.nvme_charge  # never written since: its copies hold the kept bytes
+                return
             self._unprefetch(seg)
             self._drop_device(seg)
             seg.spent = False
