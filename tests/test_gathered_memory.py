@@ -93,3 +93,66 @@ def test_what_the_parameters_hold_on_exit_is_adopted_assigned_or_written_in_plac
     with deepspeed.zero.GatheredParameters([first]):
         assert torch.equal(first, torch.full((8, 8), 2.0))
     engine.close()
+
+
+@pytest.mark.parametrize("stage,persistence", [(2, 0), (3, 10**6), (3, 0)])
+def test_an_assigned_or_nested_write_is_adopted_at_every_stage_and_trained(stage, persistence):
+    """Whether or not the block lends the unit a private copy (stages 0-2 and persistent units never do), and in a
+    block nested in a read-only one: the write reaches the masters, and the forward computes with what the step
+    trains, not with a tensor the block left the parameter bound to."""
+    import torch
+    from torch import nn
+
+    import zero as deepspeed
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": persistence}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    first, second = model[0].weight, model[2].weight
+    shapes = {first: (8, 8), second: (1, 8)}
+    with deepspeed.zero.GatheredParameters([first], modifier_rank=0):
+        first.data = torch.full((8, 8), 0.5)
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):  # read-only, around a modifying one
+        with deepspeed.zero.GatheredParameters([second], modifier_rank=0):
+            second.data.fill_(0.25)
+        assert torch.equal(second, torch.full((1, 8), 0.25))
+    for param, value in ((first, 0.5), (second, 0.25)):
+        assert torch.equal(deepspeed.utils.safe_get_full_fp32_param(param), torch.full(shapes[param], value))
+    x = torch.randn(2, 8)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    with deepspeed.zero.GatheredParameters([first, second]):
+        for param in (first, second):
+            assert torch.equal(param, deepspeed.utils.safe_get_full_fp32_param(param)), "trained a master nobody reads"
+            assert not torch.equal(param, torch.full(shapes[param], 0.5 if param is first else 0.25))
+    engine.close()
+
+
+def test_a_modifying_block_leaves_the_fp32_masters_of_what_it_did_not_change():
+    """The full values are in the compute dtype (bf16): adopting an unchanged element would round its master."""
+    import torch
+    from torch import nn
+
+    import zero as deepspeed
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine.backward(engine(torch.randn(2, 16, dtype=torch.bfloat16)).float().square().mean())
+    engine.step()
+    masters = {name: deepspeed.utils.safe_get_full_fp32_param(p) for name, p in model.named_parameters()}
+    assert not torch.equal(masters["0.weight"], masters["0.weight"].bfloat16().float())  # fp32 bits to lose
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        model[2].bias.data.zero_()
+        model[0].weight.data[0, 0] = 1.0
+    after = {name: deepspeed.utils.safe_get_full_fp32_param(p) for name, p in model.named_parameters()}
+    assert torch.equal(after["2.bias"], torch.zeros(1))
+    assert after["0.weight"][0, 0] == 1.0
+    masters["0.weight"][0, 0] = 1.0
+    for name in ("0.weight", "0.bias", "2.weight"):
+        assert torch.equal(after[name], masters[name]), name
+    engine.close()

@@ -80,6 +80,8 @@ class ZeroEngine(FullValues, nn.Module):
         self.config = config
         self.placement = placement
         self.units: list[Unit] = placement.units
+        self._lent: dict[int, torch.Tensor] = {}
+        """The private copy of its full buffer a GatheredParameters block lends a unit's parameters, by unit index."""
         self.driver = driver
         self.gradients = gradients
         self.counters = counters

@@ -21,47 +21,55 @@ class FullValues:
                             modifier_rank: int | None = None):
         """Inside the block the given parameters (default: all) hold their full values, as DeepSpeed's
         GatheredParameters gives them; every rank calls it. With `modify=True` the values they hold on exit
-        become the model's: their fp32 masters (and, for stage 3, the parameter shards) are rewritten; every
-        rank must make the same change. With `modifier_rank` (DeepSpeed's), the values that rank holds on exit
-        are first sent to every rank, then become the model's. Moments are kept. A block that raises (or one
-        without `modify` or `modifier_rank`) leaves the masters as they were; what it wrote into a full buffer
-        that stays (stages 0-2, a persistent unit) is there until the next step rewrites it from them.
+        become the model's: the fp32 masters of the elements that changed (an unchanged one keeps its fp32 bits,
+        not the compute dtype's) and, for stage 3, the parameter shards are rewritten; every rank must make the
+        same change. With `modifier_rank` (DeepSpeed's), the values that rank holds on exit are first sent to
+        every rank, then become the model's. Moments are kept. A block that raises (or one without `modify` or
+        `modifier_rank`) leaves the masters as they were; what it wrote in place into a full buffer that stays
+        (stages 0-2, a persistent unit) is there until the next step rewrites it from them.
 
         A unit this block alone gathers lends its parameters a private copy of its full buffer, not views of it:
         the release gives the full buffer's bytes back (to nothing, or to the device tier's pool), and a tensor the
         caller kept (`p.data`, `p.data.cpu()` on a CPU, a view) must stay valid after the block, as DeepSpeed's
-        does. What the parameters hold on exit (written in place or assigned to `p.data`) is what is adopted."""
+        does. What the parameters hold on exit (written in place or assigned to `p.data`) is what is adopted, in
+        a block nested in another too; on exit they are views again of what they were views of before it."""
         self._finish_step()
+        modifying = modify or modifier_rank is not None
         wanted = None if params is None else {id(p) for p in params}
         chosen = [unit for unit in self.units
                   if wanted is None or any(id(slot.param) in wanted for slot in unit.flat.slots)]
         held: list[Unit] = []
         lent: list[Unit] = []
+        entry: dict[int, torch.Tensor] = {}
         try:
             for unit in chosen:
                 self.placement.gather(unit)
                 held.append(unit)
                 if self.placement.frees_on_release(unit):
-                    unit.flat.bind(unit.full.clone())
+                    self._lent[unit.index] = unit.full.clone()
+                    unit.flat.bind(self._lent[unit.index])
                     lent.append(unit)
+                if modifying:
+                    entry[unit.index] = unit.flat.flatten(torch.empty_like(unit.full))
             yield
-            if modify or modifier_rank is not None:
-                for unit in chosen:
-                    if unit in lent:
-                        unit.flat.flatten(unit.full)
-                    if modifier_rank is not None:
-                        self.dp.broadcast(unit.full, modifier_rank)
-                    self._adopt_full_values(unit, wanted)
+            for unit in chosen if modifying else ():
+                unit.flat.flatten(unit.full)  # the parameters may be views of a lent copy, or assigned
+                if modifier_rank is not None:
+                    self.dp.broadcast(unit.full, modifier_rank)
+                self._adopt_full_values(unit, wanted, entry[unit.index])
+                if unit not in lent and unit.index in self._lent:
+                    self._lent[unit.index].copy_(unit.full)  # an enclosing block's copy: its caller sees them
         finally:
-            for unit in lent:
-                unit.flat.bind(unit.full)  # the caller's tensors keep the private copy; the release unbinds
             for unit in held:
+                copy = self._lent.pop(unit.index) if unit in lent else self._lent.get(unit.index)
+                unit.flat.bind(unit.full if copy is None or unit in lent else copy)
+            for unit in held:  # a lent unit's caller keeps the private copy; the release unbinds
                 self.placement.release(unit)
 
-    def _adopt_full_values(self, unit: Unit, wanted: set[int] | None) -> None:
-        """Make the unit's full buffer the truth for the parameters in `wanted` (None: all): copy their part of
-        this rank's range into the masters (each sub-group fetched once), and the range into the shard (the
-        others' values are its own)."""
+    def _adopt_full_values(self, unit: Unit, wanted: set[int] | None, before: torch.Tensor) -> None:
+        """Make the unit's full buffer the truth for the parameters in `wanted` (None: all): copy the elements of
+        their part of this rank's range that differ from `before` into the masters (each sub-group fetched once),
+        and the range into the shard (the others' values are its own)."""
         ranges = ([(0, unit.flat.padded_numel)] if wanted is None else
                   [(slot.offset, slot.numel) for slot in unit.flat.slots if id(slot.param) in wanted])
         runs: dict[int, tuple[SubGroup, list[tuple[int, int, int]]]] = {}
@@ -71,7 +79,9 @@ class FullValues:
         for sg, pieces in runs.values():
             with self.driver.held(sg, "master", dirty=True) as master:
                 for at, offset, numel in pieces:
-                    master.narrow(0, at, numel).copy_(unit.full.narrow(0, offset, numel))
+                    new = unit.full.narrow(0, offset, numel)
+                    changed = (new != before.narrow(0, offset, numel)).to(master.device)
+                    master.narrow(0, at, numel)[changed] = new.to(master.device, master.dtype)[changed]
         self.placement.adopt_full(unit)
 
     def _pieces(self, unit: Unit, offset: int, numel: int) -> Iterator[tuple[SubGroup, int, int, int]]:
