@@ -87,6 +87,32 @@ def test_gathered_parameters_keeps_the_modifier_ranks_changes_and_only_those(tmp
         assert torch.equal(weight, before * 2.0)
 
 
+def test_a_nested_init_leaves_the_partitioning_to_the_outer_one(tmp_path):
+    """transformers opens a zero.Init of its own inside a user's (from_config under a ZeRO-3 config)."""
+    plain = built()
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=config(tmp_path)):
+        with deepspeed.zero.Init(config_dict_or_path=config(tmp_path, "cpu")):
+            model = Blocks()
+        extra = nn.Linear(4, 4)
+    assert all(p.is_meta for p in (*model.parameters(), *extra.parameters()))
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        for (name, p), (_, q) in zip(model.named_parameters(), plain.named_parameters()):
+            assert torch.equal(p, q), name
+
+
+def test_a_modifying_block_nested_in_a_reading_one_keeps_its_change(tmp_path):
+    model = built(init=deepspeed.zero.Init(config_dict_or_path=config(tmp_path)))
+    weight = model.layers[1].weight
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
+            weight.data.fill_(7.0)
+        assert not weight.is_meta  # the outer block's, still
+    assert weight.is_meta
+    with deepspeed.zero.GatheredParameters([weight]):
+        assert torch.equal(weight, torch.full((16, 16), 7.0))
+
+
 def test_initialize_takes_the_slices_and_trains_as_the_plain_model(tmp_path):
     """The model built under zero.Init, given to initialize, trains bitwise as the same model built plainly
     (fp32, one rank); the staging file is gone once initialize has taken every slice."""

@@ -159,21 +159,26 @@ class InitStore:
     def gathered_parameters(self, params: list[nn.Parameter], modifier_rank: int | None = None) -> Iterator[None]:
         """GatheredParameters for parameters partitioned but not yet initialized: inside, each holds its full
         values (host memory); on exit what `modifier_rank` holds is partitioned again (None: changes dropped)."""
-        params = [p for p in params if owner_of(p) is self and p.is_meta]
-        for p in params:
+        owned = [p for p in params if owner_of(p) is self]
+        made = [p for p in owned if p.is_meta]  # the others are whole for an enclosing block, which unmakes them
+        for p in made:
             full = torch.empty(p.ds_shape, dtype=p.dtype)
             self.read_into(p, full)
             swap_keeping_attributes(p, nn.Parameter(full, p.requires_grad))
-        set_status(params, ZeroParamStatus.AVAILABLE)
+        set_status(made, ZeroParamStatus.AVAILABLE)
         try:
             yield
             if modifier_rank is not None:
-                for p in params:
+                for p in owned:
                     self._partition(p.ds_id, p.detach().reshape(-1), src=modifier_rank)
         finally:
-            for p in params:
+            for p in made:
                 _to_meta(p)
-            set_status(params, ZeroParamStatus.NOT_AVAILABLE)
+            set_status(made, ZeroParamStatus.NOT_AVAILABLE)
+
+
+_ACTIVE: list[Init] = []
+"""The zero.Init blocks entered and not yet left, outermost first."""
 
 
 class Init:
@@ -185,7 +190,8 @@ class Init:
     `config_dict_or_path` (or `config`): the ds_config `initialize` will get. `dtype`: the slices' dtype
     (default: the parameters' own, so fp32 masters start from the exact values built). `pin_memory` and
     `mem_efficient_linear` are accepted and change nothing here. `data_parallel_group`: the group to partition
-    over (default: the world, joined here under torchrun as `initialize` would)."""
+    over (default: the world, joined here under torchrun as `initialize` would). Entered inside another zero.Init
+    (transformers opens one inside the user's), it leaves the partitioning to the outer one, as DeepSpeed's does."""
 
     def __init__(self, module: nn.Module | None = None, data_parallel_group=None, mem_efficient_linear: bool = True,
                  remote_device: str | None = None, pin_memory: bool = False,
@@ -235,12 +241,14 @@ class Init:
             self._partition(module.parameters())
 
     def __enter__(self) -> Init:
-        if self.enabled:
+        if self.enabled and not _ACTIVE:  # nested (transformers opens one inside the user's): the outer one partitions
             self._hooks = [module_hooks.register_module_parameter_registration_hook(self._registered),
                            module_hooks.register_module_module_registration_hook(self._module_registered)]
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        _ACTIVE.remove(self)
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
