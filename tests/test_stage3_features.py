@@ -19,7 +19,7 @@ import zero
 
 from stage3_models import (
     OWN_CONFIG, REPO_ROOT, CheckpointedGPT, CrossBlockTie, PartlyUnusedGPT, TwiceGPT, batches, closure_model,
-    device_held, engine_train, full_state, gpt2_config, llama_config, one_thread, own_gpt, reference_train,
+    device_held, engine_train, full_state, gpt2_config, llama_config, loss_of, one_thread, own_gpt, reference_train,
     stage3_config, tiny_gpt2, tiny_llama, units_held,
 )
 
@@ -81,6 +81,30 @@ def test_tied_embeddings_stay_one_parameter_and_train_like_torch(tmp_path):
         assert_same(losses, state, ref_losses, state_of(ref))
         assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
         assert model.lm_head.weight is model.transformer.wte.weight
+    finally:
+        engine.close()
+
+
+def test_a_forward_that_raises_leaves_nothing_gathered_and_training_goes_on(tmp_path):
+    """A caller catching an error in the forward (an out-of-memory, a batch-size finder) and going on: the units
+    the forward gathered are released and the tied head reads its weight again, then training is torch's."""
+    model = tiny_gpt2()
+    engine, *_ = zero.initialize(model=model, config=stage3_config("nvme", "cpu", nvme_path=tmp_path))
+    try:
+        data = batches(STEPS)
+
+        def failing(*args, **kwargs):
+            raise RuntimeError("out of memory, say")
+
+        model.lm_head.forward = failing
+        with pytest.raises(RuntimeError, match="out of memory"):
+            loss_of(engine, data[0], True)
+        del model.lm_head.forward
+        assert not units_held(engine)
+        assert model.lm_head._parameters["weight"] is model.transformer.wte.weight
+        losses = engine_train(engine, data)
+        ref = tiny_gpt2()
+        assert_same(losses, full_state(engine), reference_train(ref, data), state_of(ref))
     finally:
         engine.close()
 

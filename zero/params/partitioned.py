@@ -159,7 +159,8 @@ class PartitionedPlacement(Placement):
         else:
             self._trained_of.setdefault(id(unit.module), []).append(unit)
             unit.hooks.append(unit.module.register_forward_pre_hook(lambda m, args: self._pre_forward(unit)))
-        unit.hooks.append(unit.module.register_forward_hook(lambda m, args, out: self._post_forward(unit, out)))
+        unit.hooks.append(unit.module.register_forward_hook(lambda m, args, out: self._post_forward(unit, out),
+                                                             always_call=True))  # a forward that raises too
         if self.gradients is not None and not unit.frozen:
             for slot in unit.flat.slots:
                 unit.hooks.append(slot.param.register_post_accumulate_grad_hook(lambda p: self._grad_ready(unit)))

@@ -71,7 +71,8 @@ class TiedHead:
         self.in_flight: tuple[object, torch.Tensor] | None = None  # (copy event, the device gradient it reads)
         self.given_back = 0
         """Device bytes of the unit's gradient reservation given back while the head's part is on the host."""
-        self.hooks = [head.register_forward_pre_hook(self._read_through), head.register_forward_hook(self._restore),
+        self.hooks = [head.register_forward_pre_hook(self._read_through),
+                      head.register_forward_hook(self._restore, always_call=True),  # a forward that raises too
                       embedding.register_forward_hook(self._before_embedding_backward)]
 
     def _read_through(self, head: nn.Module, args) -> None:
