@@ -162,6 +162,32 @@ def test_save_inside_an_accumulation_window_is_refused(tmp_path):
         engine.close()
 
 
+def test_a_resume_with_another_accumulation_starts_a_whole_step(tmp_path):
+    """Saved at accumulation 2 after 3 steps (micro step 6), resumed at 4: the next step takes 4 micro-batches,
+    not the 2 that 6 % 4 would leave it, and train_batch runs at once."""
+    from stage3_models import batches, engine_train, own_gpt, stage3_config
+
+    data = batches(12)
+    engine, *_ = zero.initialize(model=own_gpt(0), config=stage3_config("cpu", "cpu", accum=2))
+    engine_train(engine, data[:6])
+    engine.save_checkpoint(tmp_path / "ckpt")
+    engine.close()
+    for manual in (True, False):
+        engine, *_ = zero.initialize(model=own_gpt(0), config=stage3_config("cpu", "cpu", accum=4))
+        try:
+            engine.load_checkpoint(tmp_path / "ckpt")
+            assert engine.global_steps == 3 and not engine.is_gradient_accumulation_boundary()
+            if manual:
+                steps = [engine_train(engine, [ids]) and engine.global_steps for ids in data[6:10]]
+                assert steps == [3, 3, 3, 4]
+            else:
+                engine.train_batch([(ids[:, :-1], ids[:, 1:]) for ids in data[6:10]])
+                assert engine.global_steps == 4
+            engine.save_checkpoint(tmp_path / "again")  # at a boundary
+        finally:
+            engine.close()
+
+
 # -- verification ------------------------------------------------------------------------------------------------
 
 

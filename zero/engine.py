@@ -194,7 +194,7 @@ class ZeroEngine(FullValues, nn.Module):
             args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
         if self.activations is None or not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
-        micro_batch = self.counters.micro_steps % self.counters.gradient_accumulation_steps
+        micro_batch = self.counters.in_step()
         with self.activations.saving(micro_batch):
             return self.module(*args, **kwargs)
 
@@ -234,8 +234,8 @@ class ZeroEngine(FullValues, nn.Module):
         one after another as the forward, backward and step calls would, and the loss is the mean of theirs.
         `engine.schedule` says which ran."""
         k = self.counters.gradient_accumulation_steps
-        if self.counters.micro_steps % k:
-            raise RuntimeError(f"train_batch runs a whole optimizer step, but {self.counters.micro_steps % k} of "
+        if self.counters.in_step():
+            raise RuntimeError(f"train_batch runs a whole optimizer step, but {self.counters.in_step()} of "
                                f"this step's {k} micro-batches already went through backward and step: finish it")
         if data_iter is None:
             raise ValueError("train_batch needs data_iter: an iterable of micro-batches")

@@ -56,12 +56,12 @@ def check_boundary(engine: ZeroEngine) -> None:
     counters = engine.counters
     accum, micro = counters.gradient_accumulation_steps, counters.micro_steps
     pending = engine.unapplied_gradients()
-    if micro % accum:
+    if counters.in_step():
         raise CheckpointBoundaryError(
             f"save_checkpoint at micro step {micro} is inside a gradient accumulation window "
-            f"(gradient_accumulation_steps {accum}): the gradients of {micro % accum} micro-batches "
+            f"(gradient_accumulation_steps {accum}): the gradients of {counters.in_step()} micro-batches "
             f"are accumulated and a checkpoint does not hold them. Save right after the engine.step() that "
-            f"completes an optimizer step (micro_steps a multiple of {accum}).")
+            f"completes an optimizer step.")
     if pending:
         raise CheckpointBoundaryError(
             f"save_checkpoint at micro step {micro}: {len(pending)} sub-groups "

@@ -16,10 +16,17 @@ class StepCounters:
     global_steps: int = 0
     """Optimizer steps so far, skipped ones (fp16 overflow) included."""
     skipped_steps: int = 0
+    resumed_at: int = 0
+    """micro_steps when a checkpoint (saved at a boundary) was loaded: optimizer steps count from there, so a
+    resume with another gradient_accumulation_steps starts a whole step (not saved)."""
+
+    def in_step(self) -> int:
+        """Micro-batches of the running optimizer step already through backward and step."""
+        return (self.micro_steps - self.resumed_at) % self.gradient_accumulation_steps
 
     def at_boundary(self) -> bool:
         """The running micro-batch completes an optimizer step."""
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return self.in_step() + 1 == self.gradient_accumulation_steps
 
     def state_dict(self) -> dict[str, int]:
         return {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
@@ -27,7 +34,7 @@ class StepCounters:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.global_steps = state["global_steps"]
-        self.micro_steps = state["micro_steps"]
+        self.micro_steps = self.resumed_at = state["micro_steps"]
         self.skipped_steps = state["skipped_steps"]
 
 
