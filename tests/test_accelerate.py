@@ -94,3 +94,40 @@ def test_accelerate_loader_trains_as_plain_pytorch(tmp_path):
     assert len(result["ours"]) == 12
     assert result["ours"] == result["plain"]
     assert result["ours_weights"] == result["plain_weights"]
+
+
+def test_accelerates_engine_wrapper_steps_where_it_sets_the_boundary():
+    """Accelerate's DeepSpeedEngineWrapper (what `accelerator.backward` runs under DeepSpeed) sets the boundary
+    before each backward and calls step() at a boundary only: the same losses and weights, bit for bit, as the
+    engine's own loop calling step() after every micro-batch."""
+    import torch
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+
+    import zero
+
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3, "gradient_clipping": 0.5,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                    "offload_optimizer": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}}
+    data = [(torch.randn(4, 8, generator=torch.Generator().manual_seed(i)), torch.randn(4, 1)) for i in range(12)]
+    results = []
+    for wrapped in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        engine, *_ = zero.initialize(model=model, config=config)
+        wrapper = DeepSpeedEngineWrapper(engine)
+        losses, steps = [], []
+        for i, (x, y) in enumerate(data):
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            if wrapped:
+                wrapper.backward(loss, sync_gradients=i % 3 == 2)
+            else:
+                engine.backward(loss)
+                engine.step()
+            losses.append(loss.item())
+            steps.append(engine.global_steps)
+        results.append((losses, steps, [p.detach().clone() for p in engine.module_state_dict().values()]))
+        engine.close()
+    (losses, steps, weights), (wrapped_losses, wrapped_steps, wrapped_weights) = results
+    assert wrapped_losses == losses and wrapped_steps == steps == [0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4]
+    assert all(torch.equal(a, b) for a, b in zip(weights, wrapped_weights))

@@ -201,6 +201,12 @@ class ZeroEngine(FullValues, nn.Module):
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.counters.at_boundary()
 
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's: from now on the script says which micro-batch completes a step (Accelerate sets it before
+        each backward and calls step() at a boundary only), instead of the engine counting
+        gradient_accumulation_steps; each backward still divides its loss by that count."""
+        self.counters.boundary = bool(is_boundary)
+
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of `loss` averaged over the accumulation steps (and scaled for fp16), then each unit's
         gradient reduced across ranks and accumulated in fp32 into this rank's range."""

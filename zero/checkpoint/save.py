@@ -56,7 +56,7 @@ def check_boundary(engine: ZeroEngine) -> None:
     counters = engine.counters
     accum, micro = counters.gradient_accumulation_steps, counters.micro_steps
     pending = engine.unapplied_gradients()
-    if counters.in_step():
+    if counters.boundary is None and counters.in_step():  # (else: the gradients pending, below, say it)
         raise CheckpointBoundaryError(
             f"save_checkpoint at micro step {micro} is inside a gradient accumulation window "
             f"(gradient_accumulation_steps {accum}): the gradients of {counters.in_step()} micro-batches "

@@ -20,12 +20,18 @@ class StepCounters:
     """micro_steps when a checkpoint (saved at a boundary) was loaded: optimizer steps count from there, so a
     resume with another gradient_accumulation_steps starts a whole step (not saved)."""
 
+    boundary: bool | None = None
+    """Set by the script (DeepSpeed's set_gradient_accumulation_boundary, which Accelerate calls before each
+    backward, calling step() only at a boundary): whether the running micro-batch completes a step; None: counted."""
+
     def in_step(self) -> int:
         """Micro-batches of the running optimizer step already through backward and step."""
         return (self.micro_steps - self.resumed_at) % self.gradient_accumulation_steps
 
     def at_boundary(self) -> bool:
         """The running micro-batch completes an optimizer step."""
+        if self.boundary is not None:
+            return self.boundary
         return self.in_step() + 1 == self.gradient_accumulation_steps
 
     def state_dict(self) -> dict[str, int]:
