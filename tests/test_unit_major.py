@@ -363,3 +363,62 @@ def test_a_unit_returning_a_tensor_without_the_batchs_rows_runs_micro_batch_by_m
             assert engine.schedule == "micro-batch" and engine.global_steps == 1
         finally:
             engine.close()
+
+
+def tiny_bloom():
+    from transformers import BloomConfig, BloomForCausalLM
+    torch.manual_seed(0)
+    return BloomForCausalLM(BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=2))
+
+
+def test_a_stacked_forward_that_fails_runs_the_step_micro_batch_by_micro_batch(tmp_path):
+    """BLOOM hands every block an alibi of batch x heads rows, which the slices cannot cut: the probe (one
+    micro-batch) passes, the stacked forward fails; the step then runs as the loop, bit for bit, nothing held."""
+    config = stage3_config("cpu", "cpu", accum=2)
+    data = batches(3 * 2)
+    with one_thread():
+        loop = train(tiny_bloom(), config, data, unit_major=False, accum=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batched = train(tiny_bloom(), config, data, unit_major=True, accum=2)
+    said = [str(w.message) for w in caught if issubclass(w.category, UnitMajorWarning)]
+    assert len(said) == 1 and said[0].startswith("train_batch runs micro-batch by micro-batch: the step's stacked "
+                                                 "forward failed (RuntimeError: ")
+    assert batched[2] == ["micro-batch"] * 3
+    assert batched[0] == pytest.approx(loop[0], rel=1e-7)
+    assert all(torch.equal(batched[1][k], v) for k, v in loop[1].items())
+
+
+class NormedBlock(torch.nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear, self.norm = torch.nn.Linear(dim, dim), torch.nn.BatchNorm1d(dim)
+
+    def forward(self, x):
+        return x + self.norm(self.linear(x).transpose(1, 2)).transpose(1, 2)
+
+
+def test_what_slicing_would_change_is_refused(tmp_path):
+    """A batch norm's statistics (updated again by the recomputation), a load-balancing loss on router logits (made
+    without gradients in the slices): both are the loop's, said once."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = stage3_config("cpu", "cpu", accum=2)
+    normed = PositionBiasModel()
+    normed.blocks = torch.nn.ModuleList(NormedBlock(32) for _ in range(2))
+    normed.forward = lambda idx, targets: torch.nn.functional.cross_entropy(
+        normed.head(normed.blocks[1](normed.blocks[0](normed.embed(idx)))).view(-1, VOCAB), targets.reshape(-1))
+    torch.manual_seed(0)
+    mixtral = MixtralForCausalLM(MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True))
+    cases = [(normed, r"module 'blocks.0.norm' is a BatchNorm1d", lambda ids: (ids[:, :-1], ids[:, 1:])),
+             (mixtral, r"returns its router logits", lambda ids: dict(input_ids=ids, labels=ids))]
+    for model, reason, batch in cases:
+        with one_thread(), pytest.warns(UnitMajorWarning, match=reason):
+            engine, *_ = zero.initialize(model=model, config=config)
+            try:
+                engine.train_batch([batch(ids) for ids in batches(2)])
+                assert engine.schedule == "micro-batch" and engine.global_steps == 1
+            finally:
+                engine.close()

@@ -277,9 +277,18 @@ class ZeroEngine(FullValues, nn.Module):
         if stacked is None:
             return None
         self.counters.micro_steps += k - 1  # the step's one backward completes it: it is the boundary's
-        with self.unit_major.sliced(k, stacked.rows):  # through the backward: the units recompute themselves
-            loss = batch_loss(stacked.batch)
-            self._backward(loss, 1)  # the whole step's loss: already the mean over its micro-batches
+        try:
+            with self.unit_major.sliced(k, stacked.rows):  # through the backward: the units recompute themselves
+                loss = self.unit_major.forward(batch_loss, stacked.batch)
+                if loss is not None:
+                    self._backward(loss, 1)  # the whole step's loss: already the mean over its micro-batches
+        except BaseException:
+            self.counters.micro_steps -= k - 1
+            raise
+        if loss is None:  # the stacked forward failed: nothing ran, and the caller runs the micro-batches
+            self.counters.micro_steps -= k - 1
+            self.schedule = "micro-batch"
+            return None
         self.step()
         return loss.detach()
 

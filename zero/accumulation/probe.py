@@ -1,15 +1,15 @@
 """Whether a model's forward can run unit-major, learned once from one forward of one micro-batch.
 
-What breaks the schedule does not show in the model's structure: a unit whose module is called more than once in
-a forward (its gradient is complete only after every call's backward, but each call reduces it as its slices'
-backward ends); a unit whose forward reads a parameter of the root unit (a closure, a shared gate: the root's
-gradient would be reduced once per slice, before the step's is complete); a unit called with an object every
-slice would share (a cache each would write), or returning a tensor without the micro-batch's rows first (a
-position bias computed once: its slices cannot be joined). The probe runs the
-forward without autograd, with every module in eval mode and the random streams put back after, so it changes
-nothing a step would see (a resumed run probes again and trains bit for bit as the one it resumes); it counts the
-units' calls, and a torch function mode, active only inside a unit's forward, looks for the root's parameters
-among the arguments of every torch call there.
+What breaks the schedule mostly does not show in the model's structure (a batch norm and router logits for a
+load-balancing loss do, and are refused too): a unit whose module is called more than once in a forward (its
+gradient is complete only after every call's backward, but each call reduces it as its slices' backward ends); a
+unit whose forward reads a parameter of the root unit (a closure, a shared gate: the root's gradient would be
+reduced once per slice, before the step's is complete); a unit called with an object every slice would share (a
+cache each would write), or returning a tensor without the micro-batch's rows first (a position bias computed
+once: its slices cannot be joined). The probe runs the forward without autograd, with every module in eval mode
+and the random streams put back after, so it changes nothing a step would see (a resumed run probes again and
+trains bit for bit as the one it resumes); it counts the units' calls, and a torch function mode, active only
+inside a unit's forward, looks for the root's parameters among the arguments of every torch call there.
 """
 from __future__ import annotations
 
@@ -77,7 +77,23 @@ def refusal(model: nn.Module, units: list[Unit], root: list[Unit], forward: Call
         unit, slot = reads.found
         return (f"unit {unit.name!r} reads the root unit's parameter {slot.name!r} in its forward (the root's "
                 "gradient would be reduced before the step's is complete)")
-    return found[0] if found else None
+    return found[0] if found else _by_structure(model)
+
+
+def _by_structure(model: nn.Module) -> str | None:
+    """What the model's modules and config say before any forward: a batch norm (over the whole step's batch at
+    the root, its running statistics updated twice in a unit: in the forward and again in the recomputation), or
+    router logits returned for a load-balancing loss (a unit's slices make them without autograd: the loss would
+    train no router)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._NormBase) and (
+                isinstance(module, nn.modules.batchnorm._BatchNorm) or module.track_running_stats):
+            return (f"module {name!r} is a {type(module).__name__}, whose statistics a batch sliced or recomputed "
+                    "would change")
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        return ("the model returns its router logits (config.output_router_logits) for a load-balancing loss, which "
+                "a unit's slices would make without gradients")
+    return None
 
 
 @contextlib.contextmanager

@@ -75,9 +75,37 @@ class UnitMajor:
                 able, stacked = False, "another rank's micro-batches cannot be stacked"
         if able:
             return stacked._replace(batch=_without_cache(self.model, stacked.batch))
-        if stacked not in self._said and self.dp.rank == 0:
-            self._said.add(stacked)
-            warnings.warn(f"train_batch runs micro-batch by micro-batch: {stacked}", UnitMajorWarning, stacklevel=3)
+        self._say(stacked)
+        return None
+
+    def _say(self, reason: str) -> None:
+        if reason not in self._said and self.dp.rank == 0:
+            self._said.add(reason)
+            warnings.warn(f"train_batch runs micro-batch by micro-batch: {reason}", UnitMajorWarning, stacklevel=4)
+
+    def forward(self, batch_loss: Callable[[Any], torch.Tensor], batch: Any) -> torch.Tensor | None:
+        """The step's loss from `batch_loss(batch)`, the stacked forward; None where it raised on any rank (an
+        input the slices cannot cut, as BLOOM's alibi of batch x heads rows, or out of memory on the whole batch):
+        the random streams are put back, the schedule is refused from then on, and the step runs micro-batch by
+        micro-batch (a real error in the model then shows there)."""
+        device = self.units[0].full.device
+        streams = _rng_state(device)
+        error, loss = None, None
+        try:
+            loss = batch_loss(batch)
+        except Exception as exc:  # noqa: BLE001  (said in the refusal; the micro-batch loop raises it again)
+            error = exc
+        failed = torch.tensor([0.0 if error is None else 1.0])
+        if self.dp.world_size > 1:  # every rank the same schedule: the backward's reductions are collectives
+            self.dp.all_reduce_sum(failed)
+        if not failed.item():
+            return loss
+        torch.set_rng_state(streams[0])
+        if streams[1] is not None:
+            torch.cuda.set_rng_state(streams[1], device)
+        self.refusal = ("another rank's stacked forward failed" if error is None else
+                        f"the step's stacked forward failed ({type(error).__name__}: {error})")
+        self._say(self.refusal)
         return None
 
     # -- the sliced forward ------------------------------------------------------------------------------------
