@@ -62,6 +62,22 @@ def test_without_a_config_weights_stay_in_host_memory_and_dropout_is_off(tmp_pat
         engine.close()
 
 
+def test_a_backward_through_an_inference_engine_is_refused_and_leaves_nothing_gathered(tmp_path):
+    """Its units have no gradient path to release them after a backward: a forward with gradients through the
+    module (input saliency, say) may run, its backward is an error."""
+    reference = saved(llama_config(), tmp_path / "model")
+    engine = zero.init_inference(on_meta(llama_config()), weights=tmp_path / "model")
+    try:
+        embeds = reference.get_input_embeddings()(PROMPT).detach().requires_grad_()
+        logits = engine.module(inputs_embeds=embeds).logits
+        with pytest.raises(RuntimeError, match="an inference engine runs forwards only"):
+            logits.sum().backward()
+        assert all(unit.refs == 0 and not unit.gathered for unit in engine.placement.units)
+        assert torch.equal(engine(PROMPT).logits, reference(PROMPT).logits)
+    finally:
+        engine.close()
+
+
 def test_what_cannot_serve_is_named(tmp_path):
     saved(gpt2_config(), tmp_path / "model")
     with pytest.raises(ConfigError, match="zero_optimization.stage"):

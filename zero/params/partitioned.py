@@ -52,8 +52,7 @@ from .root_uses import RootUses
 from .tied_head import TiedHead, sent_this_backward, tied_heads
 from .unit import GATHERED, GRADIENTS, Fill, Unit, UnitState
 SWAPS_STORAGE_BYTES = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
-"""Whether this torch can hand a storage another's bytes in place; without it (older torch) a CPU full buffer
-is resized, taking fresh pages at each gather."""
+"""Whether this torch can hand a storage another's bytes in place (else a CPU full buffer takes fresh pages)."""
 
 
 class PartitionedPlacement(Placement):
@@ -159,8 +158,8 @@ class PartitionedPlacement(Placement):
         else:
             self._trained_of.setdefault(id(unit.module), []).append(unit)
             unit.hooks.append(unit.module.register_forward_pre_hook(lambda m, args: self._pre_forward(unit)))
-        unit.hooks.append(unit.module.register_forward_hook(lambda m, args, out: self._post_forward(unit, out),
-                                                             always_call=True))  # a forward that raises too
+        post = unit.module.register_forward_hook(lambda m, args, out: self._post_forward(unit, out), always_call=True)
+        unit.hooks.append(post)  # (always: a forward that raises releases the unit too)
         if self.gradients is not None and not unit.frozen:
             for slot in unit.flat.slots:
                 unit.hooks.append(slot.param.register_post_accumulate_grad_hook(lambda p: self._grad_ready(unit)))
@@ -228,8 +227,7 @@ class PartitionedPlacement(Placement):
         unit.to("prefetch")
 
     def _park(self, unit: Unit) -> None:
-        """Give back a held unit's bytes until its next use (root_uses.py); it stays held, its parameters views of
-        its empty full buffer."""
+        """Give back a held unit's bytes until its next use (root_uses.py); it stays held, its parameters bare views."""
         self._free_bytes(unit, unbind=False)
         unit.parked = True
         set_status((slot.param for slot in unit.flat.slots), ZeroParamStatus.NOT_AVAILABLE)
@@ -512,6 +510,8 @@ class PartitionedPlacement(Placement):
                 head.land()
 
     def _pre_backward(self, unit: Unit) -> None:
+        if self.gradients is None:  # zero.inference's: nothing would release the unit after the backward
+            raise RuntimeError(f"unit {unit.name!r}: an inference engine runs forwards only (no backward)")
         self._land_heads()
         if self._root_uses is not None and unit.block is not self._root_uses.model:
             self._root_uses.block_backward()
