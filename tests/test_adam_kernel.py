@@ -135,6 +135,20 @@ def test_a_step_on_torchs_openmp_team_is_one_torch_call(numel, count):
         assert_step_equal(ours, theirs, out, f"{count} threads, {numel} elements, {hyper}")
 
 
+@pytest.mark.skipif(not kernel.team, reason="torch's OpenMP runtime (libgomp) was not found")
+@pytest.mark.parametrize("numel", [64 * 16 + 8, 16392])
+def test_a_team_of_16_steps_every_element(numel):
+    """16 members over a body whose 16th part rounds down to a multiple of 64: the shares still cover all of
+    it (rounded down, the last 8 elements were left unstepped)."""
+    gen = torch.Generator().manual_seed(numel)
+    ours, theirs = twins(numel, seed=numel)
+    new_grad(ours, theirs, gen)
+    hyper = hyper_of(*OPTIONS[0], step=1)
+    kernel.step(*(t.data_ptr() for t in ours), 0, 0, numel, **hyper, threads=16)
+    torch_step(theirs, hyper)
+    assert_step_equal(ours, theirs, None, f"16 threads, {numel} elements")
+
+
 def special_values() -> torch.Tensor:
     bits = torch.tensor([0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FA00000, 0xFFFFFFFF, 0x00000001, 0x80000001],
                         dtype=torch.int64).to(torch.int32).view(torch.float32)  # NaNs with payloads, fp32 subnormals

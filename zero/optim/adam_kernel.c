@@ -163,7 +163,8 @@ typedef struct {
 static void team_member(void *data) {
     const Team *t = data;
     int64_t body = t->n - t->n % 8, k = omp_thread_num(), count = omp_num_threads();
-    int64_t share = (body / count + 63) / 64 * 64, lo = k * share < body ? k * share : body;
+    /* rounded up twice (to a count-th of the body, then to 64): count shares cover all of it */
+    int64_t share = ((body + count - 1) / count + 63) / 64 * 64, lo = k * share < body ? k * share : body;
     int64_t hi = lo + share < body ? lo + share : body;
     Step part = *t->s;
     part.p += lo, part.g += lo, part.m += lo, part.v += lo;
