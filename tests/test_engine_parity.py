@@ -1,4 +1,4 @@
-"""ZeRO stages 0-2 in fp32 train exactly as plain PyTorch does.
+"""ZeRO stages 0-2 in fp32 train exactly as plain PyTorch does (and stage 3, for parameters of odd sizes).
 
 The reference is `torch.optim.AdamW(fused=True)` (the kernel CPU-Adam calls), with the loss divided by the
 accumulation steps and `clip_grad_norm_` before `step()`; same seed, same data. On the CPU the engine's
@@ -147,6 +147,20 @@ def test_sub_groups_smaller_than_units(stage, offload, tmp_path):
     assert len(engine.driver.sub_groups) > len(engine.units), "sub_group_size did not split any unit"
     assert_losses_equal(losses, reference_losses, exact=False)
     assert_params_equal(named_params(model), named_params(reference), exact=False)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_odd_sized_params_cut_by_odd_sub_groups_match_fused_adamw_bitwise(stage):
+    """torch's fused AdamW rounds the last numel % 8 elements of each parameter its own way (exp_avg_sq's FMA
+    in its scalar tail): the step rounds those so wherever they lie in a sub-group, and no others, where
+    sub_group_size 13 cuts parameters anywhere (stage 3: the master is the cpu parameter shard). The host budget
+    is set: the derived one does not count each 13-element segment's 4 KiB."""
+    extra = {"sub_group_size": 13, **({"offload_param": {"device": "cpu"}} if stage == 3 else {})}
+    config = make_config(stage, "cpu", zero_optimization=extra, zero_tiering={"host_budget": "4MiB"})
+    engine, model, losses, reference, reference_losses = train_pair("odd", config, steps=15)
+    assert len(engine.driver.sub_groups) > 10
+    assert_losses_equal(losses, reference_losses, exact=True)
+    assert_params_equal(named_params(model), named_params(reference), exact=True)
 
 
 def test_no_decay_param_groups(tmp_path):
