@@ -13,6 +13,7 @@ each offload device runs with gradient accumulation 4 and clipping 1.0 at least 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -365,3 +366,19 @@ def test_unsupported_user_optimizer_is_named():
     with pytest.raises(ConfigError, match="SGD"):
         zero.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                         config=make_config(optimizer=None))
+
+
+@pytest.mark.parametrize("flag", ["amsgrad", "maximize", "capturable", "differentiable"])
+@pytest.mark.parametrize("source", ["optimizer", "model_parameters"])
+def test_an_unsupported_option_on_one_param_group_is_named(flag, source):
+    """torch honours these per param group: one group asking for one raises, naming the group and the option
+    (it was stepped as plain AdamW)."""
+    model = MODELS["odd"](0)
+    groups = [{"params": [model.embed.weight]}, {"params": list(model.head.parameters()), flag: True}]
+    if source == "optimizer":
+        kwargs = dict(optimizer=torch.optim.AdamW(groups, lr=LR), config=make_config(optimizer=None))
+    else:
+        kwargs = dict(model_parameters=groups, config=make_config())
+    key = f"optimizer.param_groups[1].{flag}" if source == "optimizer" else f"model_parameters[1].{flag}"
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)} = True: not supported"):
+        zero.initialize(model=model, **kwargs)
