@@ -116,7 +116,32 @@ def tied_blocks(seed: int = 0) -> nn.Module:
     return TiedBlocks()
 
 
-MODELS: dict[str, Callable[[int], nn.Module]] = {"gpt2": tiny_gpt2, "llama": tiny_llama, "tied": tied_blocks}
+class OddSizes(nn.Module):
+    """Parameters whose sizes are no multiple of 8 (15, 3, 21, 7, 96): torch's fused AdamW rounds each one's last
+    numel % 8 elements its own way."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 5)
+        self.a = nn.Linear(5, 3)
+        self.b = nn.Linear(3, 7)
+        self.head = nn.Linear(7, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+        logits = self.head(torch.tanh(self.b(torch.tanh(self.a(self.embed(input_ids))))))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return SimpleNamespace(loss=loss, logits=logits)
+
+
+def odd_sizes(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return OddSizes()
+
+
+MODELS: dict[str, Callable[[int], nn.Module]] = {"gpt2": tiny_gpt2, "llama": tiny_llama, "tied": tied_blocks,
+                                                 "odd": odd_sizes}
 
 
 # -- data -----------------------------------------------------------------------------------------------------

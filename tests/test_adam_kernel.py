@@ -1,6 +1,7 @@
 """Our C kernel (zero/optim/adam_kernel.c) against torch's fused kernel, bit for bit: every option that changes the
 arithmetic, on every loop this CPU runs (avx512, avx2, scalar), at sizes around the vector widths and the
-tail torch rounds its own way, through AdamThreads on 1 and 2 threads and on torch's OpenMP team. The copy-out equals
+tail torch rounds its own way, through AdamThreads on 1 and 2 threads and on torch's OpenMP team; a flat buffer of
+several parameters, cut anywhere, as torch steps each parameter. The copy-out equals
 `param.to(dtype)` for NaNs, infinities, subnormals, ties and overflow; the fallback to torch's kernel gives
 the same bits; the probe turns down a kernel that differs. Compared in bits, so NaNs compare too.
 """
@@ -133,6 +134,58 @@ def test_a_step_on_torchs_openmp_team_is_one_torch_call(numel, count):
                 adam_step(*ours, **hyper, out=out, threads=threads)
                 torch_step(theirs, hyper)
         assert_step_equal(ours, theirs, out, f"{count} threads, {numel} elements, {hyper}")
+
+
+@pytest.mark.skipif(not kernel.team, reason="torch's OpenMP runtime (libgomp) was not found")
+@pytest.mark.parametrize("numel", [64 * 16 + 8, 16392])
+def test_a_team_of_16_steps_every_element(numel):
+    """16 members over a body whose 16th part rounds down to a multiple of 64: the shares still cover all of
+    it (rounded down, the last 8 elements were left unstepped)."""
+    gen = torch.Generator().manual_seed(numel)
+    ours, theirs = twins(numel, seed=numel)
+    new_grad(ours, theirs, gen)
+    hyper = hyper_of(*OPTIONS[0], step=1)
+    kernel.step(*(t.data_ptr() for t in ours), 0, 0, numel, **hyper, threads=16)
+    torch_step(theirs, hyper)
+    assert_step_equal(ours, theirs, None, f"16 threads, {numel} elements")
+
+
+EXTENTS = [(0, 15), (15, 3), (18, 21), (39, 7), (46, 1000), (1046, 5)]
+"""Parameters in a flat buffer of 1051 elements, all but one of sizes no multiple of 8."""
+
+
+@pytest.mark.parametrize("chunk", [13, 8, 300, 1051])
+@pytest.mark.parametrize("how", ["kernel", "team", "blocks", "fallback", "no-threads"])
+def test_a_flat_buffer_of_params_steps_as_torch_steps_each(monkeypatch, how, chunk):
+    """Slices of `chunk` elements of a flat buffer of parameters, each stepped with its `param_tails`: torch's
+    tail rounding on each parameter's last numel % 8 elements, wherever the slices are cut, and nowhere else."""
+    if how == "fallback":
+        monkeypatch.setattr(adam_math, "_kernel", lambda: (None, "torch's fused kernel: forced by a test"))
+    if how == "blocks":
+        monkeypatch.setattr(adam_math, "BLOCK", 16)
+    gen = torch.Generator().manual_seed(chunk)
+    ours, theirs = twins(1051, seed=chunk)
+    with AdamThreads(3 if how == "team" else 1) as threads:
+        for step, options in enumerate([OPTIONS[1], OPTIONS[-2]], start=1):  # AdamW scaled, Adam with decay
+            hyper = hyper_of(*options, step=step)
+            new_grad(ours, theirs, gen)
+            for start in range(0, 1051, chunk):
+                n = min(chunk, 1051 - start)
+                adam_step(*(t[start:start + n] for t in ours), **hyper, tails=adam_math.param_tails(EXTENTS, start, n),
+                          threads=None if how == "no-threads" else threads)
+            for offset, n in EXTENTS:
+                torch_step([t[offset:offset + n] for t in theirs], hyper)
+    assert_step_equal(ours, theirs, None, f"{how}, slices of {chunk}")
+
+
+def test_bad_tails_raise_with_their_values():
+    t = torch.zeros(20)
+    hyper = hyper_of(True, 0.0, (0.9, 0.999), 1e-8, 1.0)
+    for tails in [[(3, 11)], [(5, 7), (4, 6)], [(18, 21)], [(2, 2)]]:
+        with pytest.raises(adam_math.AdamInputError, match=r"tails: \(\d+, \d+\)"):
+            adam_step(t, t.clone(), t.clone(), t.clone(), **hyper, tails=tails)
+    with pytest.raises(ValueError, match="tail 1 is \\(4, 6\\)"):
+        kernel.step(*[t.data_ptr()] * 4, 0, 0, 20, **hyper, tails=((5, 7), (4, 6)))
 
 
 def special_values() -> torch.Tensor:

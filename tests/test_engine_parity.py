@@ -1,4 +1,4 @@
-"""ZeRO stages 0-2 in fp32 train exactly as plain PyTorch does.
+"""ZeRO stages 0-2 in fp32 train exactly as plain PyTorch does (and stage 3, for parameters of odd sizes).
 
 The reference is `torch.optim.AdamW(fused=True)` (the kernel CPU-Adam calls), with the loss divided by the
 accumulation steps and `clip_grad_norm_` before `step()`; same seed, same data. On the CPU the engine's
@@ -13,6 +13,7 @@ each offload device runs with gradient accumulation 4 and clipping 1.0 at least 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -147,6 +148,20 @@ def test_sub_groups_smaller_than_units(stage, offload, tmp_path):
     assert len(engine.driver.sub_groups) > len(engine.units), "sub_group_size did not split any unit"
     assert_losses_equal(losses, reference_losses, exact=False)
     assert_params_equal(named_params(model), named_params(reference), exact=False)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_odd_sized_params_cut_by_odd_sub_groups_match_fused_adamw_bitwise(stage):
+    """torch's fused AdamW rounds the last numel % 8 elements of each parameter its own way (exp_avg_sq's FMA
+    in its scalar tail): the step rounds those so wherever they lie in a sub-group, and no others, where
+    sub_group_size 13 cuts parameters anywhere (stage 3: the master is the cpu parameter shard). The host budget
+    is set: the derived one does not count each 13-element segment's 4 KiB."""
+    extra = {"sub_group_size": 13, **({"offload_param": {"device": "cpu"}} if stage == 3 else {})}
+    config = make_config(stage, "cpu", zero_optimization=extra, zero_tiering={"host_budget": "4MiB"})
+    engine, model, losses, reference, reference_losses = train_pair("odd", config, steps=15)
+    assert len(engine.driver.sub_groups) > 10
+    assert_losses_equal(losses, reference_losses, exact=True)
+    assert_params_equal(named_params(model), named_params(reference), exact=True)
 
 
 def test_no_decay_param_groups(tmp_path):
@@ -351,3 +366,19 @@ def test_unsupported_user_optimizer_is_named():
     with pytest.raises(ConfigError, match="SGD"):
         zero.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                         config=make_config(optimizer=None))
+
+
+@pytest.mark.parametrize("flag", ["amsgrad", "maximize", "capturable", "differentiable"])
+@pytest.mark.parametrize("source", ["optimizer", "model_parameters"])
+def test_an_unsupported_option_on_one_param_group_is_named(flag, source):
+    """torch honours these per param group: one group asking for one raises, naming the group and the option
+    (it was stepped as plain AdamW)."""
+    model = MODELS["odd"](0)
+    groups = [{"params": [model.embed.weight]}, {"params": list(model.head.parameters()), flag: True}]
+    if source == "optimizer":
+        kwargs = dict(optimizer=torch.optim.AdamW(groups, lr=LR), config=make_config(optimizer=None))
+    else:
+        kwargs = dict(model_parameters=groups, config=make_config())
+    key = f"optimizer.param_groups[1].{flag}" if source == "optimizer" else f"model_parameters[1].{flag}"
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)} = True: not supported"):
+        zero.initialize(model=model, **kwargs)

@@ -12,7 +12,8 @@
  * float `adam_math`, as compiled in torch's x86 wheels, which run the AVX2 build of that file on AVX2 and
  * AVX-512 machines alike): hyperparameters derived in double and rounded to float as torch does, the
  * same operations fused into FMAs as torch's compiler fused them (1 - lr * weight_decay included, in
- * double), and its scalar tail's own rounding for the last numel % 8 elements (see `scalar_span`). This
+ * double), and its scalar tail's own rounding for the last numel % 8 elements of each tensor it steps (see
+ * `scalar_span`): a call over several parameters' flat buffer names those elements (`tails`). This
  * file compiles with -ffp-contract=off: every FMA here is written out. The Python side checks all of this
  * against torch on a probe before trusting it, and uses torch's kernel where it differs.
  *
@@ -141,10 +142,69 @@ PyObject *int8_paths(PyObject *self, PyObject *args);
 PyObject *int8_path(PyObject *self, PyObject *args);
 void compact_init(void);
 
-static void step_all(const Step *s, int64_t n, VectorSpan vector_span) {
-    int64_t body = n - n % 8, done = vector_span ? vector_span(s, body) : 0;
-    scalar_span(s, done, body, 0);
-    scalar_span(s, body, n, 1);
+/* Elements [lo, hi) rounded as torch's vector loop rounds: the vector loop, then the scalar loop for the rest. */
+static void body_span(const Step *s, int64_t lo, int64_t hi, VectorSpan vector_span) {
+    Step part = *s;
+    part.p += lo, part.g += lo, part.m += lo, part.v += lo;
+    if (part.o) part.o += lo;
+    int64_t done = vector_span ? vector_span(&part, hi - lo) : 0;
+    scalar_span(&part, done, hi - lo, 0);
+}
+
+/* Elements [lo, hi): the parts of the `count` tail spans ((start, stop) pairs, sorted and disjoint) among them
+ * rounded as torch's scalar tail rounds, the rest as its vector loop does. */
+static void step_range(const Step *s, int64_t lo, int64_t hi, const int64_t *tails, int64_t count,
+                       VectorSpan vector_span) {
+    for (int64_t k = 0; k < count && lo < hi; k++) {
+        int64_t start = tails[2 * k] > lo ? tails[2 * k] : lo, stop = tails[2 * k + 1] < hi ? tails[2 * k + 1] : hi;
+        if (stop <= start) continue;
+        body_span(s, lo, start, vector_span);
+        scalar_span(s, start, stop, 1);
+        lo = stop;
+    }
+    body_span(s, lo, hi, vector_span);
+}
+
+/* `tails` (None: the call is one tensor, its tail its last numel % 8 elements) into `spans` (2 int64 a span,
+ * `one` if it holds them, else allocated with PyMem_Malloc); the count of spans, or -1 with an exception set. */
+static Py_ssize_t parse_tails(PyObject *tails, int64_t numel, int64_t one[2], int64_t **spans) {
+    *spans = one;
+    if (tails == NULL || tails == Py_None) {
+        one[0] = numel - numel % 8, one[1] = numel;
+        return 1;
+    }
+    PyObject *seq = PySequence_Fast(tails, "step: tails must be a sequence of (start, stop) pairs");
+    if (!seq) return -1;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    if (count > 0 && !(*spans = PyMem_Malloc(2 * count * sizeof(int64_t)))) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    int64_t last = 0;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(seq, k);
+        long long start, stop;
+        if (!PyTuple_Check(pair)) {
+            PyErr_Format(PyExc_TypeError, "step: tail %zd is a %s, expected a (start, stop) tuple", k,
+                         Py_TYPE(pair)->tp_name);
+            goto fail;
+        }
+        if (!PyArg_ParseTuple(pair, "LL;step: a tail is a (start, stop) pair", &start, &stop)) goto fail;
+        if (start < last || stop <= start || stop > numel) {
+            PyErr_Format(PyExc_ValueError, "step: tail %zd is (%lld, %lld): expected sorted, disjoint, non-empty "
+                         "spans of the %lld elements (the previous one stops at %lld)", k, start, stop,
+                         (long long)numel, (long long)last);
+            goto fail;
+        }
+        (*spans)[2 * k] = start, (*spans)[2 * k + 1] = last = stop;
+    }
+    Py_DECREF(seq);
+    return count;
+fail:
+    Py_DECREF(seq);
+    if (*spans != one) PyMem_Free(*spans);
+    return -1;
 }
 
 /* libgomp's entry points, from the copy torch loaded (NULL where there is none: then one thread). */
@@ -155,38 +215,37 @@ static int (*omp_thread_num)(void), (*omp_num_threads)(void);
 typedef struct {
     const Step *s;
     int64_t n;
+    const int64_t *tails;
+    int64_t tail_count;
     VectorSpan vector_span;
 } Team;
 
-/* One team member's share: a run of the vector body aligned to 64 elements (so a streamed copy-out stays
- * aligned), the last member also the tail that torch rounds its own way. */
+/* One team member's share: a run starting at a multiple of 64 elements (so a streamed copy-out stays aligned),
+ * the tails among them rounded as torch rounds them wherever the shares are cut. */
 static void team_member(void *data) {
     const Team *t = data;
-    int64_t body = t->n - t->n % 8, k = omp_thread_num(), count = omp_num_threads();
-    int64_t share = (body / count + 63) / 64 * 64, lo = k * share < body ? k * share : body;
-    int64_t hi = lo + share < body ? lo + share : body;
-    Step part = *t->s;
-    part.p += lo, part.g += lo, part.m += lo, part.v += lo;
-    if (part.o) part.o += lo;
-    int64_t done = t->vector_span ? t->vector_span(&part, hi - lo) : 0;
-    scalar_span(&part, done, hi - lo, 0);
-    if (k == count - 1) scalar_span(t->s, body, t->n, 1);
+    int64_t k = omp_thread_num(), count = omp_num_threads();
+    /* rounded up twice (to a count-th of the elements, then to 64): count shares cover all of them */
+    int64_t share = ((t->n + count - 1) / count + 63) / 64 * 64, lo = k * share < t->n ? k * share : t->n;
+    int64_t hi = lo + share < t->n ? lo + share : t->n;
+    step_range(t->s, lo, hi, t->tails, t->tail_count, t->vector_span);
 }
 
 static PyObject *step(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"param", "grad", "exp_avg", "exp_avg_sq", "out", "out_kind", "numel", "step", "lr",
                                "beta1", "beta2", "eps", "weight_decay", "decoupled", "grad_scale", "path", "threads",
-                               NULL};
+                               "tails", NULL};
     unsigned long long p, g, m, v, o;
     int out_kind, decoupled;
     long long numel, step_count;
     double lr, beta1, beta2, eps, weight_decay, grad_scale;
     const char *path = NULL;
     int threads = 1;
+    PyObject *tails = NULL;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKKKiLLdddddpd|zi", keywords, &p, &g, &m, &v, &o, &out_kind,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKKKiLLdddddpd|ziO", keywords, &p, &g, &m, &v, &o, &out_kind,
                                      &numel, &step_count, &lr, &beta1, &beta2, &eps, &weight_decay, &decoupled,
-                                     &grad_scale, &path, &threads))
+                                     &grad_scale, &path, &threads, &tails))
         return NULL;
     if (threads < 1) return PyErr_Format(PyExc_ValueError, "step: threads %d, expected >= 1", threads);
     if (numel < 0 || step_count < 1 || out_kind < OUT_NONE || out_kind > OUT_FP16)
@@ -211,23 +270,29 @@ static PyObject *step(PyObject *self, PyObject *args, PyObject *kwargs) {
     Step s = derive_step(step_count, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale);
     s.p = (float *)(uintptr_t)p, s.g = (float *)(uintptr_t)g, s.m = (float *)(uintptr_t)m;
     s.v = (float *)(uintptr_t)v, s.o = (uint16_t *)(uintptr_t)o, s.out = out_kind;
-    Team team = {&s, numel, vector_span};
+    int64_t one[2], *spans;
+    Py_ssize_t tail_count = parse_tails(tails, numel, one, &spans);
+    if (tail_count < 0) return NULL;
+    Team team = {&s, numel, spans, tail_count, vector_span};
     Py_BEGIN_ALLOW_THREADS
     if (threads > 1 && gomp_parallel && numel >= 64 * threads) gomp_parallel(team_member, &team, (unsigned)threads, 0);
-    else step_all(&s, numel, vector_span);
+    else step_range(&s, 0, numel, spans, tail_count, vector_span);
     Py_END_ALLOW_THREADS
+    if (spans != one) PyMem_Free(spans);
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"step", (PyCFunction)(void (*)(void))step, METH_VARARGS | METH_KEYWORDS,
      "step(param, grad, exp_avg, exp_avg_sq, out, out_kind, numel, step, lr, beta1, beta2, eps, weight_decay, "
-     "decoupled, grad_scale, path=None, threads=1)\n\n"
+     "decoupled, grad_scale, path=None, threads=1, tails=None)\n\n"
      "One Adam (decoupled=False) or AdamW step over numel fp32 elements at the given data addresses, as "
      "torch._fused_adam(w)_ does it; out_kind 1 (bf16) or 2 (fp16) writes the updated params to the address "
      "`out` as well (0: none). grad_scale != 1 divides grad by float(1 / grad_scale), stored back. Releases the GIL "
      "while it runs. path: one of `paths` (default the first). threads > 1: on that many OpenMP threads where "
-     "`team` is 1 (torch's libgomp was found). The caller keeps the memory alive and valid."},
+     "`team` is 1 (torch's libgomp was found). tails: the (start, stop) spans, sorted and disjoint, that torch's "
+     "scalar tail rounds (each parameter's last numel % 8 elements where the call steps several: torch steps each "
+     "as its own tensor); None: the last numel % 8. The caller keeps the memory alive and valid."},
     {"compact_step", (PyCFunction)(void (*)(void))compact_step, METH_VARARGS | METH_KEYWORDS,
      "compact_step(master, master_kind, grad, exp_avg, exp_avg_kind, exp_avg_sq, exp_avg_sq_kind, out, out_kind, numel, "
      "stochastic, key, index, signed_values, signed_planes, signed_buckets, unsigned_values, unsigned_planes, "

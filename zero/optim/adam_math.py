@@ -6,7 +6,9 @@ built as `zero.optim._adam_kernel`) makes one pass, the gradient scale folded in
 the device reads next) written from registers: 2 bytes more per parameter, not a second pass over the fp32
 params. It computes what torch's fused CPU kernel (`torch._fused_adamw_` / `_fused_adam_`) computes, bit for
 bit; a probe checks that once per process, and where ours is not built or differs (another torch build or
-CPU), torch's kernel steps instead, then the copy-out (`kernel_choice()` says which and why). A step with
+CPU), torch's kernel steps instead, then the copy-out (`kernel_choice()` says which and why). torch rounds the
+last numel % 8 elements of each tensor it steps its own way: a step over a flat buffer of several parameters
+names those elements (`tails`, `param_tails`), so that it equals torch stepping each parameter. A step with
 several threads runs our kernel on torch's own OpenMP team (one call, split in C) where that team is found,
 else on our threads (AdamThreads), each taking the next block; the kernel releases the GIL while it runs.
 """
@@ -18,7 +20,7 @@ import functools
 import itertools
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
@@ -137,6 +139,7 @@ def adam_step(
     grad_scale: float = 1.0,
     out: torch.Tensor | None = None,
     threads: AdamThreads | None = None,
+    tails: Sequence[tuple[int, int]] | None = None,
 ) -> None:
     """One Adam step of `param` in place, with `exp_avg` and `exp_avg_sq` updated in place.
 
@@ -146,7 +149,9 @@ def adam_step(
     multiplies the gradient in the same pass (loss-scale unscale times clipping coefficient); when it is not
     1, `grad` is left holding the scaled gradient (torch's kernel stores it back), otherwise `grad` is only
     read. `out`, a bf16 or fp16 tensor of the same element count, receives the updated param, rounded as
-    `param.to(out.dtype)` rounds.
+    `param.to(out.dtype)` rounds. `tails`: where the tensors are the flat buffer of several parameters (or a
+    slice of it), the (start, stop) spans of their last numel % 8 elements (`param_tails`), which torch's
+    kernel, stepping each parameter as its own tensor, rounds its own way; None: the tensors are one parameter.
 
     All tensors are contiguous CPU tensors (fp32 but `out`) of one element count, any shape: they are read
     as flat. With `threads`, the step runs on that many threads in our kernel when it is in use: one call on
@@ -158,12 +163,13 @@ def adam_step(
     hyper = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                  decoupled=decoupled, grad_scale=grad_scale)
     if threads is None:
-        return _torch_block(*_prepare(param, grad, exp_avg, exp_avg_sq, out, hyper), hyper)
+        flats = _prepare(param, grad, exp_avg, exp_avg_sq, out, hyper)
+        return _torch_block(*flats, hyper, _check_tails(tails, param.numel()))
     kernel = _kernel()[0]
     if kernel is not None and kernel.team and threads.count > 1:
-        return _kernel_block(kernel, *_prepare(param, grad, exp_avg, exp_avg_sq, out, hyper), hyper,
-                             threads=threads.count)
-    threads.run(adam_blocks(param, grad, exp_avg, exp_avg_sq, out=out, **hyper))
+        flats = _prepare(param, grad, exp_avg, exp_avg_sq, out, hyper)
+        return _kernel_block(kernel, *flats, hyper, _check_tails(tails, param.numel()), threads=threads.count)
+    threads.run(adam_blocks(param, grad, exp_avg, exp_avg_sq, out=out, tails=tails, **hyper))
 
 
 def adam_blocks(
@@ -181,6 +187,7 @@ def adam_blocks(
     decoupled: bool = True,
     grad_scale: float = 1.0,
     out: torch.Tensor | None = None,
+    tails: Sequence[tuple[int, int]] | None = None,
 ) -> list[Callable[[], None]]:
     """`adam_step` (same arguments, checked now) as independent pieces of work, one per BLOCK elements,
     each updating its block and writing its copy-out: run them in any order, on any threads, each once
@@ -189,12 +196,44 @@ def adam_blocks(
     hyper = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                  decoupled=decoupled, grad_scale=grad_scale)
     *flats, flat_out = _prepare(param, grad, exp_avg, exp_avg_sq, out, hyper)
+    numel = flats[0].numel()
+    tails = _check_tails(tails, numel)
     kernel = _kernel()[0]
     run = functools.partial(_kernel_block, kernel) if kernel is not None else _torch_block
-    if flats[0].numel() <= BLOCK:  # most params: spare the splits (a few us each)
-        return [functools.partial(run, *flats, flat_out, hyper)]
+    if numel <= BLOCK:  # most params: spare the splits (a few us each)
+        return [functools.partial(run, *flats, flat_out, hyper, tails)]
     outs = flat_out.split(BLOCK) if flat_out is not None else itertools.repeat(None)
-    return [functools.partial(run, *views, hyper) for views in zip(*(t.split(BLOCK) for t in flats), outs)]
+    # BLOCK is a multiple of 8: a tensor's tail (tails None) is its last block's own
+    return [functools.partial(run, *views, hyper, None if tails is None else _within(tails, start, BLOCK))
+            for start, *views in zip(range(0, numel, BLOCK), *(t.split(BLOCK) for t in flats), outs)]
+
+
+def param_tails(extents: Iterable[tuple[int, int]], index: int, numel: int) -> tuple[tuple[int, int], ...]:
+    """The `tails` of `adam_step` over elements [index, index + numel) of a flat buffer whose parameters lie at
+    `extents` ((offset, numel) each): each parameter's last numel % 8 elements there, counted from `index`."""
+    ends = sorted((offset + size - size % 8, offset + size) for offset, size in extents if size % 8)
+    return _within(ends, index, numel)
+
+
+def _within(spans, start: int, numel: int) -> tuple[tuple[int, int], ...]:
+    """The parts of `spans` in [start, start + numel), counted from `start`."""
+    stop = start + numel
+    return tuple((max(a, start) - start, min(b, stop) - start) for a, b in spans if a < stop and b > start)
+
+
+def _check_tails(tails, numel: int) -> tuple[tuple[int, int], ...] | None:
+    """`tails` as a tuple of (start, stop) pairs, checked: sorted, disjoint, in [0, numel), each under 8."""
+    if tails is None:
+        return None
+    checked, last = [], 0
+    for span in tails:
+        start, stop = (int(x) for x in span)
+        if not last <= start < stop <= min(numel, start + 7):
+            raise AdamInputError(f"tails: ({start}, {stop}) after a span stopping at {last}: tails are sorted, "
+                                 f"disjoint spans of 1 to 7 of the {numel} elements")
+        checked.append((start, stop))
+        last = stop
+    return tuple(checked)
 
 
 def kernel_choice() -> str:
@@ -240,27 +279,59 @@ def _probe(kernel) -> str | None:
     return None
 
 
-def _kernel_block(kernel, p, g, m, v, o, hyper, threads: int = 1) -> None:
+def _kernel_block(kernel, p, g, m, v, o, hyper, tails=None, threads: int = 1) -> None:
     """One step of these flat views in the C kernel, the copy-out written in the same pass (`threads` > 1:
     on torch's OpenMP team)."""
     kernel.step(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 0 if o is None else o.data_ptr(),
-                0 if o is None else _OUT_KINDS[o.dtype], p.numel(), threads=threads, **hyper)
+                0 if o is None else _OUT_KINDS[o.dtype], p.numel(), threads=threads, tails=tails, **hyper)
 
 
-def _torch_block(p, g, m, v, o, hyper) -> None:
+def _torch_block(p, g, m, v, o, hyper, tails=None) -> None:
     """One step of these flat views in torch's fused kernel, then the copy-out."""
-    torch_fused_step(p, g, m, v, **hyper)
+    if tails is None:
+        torch_fused_step(p, g, m, v, **hyper)
+    else:
+        _torch_tails(p, g, m, v, hyper, tails)
     if o is not None:
         o.copy_(p)
+
+
+def _torch_tails(p, g, m, v, hyper, tails) -> None:
+    """torch's fused kernel over flat views, its tail rounding on `tails` alone. It rounds each tensor's last
+    numel % 8 elements so: the views are cut into tensors that are a tail or a multiple of 8 elements, and a
+    run of under 8 before a tail (or the end) steps in a copy padded with zeros to 8, then copied back."""
+    cuts, short, at = [], [], 0
+    for start, stop in (*tails, (p.numel(), p.numel())):
+        body = start - (start - at) % 8
+        cuts += [(at, body)] if body > at else []
+        short += [(body, start)] if start > body else []
+        cuts += [(start, stop)] if stop > start else []
+        at = stop
+    tensors = (p, g, m, v)
+    copies = [[torch.cat((t[a:b], t.new_zeros(8 - (b - a)))) for a, b in short] for t in tensors]
+    _fused(*([t[a:b] for a, b in cuts] + padded for t, padded in zip(tensors, copies)), **hyper)
+    for t, padded in zip(tensors, copies):
+        for (a, b), copy in zip(short, padded):
+            t[a:b] = copy[: b - a]
 
 
 def torch_fused_step(p, g, m, v, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
                      weight_decay: float, decoupled: bool, grad_scale: float) -> None:
     """One step of torch's fused Adam(W) kernel over fp32 tensors on any device (CPU, or the GPU where the
     optimizer state stays on the device); the reference our C kernel equals bit for bit."""
+    _fused([p], [g], [m], [v], step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+           decoupled=decoupled, grad_scale=grad_scale)
+
+
+def _fused(ps, gs, ms, vs, *, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+           decoupled: bool, grad_scale: float) -> None:
+    """torch's fused Adam(W) kernel over lists of tensors, each stepped as its own parameter."""
+    if not ps:
+        return
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    device = p.device
-    kernel([p], [g], [m], [v], [], [torch.tensor(float(step), dtype=torch.float32, device=device)], lr=lr,
+    device = ps[0].device
+    steps = [torch.tensor(float(step), dtype=torch.float32, device=device)] * len(ps)
+    kernel(ps, gs, ms, vs, [], steps, lr=lr,
            beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
            # The kernel divides by grad_scale: multiplying by the factor is dividing by its inverse. At 1.0 no
            # scale is passed, so the unscaled path is exactly torch's and grad is not written.

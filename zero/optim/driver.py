@@ -16,7 +16,7 @@ import torch
 
 from tiering import SwapManager, Tier
 
-from .adam_math import AdamThreads, adam_step, torch_fused_step
+from .adam_math import AdamThreads, adam_step, param_tails, torch_fused_step
 from .compact_step import compact_step, sr_key
 from .state_format import FP32, Kahan, StateFormat, SubGroupCodecs
 
@@ -41,6 +41,9 @@ class SubGroup:
     """How its master and moments are stored."""
     index: int = 0
     """Its first element's index in the unit's flat buffer (the same on any number of ranks)."""
+    tails: tuple[tuple[int, int], ...] | None = None
+    """Where its parameters' last numel % 8 elements lie in it (see `adam_step`): torch's fused kernel, stepping
+    each parameter as its own tensor, rounds those its own way, wherever the sub-groups are cut. None: one tensor."""
     grad_fresh: bool = True
     """No gradient accumulated since the last step: the next accumulation overwrites instead of adding."""
     norms: list[tuple[int, torch.Tensor]] | None = None
@@ -91,8 +94,9 @@ class AdamDriver:
     def add_unit(self, unit: int, name: str, master: torch.Tensor, group: int, chunk: int,
                  master_in: str | None = None, start: int = 0, extents=None) -> list[SubGroup]:
         """Register `master` (this rank's fp32 range of unit `unit`, flat, starting at element `start` of the
-        unit's flat buffer, whose parameters lie at `extents`: FlatUnit.extents) as sub-groups `<name>/<k>` of at
-        most `chunk` elements (0: one), stepped with param group `group`; moments and gradient start at zero.
+        unit's flat buffer, whose parameters lie at `extents`: FlatUnit.extents; None: each sub-group is one
+        tensor) as sub-groups `<name>/<k>` of at most `chunk` elements (0: one), stepped with param group `group`;
+        moments and gradient start at zero.
         With `master_in`, the segment that already holds the master in the master's format (see
         SubGroup.master_in)."""
         chunk = chunk or master.numel()
@@ -101,6 +105,7 @@ class AdamDriver:
             numel = min(chunk, master.numel() - offset)
             sg = SubGroup(f"{name}/{k}", numel, group, unit, offset,
                           self.state_format.codecs(numel, start + offset, extents), index=start + offset,
+                          tails=None if extents is None else param_tails(extents, start + offset, numel),
                           master_in=None if master_in is None else (master_in, offset))
             sub_groups.append(self._add(sg, master.narrow(0, offset, numel)))
         return sub_groups
@@ -278,7 +283,7 @@ class AdamDriver:
                                      **options)
                 else:
                     adam_step(*tensors, step=step, decoupled=hyper["decoupled"], grad_scale=grad_scale,
-                              out=low, threads=self.threads, **options)
+                              out=low, threads=self.threads, tails=sg.tails, **options)
                 if out is not None and low is None:
                     out.copy_(master)
             self.timing = (ready - start, time.perf_counter() - ready)

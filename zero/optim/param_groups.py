@@ -11,6 +11,9 @@ from ..config import Config, ConfigError
 
 ADAM_KINDS = (torch.optim.Adam, torch.optim.AdamW)
 
+UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
+"""Adam options our step does not implement; torch honours each per param group, so every group is checked."""
+
 
 class ZeroOptimizer(torch.optim.Optimizer):
     """Param groups in torch's shape (`params`, `lr`, `betas`, `eps`, `weight_decay`, plus `decoupled`).
@@ -64,7 +67,8 @@ def param_groups_from(model: nn.Module, model_parameters: Iterable | None, optim
         if raw and not isinstance(raw[0], dict):
             raw = [{"params": raw}]
     groups = []
-    for group in raw:
+    for index, group in enumerate(raw):
+        _check_flags(group, f"model_parameters[{index}]")
         merged = {**defaults, **{k: v for k, v in group.items() if k != "params"}}
         merged["betas"] = tuple(merged["betas"])
         merged["params"] = [p for p in group["params"] if p.requires_grad]
@@ -79,10 +83,17 @@ def _from_optimizer(optimizer) -> tuple[dict, list[dict]]:
         raise ConfigError("optimizer", "zero-tiering steps Adam/AdamW only: pass torch.optim.Adam, "
                           "torch.optim.AdamW or zero.CPUAdam, or set the config's optimizer section",
                           value=type(optimizer).__name__)
-    for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
-        if optimizer.defaults.get(flag):
-            raise ConfigError(f"optimizer.{flag}", "not supported by zero-tiering's Adam", value=True)
+    _check_flags(optimizer.defaults, "optimizer")
+    for index, group in enumerate(optimizer.param_groups):
+        _check_flags(group, f"optimizer.param_groups[{index}]")
     decoupled = optimizer.defaults.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
     defaults = {k: optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
     defaults["decoupled"] = decoupled
     return defaults, optimizer.param_groups
+
+
+def _check_flags(options: dict, where: str) -> None:
+    """Raise ConfigError naming `where` and the first of UNSUPPORTED_FLAGS that `options` turns on."""
+    for flag in UNSUPPORTED_FLAGS:
+        if options.get(flag):
+            raise ConfigError(f"{where}.{flag}", "not supported by zero-tiering's Adam", value=options[flag])
