@@ -382,3 +382,16 @@ def test_an_unsupported_option_on_one_param_group_is_named(flag, source):
     key = f"optimizer.param_groups[1].{flag}" if source == "optimizer" else f"model_parameters[1].{flag}"
     with pytest.raises(ConfigError, match=rf"^{re.escape(key)} = True: not supported"):
         zero.initialize(model=model, **kwargs)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_complex_parameter_to_train_is_refused(stage):
+    """The units hold real elements: a complex parameter was left out of them and silently never stepped."""
+    from zero.integrations.unsupported import UnsupportedFeatureError
+
+    model = MODELS["odd"](0)
+    model.phase = torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))
+    with pytest.raises(UnsupportedFeatureError, match=r"training a torch.complex64 parameter of shape \(4,\)"):
+        zero.initialize(model=model, model_parameters=model.parameters(), config=make_config(stage=stage))
+    model.phase.requires_grad_(False)  # frozen, it stays as it is
+    zero.initialize(model=model, model_parameters=model.parameters(), config=make_config(stage=stage))[0].close()

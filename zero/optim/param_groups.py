@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..config import Config, ConfigError
+from ..integrations.unsupported import UnsupportedFeatureError
 
 ADAM_KINDS = (torch.optim.Adam, torch.optim.AdamW)
 
@@ -72,6 +73,11 @@ def param_groups_from(model: nn.Module, model_parameters: Iterable | None, optim
         merged = {**defaults, **{k: v for k, v in group.items() if k != "params"}}
         merged["betas"] = tuple(merged["betas"])
         merged["params"] = [p for p in group["params"] if p.requires_grad]
+        for p in merged["params"]:
+            if not p.is_floating_point():  # a complex one: the units (real elements) would leave it untrained
+                raise UnsupportedFeatureError(f"training a {p.dtype} parameter of shape {tuple(p.shape)}",
+                                              "real floating-point parameters (a complex one as two real ones, "
+                                              "torch.view_as_real), or requires_grad False")
         groups.append(merged)
     return groups
 
