@@ -19,7 +19,7 @@ def command(*argv: str, cwd=REPO_ROOT) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("argv, message", [
     (["zero.train", "--config", "{missing}"], "zero.train: FileNotFoundError: [Errno 2] No such file"),
-    (["zero.train", "--config", "{not_json}"], "zero.train: ConfigError: --config: {not_json} is not valid JSON"),
+    (["zero.train", "--config", "{not_json}"], "zero.train: ConfigError: {not_json}: not valid JSON"),
     (["zero.train", "--config", "{bad_key}"], "zero.train: UnknownKeyError: zero_optimization.stag"),
     (["zero.train", "--data", "{short}", "--nvme-path", "{out}"], "zero.train: ValueError: corpus of 5 tokens is too short"),
     (["zero.export", "{missing}", "{out}"], "zero.export: CheckpointNotFoundError: no checkpoint directory"),
