@@ -23,7 +23,7 @@ def command(*argv: str, cwd=REPO_ROOT) -> subprocess.CompletedProcess:
     (["zero.train", "--config", "{bad_key}"], "zero.train: UnknownKeyError: zero_optimization.stag"),
     (["zero.train", "--data", "{short}", "--nvme-path", "{out}"], "zero.train: ValueError: corpus of 5 tokens is too short"),
     (["zero.export", "{missing}", "{out}"], "zero.export: CheckpointNotFoundError: no checkpoint directory"),
-    (["zero.inference", "--model", "{out}", "--prompt", "hi"], "zero.inference: --model"),
+    (["zero.inference", "--model", "{out}", "--prompt", "hi"], "zero.inference: ValueError: --model"),
     (["zero.plan", "--model", "tiny", "--config", "{bad_key}"], "zero.plan: "),
 ])
 def test_bad_input_is_one_line_and_a_nonzero_exit(argv, message, tmp_path):
