@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from zero.cli import run_command
+from zero.engine import NonFiniteLossError
 
 from conftest import REPO_ROOT, child_env
 
@@ -19,11 +20,11 @@ def command(*argv: str, cwd=REPO_ROOT) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("argv, message", [
     (["zero.train", "--config", "{missing}"], "zero.train: FileNotFoundError: [Errno 2] No such file"),
-    (["zero.train", "--config", "{not_json}"], "zero.train: ConfigError: --config: {not_json} is not valid JSON"),
+    (["zero.train", "--config", "{not_json}"], "zero.train: ConfigError: {not_json}: not valid JSON"),
     (["zero.train", "--config", "{bad_key}"], "zero.train: UnknownKeyError: zero_optimization.stag"),
     (["zero.train", "--data", "{short}", "--nvme-path", "{out}"], "zero.train: ValueError: corpus of 5 tokens is too short"),
     (["zero.export", "{missing}", "{out}"], "zero.export: CheckpointNotFoundError: no checkpoint directory"),
-    (["zero.inference", "--model", "{out}", "--prompt", "hi"], "zero.inference: --model"),
+    (["zero.inference", "--model", "{out}", "--prompt", "hi"], "zero.inference: ValueError: --model"),
     (["zero.plan", "--model", "tiny", "--config", "{bad_key}"], "zero.plan: "),
 ])
 def test_bad_input_is_one_line_and_a_nonzero_exit(argv, message, tmp_path):
@@ -42,6 +43,17 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(argv, message, tmp_path):
 def test_debug_keeps_the_traceback(tmp_path):
     done = command("zero.train", "--config", str(tmp_path / "missing.json"), "--debug")
     assert done.returncode != 0 and "Traceback" in done.stderr and "FileNotFoundError" in done.stderr
+
+
+def test_a_nonfinite_loss_is_one_line(capsys):
+    """`zero.train --lr 1e12` diverges: the engine's NonFiniteLossError names the step and the way to skip it."""
+    def main(argv):
+        raise NonFiniteLossError(4, float("nan"), float("nan"))
+
+    with pytest.raises(SystemExit) as info:
+        run_command("zero.train", main, [])
+    assert info.value.code == 1
+    assert capsys.readouterr().err.startswith("zero.train: NonFiniteLossError: step 4: the gradient norm is nan")
 
 
 def test_a_bug_keeps_its_traceback(capsys):

@@ -211,7 +211,8 @@ def test_unsupported_keys_at_their_off_value_load():
         "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
                                      "contiguous_memory_optimization": False, "number_checkpoints": None,
                                      "synchronize_checkpoint_boundary": False, "profile": False},
-        "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1, "zero_quantized_weights": False},
+        "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1, "zero_quantized_weights": False,
+                              "offload_optimizer": {"device": "cpu", "ratio": 1.0}},
         "aio": {"use_gds": False},
     })
     assert config.zero_optimization.stage == 3
@@ -284,8 +285,6 @@ BAD = [
      ConfigError, "optimizer.params.betas", "[0, 1)"),
     ("zero loss-scale window", with_keys(MINIMAL, fp16={"enabled": True, "loss_scale_window": 0}),
      ConfigError, "fp16.loss_scale_window", ">= 1"),
-    ("offload ratio above 1", with_keys(MINIMAL, zero_optimization={"stage": 3, "offload_optimizer": {
-        "device": "cpu", "ratio": 1.5}}), ConfigError, "zero_optimization.offload_optimizer.ratio", "[0, 1]"),
     ("aio block size (tiering's rule)", with_keys(MINIMAL, aio={"block_size": 1000}), ConfigError,
      "aio.block_size", "4096"),
     ("aio old name, tiering's rule", with_keys(MINIMAL, aio={"thread_count": 0}), ConfigError,
@@ -315,6 +314,12 @@ BAD = [
      UnsupportedKeyError, "zero_optimization.zero_quantized_weights", "does not support"),
     ("masters from model weights", with_keys(MINIMAL, zero_optimization={"stage": 3, "load_from_fp32_weights": False}),
      UnsupportedKeyError, "zero_optimization.load_from_fp32_weights", "does not support"),
+    ("partial optimizer offload", with_keys(MINIMAL, zero_optimization={"stage": 3, "offload_optimizer": {
+        "device": "cpu", "ratio": 0.3}}), UnsupportedKeyError, "zero_optimization.offload_optimizer.ratio",
+     "set it to 1.0"),
+    ("offload ratio above 1", with_keys(MINIMAL, zero_optimization={"stage": 3, "offload_optimizer": {
+        "device": "cpu", "ratio": 1.5}}), UnsupportedKeyError, "zero_optimization.offload_optimizer.ratio",
+     "set it to 1.0"),
     ("node-local checkpoints", with_keys(MINIMAL, checkpoint={"use_node_local_storage": True}),
      UnsupportedKeyError, "checkpoint.use_node_local_storage", "does not support"),
     ("apex amp", with_keys(MINIMAL, amp={"enabled": True, "opt_level": "O2"}), UnsupportedKeyError, "amp",

@@ -155,6 +155,13 @@ def test_config_by_older_names(tmp_path):
     engine, *_ = zero.initialize(args=argparse.Namespace(deepspeed_config=str(path)), model=tied_blocks(0))
     assert engine.gradient_accumulation_steps() == 3 and engine.stage == 2
     engine.close()
+    args = zero.add_config_arguments(argparse.ArgumentParser()).parse_args(["--deepscale_config", str(path)])
+    engine, *_ = zero.initialize(args=args, model=tied_blocks(0))  # DeepSpeed's older flag, as DeepSpeed maps it
+    assert engine.gradient_accumulation_steps() == 3 and engine.stage == 2
+    engine.close()
+    args.deepspeed_config = str(path)
+    with pytest.raises(ConfigError, match="deepscale_config.*keep one"):
+        zero.initialize(args=args, model=tied_blocks(0))
 
 
 def test_missing_model_or_config():

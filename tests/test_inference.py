@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import zero
+from zero.cli import run_command
 from zero.config import ConfigError
 from zero.params.pretrained import PretrainedWeightsError
 
@@ -188,9 +189,19 @@ def test_the_command_generates_what_the_model_in_memory_does(tmp_path, capsys):
     assert new == expected[0, len(prompt):].tolist()
     out = capsys.readouterr().out
     assert f"token ids: {new}" in out and "decode" in out and "read from nvme" in out
-    for args, message in ((["--model", str(tmp_path)], "no config.json there"),
-                          (["--model", str(tmp_path / "model"), "--host-budget", "lots"], "expected a size"),
-                          (["--model", str(tmp_path / "model"), "--prompt-ids", "5,9999"], "outside the vocabulary")):
-        with pytest.raises(SystemExit):
-            main([*args, "--prompt-ids", "1"] if "--prompt-ids" not in args else args)
-        assert message in capsys.readouterr().err
+    twice = tmp_path / "twice.json"
+    twice.write_text('{"train_micro_batch_size_per_gpu": 1, "train_micro_batch_size_per_gpu": 2}')
+    for args, message in ((["--model", str(tmp_path)], "ValueError: --model"),
+                          (["--model", str(tmp_path / "model"), "--host-budget", "lots"],
+                           "ValueError: expected a size"),
+                          (["--model", str(tmp_path / "model"), "--prompt-ids", "5,9999"], "ValueError: prompt token"),
+                          (["--model", str(tmp_path / "model"), "--config", str(twice)],
+                           "ConfigError: train_micro_batch_size_per_gpu: appears twice")):
+        args = [*args, "--prompt-ids", "1"] if "--prompt-ids" not in args else args
+        with pytest.raises(SystemExit) as info:  # as the shell runs it: one line, the error's type, status 1
+            run_command("zero.inference", main, args, errors=(ValueError,))
+        err = capsys.readouterr().err
+        assert info.value.code == 1 and err.startswith(f"zero.inference: {message}") and err.count("\n") == 1, err
+    with pytest.raises(ValueError, match="no config.json there"):  # --debug: the traceback
+        run_command("zero.inference", main, ["--model", str(tmp_path), "--prompt-ids", "1", "--debug"],
+                    errors=(ValueError,))

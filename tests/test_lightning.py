@@ -24,7 +24,9 @@ pytest.importorskip("lightning")
 import lightning as L  # noqa: E402
 from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 
-from zero.integrations.lightning import ZeroFabricStrategy, ZeroStrategy  # noqa: E402
+from zero.config import ConfigError, load_config  # noqa: E402
+from zero.integrations.lightning import (ZeroFabricStrategy, ZeroStrategy, strategy_config,  # noqa: E402
+                                         with_run_settings)
 
 from conftest import REPO_ROOT, child_env, readme_block  # noqa: E402
 from lightning_models import ACCUM, CLIP, Regressor, fabric_loop, loader, trainer  # noqa: E402
@@ -313,6 +315,36 @@ def test_a_config_that_contradicts_the_trainer_names_both(tmp_path):
     fit = trainer(ZeroStrategy({"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 3}}))
     with pytest.raises(ConfigError, match="gradient_accumulation_steps.*accumulate_grad_batches 2"):
         fit.fit(Regressor(), loader())
+
+
+def test_fabric_clips_as_deepspeed_and_the_trainer_as_lightning(tmp_path):
+    """A config without gradient_clipping: under Fabric it clips at DeepSpeed's default (1.0), as zero.initialize
+    does; the Trainer applies gradient_clip_val, none (0.0) when it is not given."""
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}}
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=ZeroFabricStrategy(config))
+    fabric.launch()
+    module = Regressor()
+    fabric.setup(module, torch.optim.AdamW(module.parameters()))
+    fabric.strategy.engine.close()
+    assert fabric.strategy.engine.config.gradient_clipping == 1.0
+    assert with_run_settings(config, accumulation=1, clip=0.0, clip_algorithm="norm",
+                             precision="32-true")["gradient_clipping"] == 0.0
+
+
+def test_bfloat16_is_bf16s_old_name_here_too(tmp_path):
+    """DeepSpeed's old key `bfloat16` is bf16 for the precision check, and is the section bf16-mixed turns on."""
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"bfloat16": {"enabled": True}}))
+    with pytest.raises(ConfigError, match=r"bfloat16.enabled.*computes in bf16, Lightning's precision is '32-true'"):
+        with_run_settings(strategy_config(path, "cpu", None), accumulation=1, clip=None, clip_algorithm="norm",
+                          precision="32-true")
+    config = with_run_settings(strategy_config({"bfloat16": {"enabled": False}}, "cpu", None), accumulation=1,
+                               clip=None, clip_algorithm="norm", precision="bf16-mixed")
+    assert config["bfloat16"] == {"enabled": True} and "bf16" not in config
+    load_config(config)
+    path.write_text('{"bfloat16": {"enabled": true}, "bfloat16": {"enabled": false}}')
+    with pytest.raises(ConfigError, match="appears twice"):
+        strategy_config(path, "cpu", None)
 
 
 def test_the_trainers_precision_is_the_engines():

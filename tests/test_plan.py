@@ -71,6 +71,9 @@ def test_a_machine_too_small_fits_nothing_and_says_why(tmp_path):
     (["--model", "tiny", "--nvme-path", "/no/such/dir"], "--nvme-path '/no/such/dir': no such directory"),
     (["--model", "tiny", "--disk-read", "-1", "--disk-write", "2"], "--disk-read -1.0"),
     (["--model", "missing.json"], "model 'missing.json': no such file"),
+    (["--model", "tiny", "--layers", "0"], "PlanInputError: model 'tiny': GPTConfig.n_layer = 0: must be >= 1"),
+    (["--model", "tiny", "--seq-len", "0"], "GPTConfig.seq_len = 0"),
+    (["--model", "tiny", "--heads", "5"], "is not a multiple of n_head = 5"),
 ])
 def test_bad_input_is_named(args, message, tmp_path, capsys):
     if "--disk-read" not in args:
@@ -86,6 +89,44 @@ def test_bad_input_is_named(args, message, tmp_path, capsys):
 def cli(args: list[str]) -> dict:
     """The command as the shell runs it: bad input is one line, `zero.plan: ErrorType: message`, exit status 1."""
     return run_command("zero.plan", main, args, errors=(PlanInputError,))
+
+
+def test_a_config_key_given_twice_is_named(tmp_path, capsys):
+    path = tmp_path / "c.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, '
+                    '"gradient_accumulation_steps": 2}')
+    with pytest.raises(SystemExit):
+        cli(["--model", "tiny", "--config", str(path), *DISK, "--nvme-path", str(tmp_path)])
+    assert "zero.plan: ConfigError: gradient_accumulation_steps: appears twice" in capsys.readouterr().err
+
+
+def test_a_configs_train_batch_size_sets_its_micro_batch(tmp_path):
+    """DeepSpeed derives the micro-batch from train_batch_size / (accumulation x ranks): --micro-batch fills in
+    only a config that gives neither."""
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"train_batch_size": 16, "gradient_accumulation_steps": 2}))
+    result = plan(tmp_path, "--config", str(path), "--micro-batch", "3")
+    assert load_config(result["config"]).train_micro_batch_size_per_gpu == 8
+    path.write_text(json.dumps({"gradient_accumulation_steps": 2}))
+    result = plan(tmp_path, "--config", str(path), "--micro-batch", "3")
+    assert load_config(result["config"]).train_micro_batch_size_per_gpu == 3
+
+
+def test_a_configs_free_disk_is_its_own_nvme_paths(tmp_path, capsys):
+    """The free space a config on nvme is checked against is that of its nvme_path (each directory of a list),
+    not --nvme-path's."""
+    path = tmp_path / "c.json"
+    offload = {"device": "nvme", "nvme_path": [str(tmp_path / "a"), str(tmp_path / "b")]}
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 3, "offload_param": offload, "offload_optimizer": offload}}))
+    (tmp_path / "a").mkdir()
+    with pytest.raises(SystemExit):
+        cli(["--model", "tiny", "--config", str(path), *DISK, "--nvme-path", str(tmp_path)])
+    assert f"zero_optimization.offload_param.nvme_path {str(tmp_path / 'b')!r}: no such directory" in \
+        capsys.readouterr().err
+    (tmp_path / "b").mkdir()
+    result = main(["--model", "tiny", "--config", str(path), *DISK, "--nvme-path", "/no/such/dir", "--json"])
+    assert result["tier_bytes"]["nvme"] > 0
 
 
 def test_a_hugging_face_config_missing_fields_is_named(tmp_path, capsys):

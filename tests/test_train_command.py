@@ -12,7 +12,8 @@ import torch
 
 from zero.train.corpus import default_corpus, split_held_out
 from zero.train import main
-from zero.train.run import load_ds_config, parse_args
+from zero.config import ConfigError, load_config
+from zero.train.run import config_dtype, load_ds_config, model_config, parse_args
 
 from conftest import REPO_ROOT, child_env
 from models import one_thread  # noqa: F401  (autouse fixture)
@@ -93,6 +94,50 @@ def test_nvme_path_takes_one_directory_or_several(tmp_path):
     two = load_ds_config(parse_args(["--nvme-path", *dirs]))["zero_optimization"]
     assert two["offload_param"]["nvme_path"] == two["offload_optimizer"]["nvme_path"] == dirs
     assert all(os.path.isdir(d) for d in [str(tmp_path / "a"), *dirs])
+
+
+def config_file(tmp_path, text: str) -> list[str]:
+    path = tmp_path / "c.json"
+    path.write_text(text)
+    return ["--config", str(path)]
+
+
+def test_a_null_section_is_absent_and_a_configs_faults_are_config_errors(tmp_path):
+    """A section set to null is absent, as DeepSpeed reads it; the file is read as load_config reads it (a key
+    twice, a top level not an object); nvme without a directory names the key that needs one."""
+    nulls = '{"train_micro_batch_size_per_gpu": 1, "bf16": null, "fp16": null, "scheduler": null, "optimizer": null, ' \
+        '"zero_optimization": null, "zero_tiering": null}'
+    config = load_ds_config(parse_args([*config_file(tmp_path, nulls), "--lr", "0.01"]))
+    assert config_dtype(config) == torch.float32 and config["optimizer"]["params"]["lr"] == 0.01
+    load_config(config)
+    for text, key, problem in [
+        ("[1, 2]", str(tmp_path / "c.json"), "expected a JSON object"),
+        ('{"train_micro_batch_size_per_gpu": 1, "train_micro_batch_size_per_gpu": 2}',
+         "train_micro_batch_size_per_gpu", "appears twice"),
+        ('{"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}',
+         "zero_optimization.offload_param.nvme_path", "required when device is"),
+        ('{"optimizer": {"type": "AdamW", "params": [1]}}', "optimizer.params", "expected an object"),
+    ]:
+        with pytest.raises(ConfigError, match=problem) as info:
+            load_ds_config(parse_args(config_file(tmp_path, text)))
+        assert info.value.key == key
+
+
+@pytest.mark.parametrize("scheduler, peak", [
+    ({"type": "WarmupLR", "params": {"warmup_num_steps": 2}}, 0.01),
+    ({"type": "WarmupLR", "params": {"warmup_max_lr": 0.5}}, 0.01),
+    ({"type": "WarmupDecayLR"}, 0.01),
+    ({"type": "WarmupCosineLR", "params": {"total_num_steps": 4}}, None),  # its peak is the optimizer's lr
+])
+def test_lr_is_the_peak_of_the_warmup(scheduler, peak, tmp_path):
+    config = load_ds_config(parse_args([*config_file(tmp_path, json.dumps({"scheduler": scheduler})), "--lr", "0.01"]))
+    assert config["optimizer"]["params"]["lr"] == 0.01
+    assert config["scheduler"].get("params", {}).get("warmup_max_lr") == peak
+
+
+def test_a_zero_size_override_is_refused_not_ignored():
+    with pytest.raises(ValueError, match="n_layer = 0"):
+        model_config(parse_args(["--preset", "tiny", "--layers", "0"]))
 
 
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])

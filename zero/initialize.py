@@ -46,6 +46,15 @@ from .params.resident import ResidentPlacement
 from .params.wrap_policy import frozen_parts, split_units
 
 
+def args_config(args: Any) -> str | None:
+    """The config a script's parsed arguments name (add_config_arguments): --deepspeed_config, or its deprecated
+    name --deepscale_config, which DeepSpeed maps onto it (both given is an error there too)."""
+    given, old = getattr(args, "deepspeed_config", None), getattr(args, "deepscale_config", None)
+    if given is not None and old is not None:
+        raise ConfigError("deepscale_config", "given with deepspeed_config, its new name: keep one", value=old)
+    return given if given is not None else old
+
+
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                model_parameters: Iterable | None = None, training_data: Any = None, lr_scheduler: Any = None,
                config: str | os.PathLike | Mapping | None = None, config_params: Mapping | None = None,
@@ -66,7 +75,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
         raise ValueError("zero.initialize needs a model")
     source = config if config is not None else config_params
     if source is None:
-        source = getattr(args, "deepspeed_config", None)
+        source = args_config(args)
     if source is None:
         raise ConfigError("config", "no config given: pass config='ds_config.json' or a dict")
     device = local_device()

@@ -14,11 +14,13 @@ from tiering import TieringError
 
 from ..checkpoint.format import CheckpointError
 from ..config import ConfigError
+from ..engine import NonFiniteLossError
 
 T = TypeVar("T")
-USER_ERRORS = (TieringError, ConfigError, CheckpointError, json.JSONDecodeError, OSError)
-"""Bad input, a full disk, a corrupt file: what the user can fix. OSError: a missing or unreadable file named
-on the command line (a config, a data file)."""
+USER_ERRORS = (TieringError, ConfigError, CheckpointError, NonFiniteLossError, json.JSONDecodeError, OSError)
+"""Bad input, a full disk, a corrupt file, a diverged run: what the user can fix. OSError: a missing or unreadable
+file named on the command line (a config, a data file). NonFiniteLossError: a nan or inf loss (too high a learning
+rate; its message names the step and zero_tiering.nonfinite "skip")."""
 
 
 def add_common_flags(parser: argparse.ArgumentParser) -> None:

@@ -1,5 +1,6 @@
 """DeepSpeed's command-line arguments (`deepspeed.add_config_arguments`): a script that adds them to its parser
-passes the parsed `args` to `initialize`, which reads the config from `args.deepspeed_config`."""
+passes the parsed `args` to `initialize`, which reads the config from `args.deepspeed_config` (or the older
+`args.deepscale_config`)."""
 from __future__ import annotations
 
 import argparse

@@ -8,7 +8,7 @@ from .aio import AioSection
 from .auto import TrainingArgs
 from .checkpoint import CheckpointConfig
 from .errors import ConfigError, UnknownKeyError, UnresolvedAutoError, UnsupportedKeyError
-from .loader import load_config
+from .loader import load_config, read_json
 from .optimizer import AdamParams, OptimizerConfig
 from .precision import BF16Config, FP16Config
 from .scheduler import SchedulerConfig, WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams
@@ -22,5 +22,5 @@ __all__ = [
     "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "TrainingArgs",
     "UnknownKeyError", "UnresolvedAutoError", "UnsupportedKeyError", "WarmupCosineLRParams",
     "WarmupDecayLRParams", "WarmupLRParams", "ZeroOptimizationConfig", "ZeroTieringSection", "format_size",
-    "load_config", "parse_size",
+    "load_config", "parse_size", "read_json",
 ]

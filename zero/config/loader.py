@@ -57,6 +57,13 @@ def load_config(
 def _read(source: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(source, Mapping):
         return copy.deepcopy(dict(source))
+    return read_json(source)
+
+
+def read_json(source: str | os.PathLike[str]) -> dict[str, Any]:
+    """A ds_config.json file as a dict, read as `load_config` reads it: a key twice in one object, invalid JSON or
+    a top level that is not an object is a ConfigError (DeepSpeed refuses duplicate keys too; `json.load` would
+    keep the last one silently). For tools that adjust a user's config before loading it."""
     path = os.fspath(source)
     with open(path, encoding="utf-8") as fh:
         try:

@@ -93,8 +93,9 @@ class OffloadOptimizerConfig(Section):
     fast_init: bool = False
     """With device "nvme": initialize optimizer state without a read-back from nvme."""
 
-    ratio: float = setting(1.0, ge=0, le=1)
-    """Fraction of the optimizer state offloaded (stage 3 only); the rest stays on the device."""
+    UNSUPPORTED = {
+        "ratio": Unsupported("partial optimizer offload: all of the optimizer state is offloaded", off=1.0),
+    }
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -227,7 +228,3 @@ class ZeroOptimizationConfig(Section):
             raise ConfigError("offload_param.device",
                               f"parameter offload needs stage 3 (stage is {self.stage})",
                               value=self.offload_param.device)
-        if self.offload_optimizer.ratio < 1 and self.stage != 3:
-            raise ConfigError("offload_optimizer.ratio",
-                              f"partial optimizer offload needs stage 3 (stage is {self.stage})",
-                              value=self.offload_optimizer.ratio)

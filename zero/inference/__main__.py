@@ -11,10 +11,8 @@ prefill time, decode tokens/s, the weight bytes each forward streams and the pea
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
-import sys
 import time
 
 import torch
@@ -22,9 +20,8 @@ import torch
 from tiering.errors import fmt_bytes
 
 from ..cli import add_common_flags, run_command
-from ..config import ConfigError
+from ..config import read_json
 from ..config.sizes import parse_size
-from ..params.pretrained import PretrainedWeightsError
 from .engine import init_inference
 
 DTYPES = {"fp32": None, "bf16": "bf16", "fp16": "fp16"}
@@ -62,8 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def inference_config(args: argparse.Namespace) -> dict:
     if args.config:
-        with open(args.config) as f:
-            return json.load(f)
+        return read_json(args.config)  # as load_config reads it: a key twice is an error
     offload = {"device": args.offload}
     if args.offload == "nvme":
         os.makedirs(args.nvme_path, exist_ok=True)
@@ -80,14 +76,6 @@ def inference_config(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> list[int]:
     args = parse_args(argv)
-    try:
-        return run(args)
-    except (ConfigError, PretrainedWeightsError, ValueError, OSError) as exc:
-        print(f"zero.inference: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
-def run(args: argparse.Namespace) -> list[int]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not os.path.isfile(os.path.join(args.model, "config.json")):

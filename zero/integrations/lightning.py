@@ -44,7 +44,8 @@ from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ..config import ConfigError
+from ..config import Config, ConfigError, read_json
+from ..config.schema import spelling
 from ..engine import ZeroEngine
 from ..initialize import initialize
 from ..params.init_partition import Init
@@ -59,11 +60,7 @@ def strategy_config(config: str | os.PathLike | Mapping | None, offload: str, nv
     """The config a strategy starts from: the caller's (a dict or a ds_config.json path), else ZeRO-3 with the
     parameters and optimizer state offloaded to `offload` ("cpu" or "nvme", under `nvme_path`)."""
     if config is not None:
-        if isinstance(config, Mapping):
-            config = json.loads(json.dumps(config))
-        else:
-            with open(config) as f:
-                config = json.load(f)
+        config = json.loads(json.dumps(config)) if isinstance(config, Mapping) else read_json(config)
         if "train_batch_size" not in config:  # the batch is the loop's: the engine's count is for its reports
             config.setdefault("train_micro_batch_size_per_gpu", 1)
         return config
@@ -77,7 +74,9 @@ def strategy_config(config: str | os.PathLike | Mapping | None, offload: str, nv
 def with_run_settings(config: dict, *, accumulation: int, clip: float | None, clip_algorithm: str | None,
                       precision: str) -> dict:
     """`config` with what the Trainer or Fabric was told: accumulation, clipping (by norm) and precision. A config
-    that sets one of them otherwise is a ConfigError naming both."""
+    that sets one of them otherwise is a ConfigError naming both. `clip`: the Trainer's gradient_clip_val (0.0:
+    none), the clipping of a config that sets none; None (Fabric): the config's own, absent meaning the engine's
+    default (1.0, as DeepSpeed's)."""
     config = json.loads(json.dumps(config))
     if config.get("gradient_accumulation_steps", accumulation) != accumulation:
         raise ConfigError("gradient_accumulation_steps", f"the config says {config['gradient_accumulation_steps']}, "
@@ -90,18 +89,20 @@ def with_run_settings(config: dict, *, accumulation: int, clip: float | None, cl
     if "gradient_clipping" in config and clip and config["gradient_clipping"] != clip:
         raise ConfigError("gradient_clipping", f"the config says {config['gradient_clipping']}, Lightning's "
                           f"gradient_clip_val {clip}: set one of them", value=config["gradient_clipping"])
-    config.setdefault("gradient_clipping", clip or 0.0)  # (absent, the engine would clip at 1.0, as DeepSpeed)
+    if clip is not None:
+        config.setdefault("gradient_clipping", clip)
     if precision not in PRECISIONS:
         raise MisconfigurationException(f"precision {precision!r}: the zero-tiering strategy computes in "
                                         f"{', '.join(PRECISIONS)}")
     wanted = PRECISIONS[precision]
-    for section in ("bf16", "fp16"):
-        enabled = bool(config.get(section, {}).get("enabled", False))
+    keys = {section: spelling(config, Config, section) for section in ("bf16", "fp16")}  # bf16 may be `bfloat16`
+    for section, key in keys.items():
+        enabled = isinstance(config.get(key), Mapping) and bool(config[key].get("enabled", False))
         if enabled and section != wanted:
-            raise ConfigError(f"{section}.enabled", f"the config computes in {section}, Lightning's precision is "
+            raise ConfigError(f"{key}.enabled", f"the config computes in {section}, Lightning's precision is "
                               f"{precision!r}: set one of them", value=True)
     if wanted is not None:
-        config[wanted] = {**config.get(wanted, {}), "enabled": True}
+        config[keys[wanted]] = {**(config.get(keys[wanted]) or {}), "enabled": True}
     return config
 
 
@@ -183,7 +184,8 @@ class ZeroStrategy(DDPStrategy):
         module = self.lightning_module
         refuse_unserved(trainer, module)
         config = with_run_settings(self.base_config, accumulation=trainer.accumulate_grad_batches,
-                                   clip=trainer.gradient_clip_val, clip_algorithm=trainer.gradient_clip_algorithm,
+                                   clip=trainer.gradient_clip_val or 0.0,
+                                   clip_algorithm=trainer.gradient_clip_algorithm,
                                    precision=str(self.precision_plugin.precision))
         if self.engine is not None:  # validate or test after fit: the same engine, the same weights
             self.model = self.engine
@@ -309,8 +311,8 @@ class ZeroFabricStrategy(FabricDDPStrategy):
     """ZeRO-3 with offload, by zero-tiering, for Lightning Fabric: `fabric.setup(model, optimizer)` builds the
     engine (a model built inside `fabric.init_module()` is partitioned as it is built), `fabric.backward(loss)` and
     `optimizer.step()` are the engine's, `fabric.save` / `fabric.load` its checkpoint with the rest of the state as
-    its client state. Accumulation and clipping are the config's (gradient_accumulation_steps, gradient_clipping):
-    step the optimizer after every backward; the engine applies it at the accumulation boundary."""
+    its client state. Accumulation and clipping are the config's (gradient_accumulation_steps, gradient_clipping;
+    absent, 1.0 as DeepSpeed's): step the optimizer after every backward; the engine applies it at the accumulation boundary."""
 
     def __init__(self, config: str | os.PathLike | Mapping | None = None, *, offload: str = "cpu",
                  nvme_path: str | None = None, **ddp_kwargs: Any):
@@ -334,8 +336,8 @@ class ZeroFabricStrategy(FabricDDPStrategy):
             raise ValueError(f"the zero-tiering strategy trains with one optimizer; fabric.setup got {len(optimizers)}")
         config = self.base_config
         accumulation = config.get("gradient_accumulation_steps", 1)
-        config = with_run_settings(config, accumulation=accumulation, clip=config.get("gradient_clipping"),
-                                   clip_algorithm="norm", precision=str(self.precision.precision))
+        config = with_run_settings(config, accumulation=accumulation, clip=None, clip_algorithm="norm",
+                                   precision=str(self.precision.precision))
         self.engine, zero_optimizer, _, _ = initialize(model=module, optimizer=optimizers[0], config=config)
         self.engine.lr_scheduler = None  # the caller steps its scheduler (it shares the param groups)
         return self.engine, [zero_optimizer], scheduler

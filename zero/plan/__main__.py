@@ -22,10 +22,11 @@ from tiering.errors import fmt_bytes
 from ..report.bandwidth import DEFAULT_FIGURES, DiskFigures, load_figures
 from ..cli import add_common_flags, run_command
 from ..comm import local_device
+from ..config import load_config, read_json
 from ..services.compute_speed import dtype_speed, fast_alternative, slow_dtype_line
 from ..optim.state_format import StateFormat
 from .machine import (Machine, adam_rate, checksum_rate, compact_adam_rate, gpu_memory, host_ram, matmul_rate,
-                      memory_rates, nvme_directory, parse_memory)
+                      memory_rates, nvme_free, parse_memory)
 from .model_source import PlanInputError, load_model
 from .predict import (PRECISIONS, Prediction, compact_formats, ds_config, host_budget_for, placement_of, placements,
                       predict)
@@ -60,7 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="disk figures saved by `python -m zero.report --bandwidth` (default: %(default)s)")
     parser.add_argument("--disk-read", type=float, help="nvme read GB/s (instead of --disk)")
     parser.add_argument("--disk-write", type=float, help="nvme write GB/s (instead of --disk)")
-    parser.add_argument("--nvme-path", default="/tmp/zero_tiering_nvme", help="where nvme placements keep state")
+    parser.add_argument("--nvme-path", default="/tmp/zero_tiering_nvme",
+                        help="where nvme placements keep state (with --config, its own nvme_path counts)")
     parser.add_argument("--out", help="write the chosen placement's ds_config.json here")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     add_common_flags(parser)
@@ -104,10 +106,7 @@ def plan(args: argparse.Namespace, base_rss: int) -> dict:
         adam_elements=adam_rate(dtype), **dict(zip(("copy_bytes", "fresh_bytes"), memory_rates())),
         checksum_bytes=checksum_rate(),
         compact_adam={fmt: compact_adam_rate(fmt, dtype) for fmt in formats if not fmt.exact})
-    nvme_free = None
-    if disk is not None:
-        stat = os.statvfs(nvme_directory(args.nvme_path))
-        nvme_free = stat.f_bavail * stat.f_frsize
+    free = nvme_space(args, config if args.config else None, shape.hidden) if disk is not None else None
     offload = args.activation_offload if args.activation_offload != "none" else None
     if offload == "nvme" and disk is None and not args.config:
         raise PlanInputError("--activation-offload nvme plans placements with a disk, and there are no disk figures: "
@@ -119,7 +118,7 @@ def plan(args: argparse.Namespace, base_rss: int) -> dict:
                              "run python -m zero.report --bandwidth on the nvme path, or give --disk-read and "
                              "--disk-write")
     if args.config:
-        predictions = [predict(shape, machine, config, base_rss, nvme_free, checkpointing)]
+        predictions = [predict(shape, machine, config, base_rss, free, checkpointing)]
     else:
         predictions = []
         for fmt in formats:  # exact first; compact formats only where no exact placement fits
@@ -134,7 +133,7 @@ def plan(args: argparse.Namespace, base_rss: int) -> dict:
                 if budget is not None:
                     config = ds_config(placement, micro_batch=args.micro_batch, nvme_path=args.nvme_path,
                                        host_budget=budget, activation_offload=offload)
-                predictions.append(predict(shape, machine, config, base_rss, nvme_free, checkpointing))
+                predictions.append(predict(shape, machine, config, base_rss, free, checkpointing))
     fitting = [p for p in predictions if p.fits]
     chosen = min(fitting, key=lambda p: (p.step_s, p.peak_rss_bytes)) if fitting else None
     if not args.json:
@@ -157,18 +156,32 @@ def plan(args: argparse.Namespace, base_rss: int) -> dict:
 
 
 def given_config(args: argparse.Namespace) -> dict:
+    """--config as load_config reads it (a key twice is an error), with the flags that override its settings."""
     try:
-        with open(args.config) as f:
-            config = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
+        config = read_json(args.config)
+    except OSError as exc:
         raise PlanInputError(f"--config {args.config!r}: {exc}") from exc
     tiering = config.setdefault("zero_tiering", {})
     for flag, key in (("host_budget", "host_budget"), ("device_budget", "device_budget"),
                       ("activation_offload", "activation_offload"), ("moments", "moments"), ("master", "master")):
         if getattr(args, flag):
             tiering[key] = getattr(args, flag)
-    config["train_micro_batch_size_per_gpu"] = config.get("train_micro_batch_size_per_gpu", args.micro_batch)
+    if "train_batch_size" not in config and "train_micro_batch_size_per_gpu" not in config:
+        config["train_micro_batch_size_per_gpu"] = args.micro_batch  # (given either, DeepSpeed derives the other)
     return config
+
+
+def nvme_space(args: argparse.Namespace, config: dict | None, hidden: int) -> int:
+    """Free bytes where the state on nvme would go: the given config's nvme_path (each directory of a list) where
+    it puts state on nvme, else --nvme-path."""
+    if config is not None:
+        zo = load_config(config, hidden_size=hidden).zero_optimization
+        for section in ("offload_param", "offload_optimizer"):
+            offload = getattr(zo, section)
+            if offload.device == "nvme":
+                paths = (offload.nvme_path,) if isinstance(offload.nvme_path, str) else offload.nvme_path
+                return nvme_free(paths, f"zero_optimization.{section}.nvme_path")
+    return nvme_free([args.nvme_path], "--nvme-path")
 
 
 def disk_figures(args: argparse.Namespace) -> DiskFigures | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -154,7 +155,13 @@ def checksum_rate() -> float:
     return data.numel() / sorted(times)[1]
 
 
-def nvme_directory(path: str) -> str:
-    if not os.path.isdir(path):
-        raise PlanInputError(f"--nvme-path {path!r}: no such directory")
-    return path
+def nvme_free(directories: Sequence[str], name: str) -> int:
+    """Free bytes in the directories the nvme state goes to, each filesystem counted once (two directories on one
+    disk share its free space). `name`: what the user gave them as (a flag, a config key), for the error."""
+    free = {}
+    for path in directories:
+        if not os.path.isdir(path):
+            raise PlanInputError(f"{name} {path!r}: no such directory")
+        stat = os.statvfs(path)
+        free[os.stat(path).st_dev] = stat.f_bavail * stat.f_frsize
+    return sum(free.values())

@@ -44,7 +44,10 @@ def from_preset(name: str, *, layers: int | None = None, hidden: int | None = No
     for field, value in (("n_layer", layers), ("n_embd", hidden), ("n_head", heads)):
         if value is not None:
             overrides[field] = value
-    config = replace(PRESETS[name], **overrides)
+    try:
+        config = replace(PRESETS[name], **overrides)
+    except ValueError as exc:  # GPTConfig's own check: a size below 1, a width the heads do not divide
+        raise PlanInputError(f"model {name!r}: {exc}") from exc
     with torch.device("meta"):
         model = GPT(config)
     shape = _shape(model, config.n_layer, config.n_embd, config.vocab_size, seq_len)

@@ -14,6 +14,7 @@ before training and replaced by a fast one unless --dtype asks for it.
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import json
 import os
@@ -31,7 +32,8 @@ from ..checkpoint.format import CheckpointNotFoundError
 from ..cli import add_common_flags
 from ..comm import local_device
 from ..services.compute_speed import NAMES, SlowComputeWarning, dtype_speed, fast_alternative, slow_dtype_line
-from ..config import ConfigError
+from ..config import ConfigError, read_json
+from ..config.scheduler import SCHEDULES, WarmupLRParams
 from ..initialize import initialize
 from .corpus import Batches, default_corpus, split_held_out, text_files
 from .gpt import GPT, PRESETS, GPTConfig
@@ -127,7 +129,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host-budget", help="override zero_tiering.host_budget")
     parser.add_argument("--trace", help="write a Chrome trace (Perfetto) of the run here")
     parser.add_argument("--summary-json", help="write the per-step reports here")
-    parser.add_argument("--lr", type=float, help="peak learning rate (the optimizer's lr and the warmup's top)")
+    parser.add_argument("--lr", type=float,
+                        help="peak learning rate: the optimizer's lr and, for WarmupLR and WarmupDecayLR, the "
+                             "warmup's top (warmup_max_lr; WarmupCosineLR's peak is the lr itself)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-dir", default="checkpoints",
                         help="where checkpoints go: on SIGTERM or SIGUSR1 (a scheduler's warning) one is saved at the "
@@ -169,29 +173,42 @@ def steps_arg(text: str) -> int:
     return value
 
 
+SECTIONS = ("bf16", "bfloat16", "fp16", "optimizer", "optimizer.params", "scheduler", "scheduler.params",
+            "zero_optimization", "zero_optimization.offload_param", "zero_optimization.offload_optimizer",
+            "zero_tiering")
+"""The sections this job reads or sets before load_config sees the config (parents before their children)."""
+
+
 def load_ds_config(args: argparse.Namespace) -> dict:
-    if args.config:
-        with open(args.config) as f:
-            try:
-                config = json.load(f)
-            except json.JSONDecodeError as exc:
-                raise ConfigError("--config", f"{args.config} is not valid JSON: {exc}") from None
-    else:
-        config = json.loads(json.dumps(DEFAULT_CONFIG))
+    """The config the job runs: --config (read as load_config reads it) or the built-in one, with the flags
+    applied. A section set to null is absent, as DeepSpeed reads it."""
+    config = read_json(args.config) if args.config else copy.deepcopy(DEFAULT_CONFIG)
+    for path in SECTIONS:
+        *parents, key = path.split(".")
+        parent = functools.reduce(lambda section, name: section.get(name, {}), parents, config)
+        if key in parent and parent[key] is None:
+            del parent[key]
+        elif not isinstance(parent.get(key, {}), dict):
+            raise ConfigError(path, "expected an object ({...})", value=parent[key])
     zo = config.setdefault("zero_optimization", {})
     for section in ("offload_param", "offload_optimizer"):
         offload = zo.get(section)
         if offload and offload.get("device") == "nvme":
             if args.nvme_path:
                 offload["nvme_path"] = args.nvme_path[0] if len(args.nvme_path) == 1 else args.nvme_path
-            paths = offload["nvme_path"]
-            for path in [paths] if isinstance(paths, str) else paths:
-                os.makedirs(path, exist_ok=True)
+            paths = offload.get("nvme_path")
+            if not paths:
+                raise ConfigError(f"zero_optimization.{section}.nvme_path", 'required when device is "nvme": a '
+                                  "directory on a local SSD (or give --nvme-path)")
+            for path in [paths] if isinstance(paths, str) else paths if isinstance(paths, list) else []:
+                if isinstance(path, str) and path:  # (anything else load_config names)
+                    os.makedirs(path, exist_ok=True)
     if args.lr is not None:
         config.setdefault("optimizer", {"type": "AdamW"}).setdefault("params", {})["lr"] = args.lr
-        schedule = config.get("scheduler", {}).get("params", {})
-        if "warmup_max_lr" in schedule:
-            schedule["warmup_max_lr"] = args.lr
+        scheduler = config.get("scheduler", {})
+        kind = scheduler.get("type")
+        if isinstance(kind, str) and issubclass(SCHEDULES.get(kind, object), WarmupLRParams):
+            scheduler.setdefault("params", {})["warmup_max_lr"] = args.lr  # (WarmupCosineLR's peak is the lr)
     tiering = config.setdefault("zero_tiering", {})
     if args.device_budget:
         tiering["device_budget"] = args.device_budget
@@ -210,10 +227,15 @@ def load_ds_config(args: argparse.Namespace) -> dict:
 
 
 def config_dtype(config: dict) -> torch.dtype:
-    """The compute dtype a DeepSpeed config asks for (`bfloat16` is bf16's old name)."""
-    if config.get("bf16", config.get("bfloat16", {})).get("enabled"):
+    """The compute dtype a DeepSpeed config asks for (`bfloat16` is bf16's old name; a null section is absent)."""
+    bf16 = config.get("bf16")
+    if _enabled(config.get("bfloat16") if bf16 is None else bf16):
         return torch.bfloat16
-    return torch.float16 if config.get("fp16", {}).get("enabled") else torch.float32
+    return torch.float16 if _enabled(config.get("fp16")) else torch.float32
+
+
+def _enabled(section: object) -> bool:
+    return isinstance(section, dict) and bool(section.get("enabled"))
 
 
 def set_dtype(config: dict, dtype: torch.dtype) -> None:
@@ -247,7 +269,7 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
     base = PRESETS[args.preset]
     overrides = {"seq_len": args.seq_len}
     for flag, field in (("layers", "n_layer"), ("hidden", "n_embd"), ("heads", "n_head")):
-        if getattr(args, flag):
+        if getattr(args, flag) is not None:
             overrides[field] = getattr(args, flag)
     return replace(base, **overrides)
 
