@@ -40,9 +40,11 @@ def test_segments_go_whole_to_the_least_used_file(tmp_path):
         assert bytes_per_file(store, [1 * MiB, 1 * MiB]) == [5 * MiB, 2 * MiB]
 
 
-def test_the_engines_own_segments_are_counted(tmp_path):
-    """nvme_segments adds up to what the engine's store holds once built."""
-    config = stage3_config("nvme", "nvme", nvme_path=str(tmp_path))
+@pytest.mark.parametrize("formats", [None, {"moments": "int8", "master": "bf16-kahan"}])
+def test_the_engines_own_segments_are_counted(tmp_path, formats):
+    """nvme_segments adds up to what the engine's store holds once built (a Kahan master's compensation too)."""
+    config = stage3_config("nvme", "nvme", nvme_path=str(tmp_path), bf16=formats is not None,
+                           **({} if formats is None else {"zero_tiering": formats}))
     model = tiny_gpt2()
     engine, *_ = zero.initialize(model=model, config=config)
     try:

@@ -313,9 +313,14 @@ class StateFormat:
     def state_bytes(self, numel: int, *, master: bool = True, index: int = 0, extents=None) -> int:
         """Bytes of a sub-group's stored state (with its master, unless the master is the parameter shard);
         `index`, `extents`: as `codecs` takes them."""
+        return sum(self.segment_bytes(numel, master=master, index=index, extents=extents))
+
+    def segment_bytes(self, numel: int, *, master: bool = True, index: int = 0, extents=None) -> list[int]:
+        """`state_bytes` by segment (the master's, the moments', a Kahan master's compensation): each is charged
+        whole pages where it rests."""
         codecs = self.codecs(numel, index, extents)
-        return (codecs.master.nbytes(numel) if master else 0) + codecs.exp_avg.nbytes(numel) \
-            + codecs.exp_avg_sq.nbytes(numel) + (2 * numel if codecs.compensated else 0)
+        return ([codecs.master.nbytes(numel)] if master else []) + [codecs.exp_avg.nbytes(numel),
+                codecs.exp_avg_sq.nbytes(numel)] + ([2 * numel] if codecs.compensated else [])
 
     def describe(self) -> str:
         return "exact (fp32 master and moments)" if self.exact else f"moments {self.moments}, master {self.master}"

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tiering import NvmeStoreConfig, SwapConfig, Tier
+from tiering import NvmeStoreConfig, SwapConfig, Tier, align_up
 
 from ..config import Config, ConfigError
 from ..optim.gradient_copies import SLOTS
@@ -59,9 +59,11 @@ def masters_are_params(cfg: Config, dtype: torch.dtype) -> bool:
 
 def window_bytes(cfg: Config, dtype: torch.dtype, unit: FlatUnit, *, master: bool | None = None) -> list[int]:
     """Host bytes each of `unit`'s sub-groups takes for a step: its state as the state format stores it (the
-    master unless it is the parameter shard, or as `master` says) and its gradient, counted at 4 bytes."""
+    master unless it is the parameter shard, or as `master` says) and its gradient, counted at 4 bytes, each
+    segment in whole pages as the host budget charges it."""
     master = not masters_are_params(cfg, dtype) if master is None else master
-    return [cfg.state_format.state_bytes(n, master=master, index=index, extents=unit.extents) + 4 * n
+    return [sum(align_up(max(b, 1)) for b in cfg.state_format.segment_bytes(n, master=master, index=index,
+                                                                            extents=unit.extents) + [4 * n])
             for index, n in sub_groups(cfg, unit)]
 
 
@@ -110,7 +112,7 @@ def pin_memory(cfg: Config, cuda: bool | None = None) -> bool:
 
 def nvme_segments(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, optimizer: bool = True) -> list[int]:
     """Bytes of each segment the engine will home on nvme, in the order it registers them (per unit: its
-    parameter shard, then each sub-group's master, moments and gradient): what the store's room check adds up
+    parameter shard, then each sub-group's master, moments, compensation and gradient): what the room check adds up
     before any of them is written."""
     zo = cfg.zero_optimization
     params_on_nvme = zo.stage == 3 and HOMES[zo.offload_param.device] == "nvme"
@@ -122,9 +124,8 @@ def nvme_segments(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, opt
             sizes.append(shard_bytes(cfg, unit, dtype))
         if state_on_nvme and not unit.frozen:
             for index, n in sub_groups(cfg, unit):
-                codecs = fmt.codecs(n, index, unit.extents)
-                sizes += [codecs.master.nbytes(n)] * own_master
-                sizes += [codecs.exp_avg.nbytes(n), codecs.exp_avg_sq.nbytes(n), grad_dtype(cfg, dtype).itemsize * n]
+                sizes += fmt.segment_bytes(n, master=own_master, index=index, extents=unit.extents)
+                sizes.append(grad_dtype(cfg, dtype).itemsize * n)
     return sizes
 
 
