@@ -103,3 +103,29 @@ def test_a_nan_loss_is_named_or_skipped(tmp_path, mode):
         assert torch.isfinite(torch.tensor(engine.get_global_grad_norm()))
     finally:
         engine.close()
+
+
+AFTER_THE_LAST_BOUNDARY = """
+import os, signal, sys, torch
+sys.path.insert(0, sys.argv[1])
+import zero
+from stage3_models import batches, stage3_config, tiny_gpt2
+engine, *_ = zero.initialize(model=tiny_gpt2(), config=stage3_config("cpu", "cpu"))
+engine.save_on_signal(sys.argv[2])
+ids = batches(1)[0]
+engine.backward(engine(input_ids=ids, labels=ids).loss)
+engine.step()
+os.kill(os.getpid(), signal.SIGTERM)  # noted: no boundary comes after it
+print("closing", flush=True)
+engine.close()
+print("survived", flush=True)
+"""
+
+
+def test_a_signal_after_the_last_boundary_is_delivered_at_close(tmp_path):
+    """The engine noted it for a boundary that never came: close frees everything, then hands it to the handler it
+    had (the default: the process ends by it), instead of dropping it."""
+    run = subprocess.run([sys.executable, "-c", AFTER_THE_LAST_BOUNDARY, os.path.join(REPO_ROOT, "tests"),
+                          str(tmp_path / "ckpt")], env=child_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == -signal.SIGTERM, (run.returncode, run.stdout, run.stderr[-2000:])
+    assert run.stdout.split() == ["closing"]

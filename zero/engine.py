@@ -481,13 +481,13 @@ class ZeroEngine(FullValues, nn.Module):
                   "exiting", flush=True)
 
     def close(self) -> None:
-        """Free every tier's buffers and remove the nvme store's file (after a step still running ends). A
-        second call does nothing."""
+        """Free every tier's buffers and remove the nvme store's file (after a step still running ends); then a
+        save_on_signal signal that came after the last step boundary goes to the handler it had before (by default
+        ending the process). A second call does nothing."""
         if self._closed:
             return
         self._closed = True
-        if self.preemption is not None:
-            self.preemption.close()
+        pending = self.preemption.close() if self.preemption is not None else None
         try:
             try:
                 if self.speculation is not None:
@@ -508,6 +508,8 @@ class ZeroEngine(FullValues, nn.Module):
             self.gradients.close()
             self.driver.close()
             self.swap.close()
+        if pending is not None:  # a preemption signal after the last boundary: its handler's, now all is freed
+            signal.raise_signal(pending)
 
     # -- what checkpoints read and write ----------------------------------------------------------------------
 

@@ -42,8 +42,10 @@ class Preemption:
         flag = torch.tensor([float(self.received is not None)])
         return dp.all_reduce_sum(flag).item() > 0
 
-    def close(self) -> None:
-        """Give the signals back to the handlers they had."""
+    def close(self) -> int | None:
+        """Give the signals back to the handlers they had. Returns a signal noted and not acted on (no boundary
+        came after it), for the caller to deliver to them once it has cleaned up: it is not lost."""
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous = {}
+        return self.received if self.saved is None else None
