@@ -29,13 +29,14 @@ from stage3_models import (
     stage3_config, tiny_gpt2, tiny_llama, units_held)
 
 ACCUM, CLIP = 2, 1.0
-TARGETS = {"llama": (tiny_llama, ["q_proj", "v_proj"]), "gpt2": (tiny_gpt2, ["c_attn"])}
+TARGETS = {"llama": (tiny_llama, ["q_proj", "v_proj"]), "gpt2": (tiny_gpt2, ["c_attn"]),
+           "llama-head": (tiny_llama, ["q_proj", "v_proj", "lm_head"]), "gpt2-head": (tiny_gpt2, ["c_attn", "lm_head"])}
 
 
 def lora(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
     build, targets = TARGETS[name]
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
-                             fan_in_fan_out=name == "gpt2")
+                             fan_in_fan_out=name.startswith("gpt2"))
     return peft.get_peft_model(build(seed, **overrides), config)
 
 
@@ -86,6 +87,26 @@ def test_lora_trains_as_plain_pytorch_and_the_base_is_never_written(name, home, 
             assert units_held(engine) == []
             assert losses == expected_losses
             assert_state_equal(full_state(engine), {k: v.detach().clone() for k, v in reference.state_dict().items()})
+        finally:
+            engine.close()
+
+
+@pytest.mark.parametrize("frozen_units", ["layer", "block"])
+@pytest.mark.parametrize("name", ["llama-head", "gpt2-head"])
+def test_lora_on_the_head_keeps_the_roots_base_until_the_backward_ends(name, frozen_units):
+    """The head's adapter is in the root unit and gets its gradient first; the head's frozen base still passes
+    gradients on to the blocks' adapters after it (GPT-2's is the tied embedding): freed then, a crash."""
+    data = batches(2)
+    with one_thread():
+        reference = lora(name)
+        expected_losses = reference_train(reference, data)
+        model = lora(name)
+        config = stage3_config("cpu", "cpu", zero_tiering={"frozen_units": frozen_units})
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=trainable(model))
+        try:
+            assert engine_train(engine, data) == expected_losses
+            assert_state_equal(full_state(engine), {k: v.detach().clone() for k, v in reference.state_dict().items()})
+            assert units_held(engine) == []
         finally:
             engine.close()
 
@@ -511,6 +532,7 @@ def test_a_forward_writing_a_frozen_parameter_is_an_error_naming_it(tmp_path):
     try:
         with pytest.raises(RuntimeError, match=r"frozen parameter 'blocks\.0\.weight' was modified in place"):
             engine(torch.ones(2, 8))
+        assert units_held(engine) == []
     finally:
         engine.close()
 

@@ -81,10 +81,12 @@ def check_frozen(flat: FlatUnit, device: torch.device) -> None:
                              "place it")
 
 
-def check_unwritten(unit: Unit) -> None:
-    """A frozen unit's forward wrote none of its parameters in place (the write would be lost at the release)."""
+def check_unwritten(unit: Unit, release: Callable[[Unit], None]) -> None:
+    """A frozen unit's forward wrote none of its parameters in place (the write would be lost at the release);
+    where one did, `release(unit)` (the forward's gather) before the error."""
     for slot, version in zip(unit.flat.slots, unit.versions):
         if slot.param._version != version:
+            release(unit)
             raise RuntimeError(f"frozen parameter {slot.name!r} was modified in place by its module's forward: a "
                                "frozen parameter's stored bytes are never written back, so the change would be "
                                "lost at its release; make it trainable or change it outside the forward, inside "

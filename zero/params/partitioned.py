@@ -87,8 +87,8 @@ class PartitionedPlacement(Placement):
         """id(module) -> the frozen units cut from its unit (frozen.py)."""
         self._tied: dict[int, list[TiedHead]] = {}
         """Unit index -> its weights tied between an embedding and the head (their head gradients)."""
-        self._root_uses: RootUses | None = None
-        """Training with park_root: parks the root units between their uses."""
+        self._root_uses: RootUses | None = None  # training with park_root: parks the root between its uses
+        self._model: nn.Module | None = None
 
     @classmethod
     def build(cls, model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], *, materialize: Materializer,
@@ -103,6 +103,7 @@ class PartitionedPlacement(Placement):
         (root_uses.py). `collaborators`: the constructor's arguments."""
         shard_tier: Tier = "device" if param_home == "device" else "host"
         placement = cls(shard_tier=shard_tier, **collaborators)
+        placement._model = model
         swap, device = placement.swap, placement.device
         for index, (flat, module) in enumerate(plan):
             materialize(*(f for f, m in plan if m is module))  # a module's units at once: it may hold several's
@@ -255,14 +256,12 @@ class PartitionedPlacement(Placement):
         self._free_bytes(unit)
         unit.to("drop")
 
-    def _refill(self, unit: Unit) -> None:
-        """A gathered unit's full buffer takes its shard's current values."""
+    def _refill(self, unit: Unit) -> None:  # a gathered unit's full buffer takes its shard's current values
         unit.fill = self._start_fill(unit)
         self._wait_fill(unit)
 
     def _take_bytes(self, unit: Unit) -> None:
         """Count the full buffer against the device budget (evicting segments for room) and give it bytes.
-
         Without CUDA they are the pages of a buffer from the device tier's pool, handed to the full buffer's own
         storage in place (the storage object stays the one autograd's saved views hold): a step reuses pages
         instead of faulting in fresh ones at every gather."""
@@ -468,8 +467,9 @@ class PartitionedPlacement(Placement):
 
     def _end_frozen(self, ends: FrozenEnds) -> None:
         """End the backward of the frozen units cut from a module once its inputs' gradients are computed and its
-        trained units have their gradients (both may still need their weights before)."""
-        if ends.inputs_pending == 0 and all(
+        trained units have their gradients (both may still need their weights before). Not the root's (finish_backward
+        ends them): its inputs (token ids) guard nothing, and its weights pass gradients on to the blocks after."""
+        if ends.module is not self._model and ends.inputs_pending == 0 and all(
                 t.state is not UnitState.BACKWARD for t in self._trained_of.get(id(ends.module), ())):
             for unit in ends.units:
                 if unit.state is UnitState.BACKWARD:
@@ -480,7 +480,7 @@ class PartitionedPlacement(Placement):
         caller gets: any output that is a view of the unit's parameters (a bias returned as it is) becomes a copy,
         since the release takes those bytes away (reading them after would read freed memory)."""
         if unit.frozen:
-            check_unwritten(unit)
+            check_unwritten(unit, self.release)
         leaves, spec = tree_flatten(output)
         storage = unit.full.untyped_storage().data_ptr()
         if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == storage for t in leaves):
