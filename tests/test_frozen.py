@@ -264,9 +264,12 @@ def test_unit_major_accumulation_runs_frozen_units_too(tmp_path):
             engine.close()
 
 
-def _lora_on(base: torch.nn.Module) -> torch.nn.Module:
-    return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                     lora_dropout=0.0))
+def _lora_on(base: torch.nn.Module, *, everywhere: bool = False) -> torch.nn.Module:
+    """Adapters on the attention's linears; `everywhere`: on the embedding too (parameters in a ParameterDict), and
+    the head trained as a copy (modules_to_save)."""
+    extra = {"modules_to_save": ["lm_head"], "target_modules": ["q_proj", "v_proj", "embed_tokens"]} if everywhere \
+        else {"target_modules": ["q_proj", "v_proj"]}
+    return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, **extra))
 
 
 @pytest.mark.parametrize("route", ["zero.Init", "pretrained"])
@@ -289,16 +292,19 @@ def test_lora_on_a_base_never_whole_in_memory_starts_as_its_base(route, tmp_path
             weights = tmp_path / "base"
             with torch.device("meta"):
                 base = tiny_llama(0)
-        model = _lora_on(base)
+        model = _lora_on(base, everywhere=True)
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=trainable(model),
                                           weights=weights)
         try:
             assert all(u.frozen for u in engine.units if "#frozen" in u.name) and any(u.frozen for u in engine.units)
             state = full_state(engine)
-            assert all(not v.any() for k, v in state.items() if "lora_B" in k)
-            assert all(v.any() for k, v in state.items() if "lora_A" in k)
+            assert all(not v.any() for k, v in state.items() if "lora_B" in k or "lora_embedding_A" in k)
+            assert all(v.any() for k, v in state.items() if "lora_A" in k or "lora_embedding_B" in k)
+            head = "base_model.model.lm_head."
+            assert torch.equal(state[head + "modules_to_save.default.weight"], state[head + "original_module.weight"])
             losses = engine_train(engine, [ids] * 4)
             assert losses[0] == base_loss and losses[-1] < losses[0]
+            assert all(v.any() for k, v in full_state(engine).items() if "lora_embedding_A" in k)  # it trains
         finally:
             engine.close()
 

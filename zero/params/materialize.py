@@ -33,14 +33,24 @@ class Materializer:
         for name, p in model.named_parameters(remove_duplicate=False):
             self.names.setdefault(id(p), []).append(name)
             if peft:
-                self.names[id(p)].append(name.removeprefix("base_model.model.").replace(".base_layer.", "."))
+                self.names[id(p)].append(name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+                                         .replace(".original_module.", "."))
         self.adapters: dict[int, tuple[nn.Module, str]] = {}
-        """id(module) -> (PEFT tuner layer, adapter name) for an adapter's own modules (`lora_A[name]`, ...)."""
+        """id(module) -> (PEFT tuner layer, adapter name) for an adapter's own modules (`lora_A[name]`, ...; an
+        embedding's `lora_embedding_A`, a ParameterDict, holds its parameters itself)."""
+        self.copies: dict[int, nn.Parameter] = {}
+        """id(parameter) -> its original, for a PEFT `modules_to_save` copy (trained, starting as the base's)."""
         for layer in model.modules():
             if callable(getattr(layer, "reset_lora_parameters", None)):
                 for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
                     for adapter, owned in getattr(layer, part, {}).items():
-                        self.adapters[id(owned)] = (layer, adapter)
+                        self.adapters[id(owned if isinstance(owned, nn.Module) else getattr(layer, part))] = \
+                            (layer, adapter)
+            if isinstance(getattr(layer, "original_module", None), nn.Module) and \
+                    isinstance(getattr(layer, "modules_to_save", None), nn.ModuleDict):
+                originals = dict(layer.original_module.named_parameters())
+                for copy in layer.modules_to_save.values():
+                    self.copies.update((id(p), originals[n]) for n, p in copy.named_parameters() if n in originals)
 
     def __call__(self, *units: FlatUnit) -> None:
         """Materialize the units' meta parameters (a module's units at once: one module may hold parameters of
@@ -72,17 +82,39 @@ class Materializer:
         for p in params:
             if p.is_meta:
                 swap_keeping_attributes(p, nn.Parameter(host_empty(p.shape, p.dtype), p.requires_grad))
+        if all(id(p) in self.copies for p in params):
+            self._copy_originals(params)
+            return
         if self.weights is None or id(module) in self.adapters:  # a new adapter is in no pretrained checkpoint
             self._initialize(module)
             return
+        for p in params:
+            self._read(p, self.names[id(p)])
+
+    def _read(self, p: nn.Parameter, names: list[str]) -> None:
+        found = self.weights.find(names)
+        if found is None:
+            raise PretrainedWeightsError(f"{self.weights.path!r} has no tensor for the model's "
+                                         f"{' / '.join(map(repr, names))} (shape {list(p.shape)})")
         with torch.no_grad():
-            for p in params:
-                names = self.names[id(p)]
-                found = self.weights.find(names)
-                if found is None:
-                    raise PretrainedWeightsError(f"{self.weights.path!r} has no tensor for the model's "
-                                                 f"{' / '.join(map(repr, names))} (shape {list(p.shape)})")
-                self.weights.read_into(found, p.data, names[0])
+            self.weights.read_into(found, p.data, names[0])
+
+    def _copy_originals(self, params: list[nn.Parameter]) -> None:
+        """PEFT's modules_to_save copies start as their originals: from their values, zero.Init's slices of them, or
+        the checkpoint's tensors for them."""
+        for p in params:
+            original = self.copies[id(p)]
+            if not original.is_meta:
+                with torch.no_grad():
+                    p.data.copy_(original.data)
+            elif _staged(original) is not None:
+                _staged(original).read_into(original, p.data)
+            elif self.weights is not None:
+                self._read(p, self.names[id(original)])
+            else:
+                raise ValueError(f"PEFT's modules_to_save copy {self.names[id(p)][0]!r} of a base built on meta "
+                                 "starts as its original, which has no values yet: give initialize the base's "
+                                 "weights (weights=...), or build it under zero.Init or with its weights")
 
     def _initialize(self, module: nn.Module) -> None:
         if id(module) in self.adapters:
