@@ -15,6 +15,8 @@ import math
 import os
 import re
 import signal
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -421,3 +423,54 @@ def test_a_compact_state_format_trains_under_the_trainer(gpt2_runs, tmp_path):
         assert list(ours.values()) == pytest.approx(list(theirs.values()), rel=0.03)
     finally:
         trainer.close()
+
+
+TWO_RANKS = textwrap.dedent("""
+    import json, sys, torch, warnings
+    import torch.distributed as dist
+    warnings.filterwarnings("ignore")
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    from zero.integrations import ZeroTrainer
+
+    def llama():
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(0, 256, (32, 16), generator=g)]
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "gradient_clipping": "auto", "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                                                 "offload_optimizer": {"device": "cpu"}}}
+    losses = {}
+    for name in ("zero", "plain"):
+        args = TrainingArguments(output_dir=sys.argv[1] + "/" + name, max_steps=3, per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=2, learning_rate=3e-3, logging_steps=1, save_strategy="no",
+                                 report_to=[], use_cpu=True, seed=1234, disable_tqdm=True, ddp_backend="gloo",
+                                 lr_scheduler_type="constant")
+        trainer = (ZeroTrainer(model=llama(), args=args, train_dataset=data, zero_config=config) if name == "zero"
+                   else Trainer(model=llama(), args=args, train_dataset=data))
+        trainer.train()
+        losses[name] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        if name == "zero":
+            trainer.close()
+    if dist.get_rank() == 0:
+        print(json.dumps(losses))
+""")
+
+
+def test_two_ranks_with_accumulation_train_as_the_plain_trainer_under_ddp(tmp_path):
+    """The Trainer wraps every micro-batch but a step's last in accelerate's no_sync, which the engine (its own
+    reductions) refuses with several ranks: the Trainer is told each batch syncs, and trains as DDP does."""
+    from stage3_models import free_port
+
+    from conftest import child_env
+
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(script), str(tmp_path)], cwd=tmp_path,
+                          env=child_env() | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    losses = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(losses["zero"]) == 3 and losses["zero"] == pytest.approx(losses["plain"], rel=1e-5)
