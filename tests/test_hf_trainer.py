@@ -390,6 +390,16 @@ def test_a_config_the_arguments_cannot_fill_names_the_key(tmp_path, changes, err
     assert trainer.engine is None and trainer.state.global_step == 0
 
 
+def test_a_config_writing_false_for_gathering_16bit_weights_on_save_is_taken_as_written(tmp_path):
+    """Many DeepSpeed configs write it false; the Trainer's save_model writes consolidated weights whatever it says,
+    and transformers checks it against nothing."""
+    config = hf_docs_zero3(tmp_path / "nvme")
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
+    trainer = ZeroTrainer(model=llama(), train_dataset=dataset(8), zero_config=config,
+                          args=training_args(TrainingArguments, tmp_path / "a"))
+    assert trainer._resolved_config(4)["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is False
+
+
 def test_a_trainer_without_a_config_says_how_to_give_one(tmp_path):
     with pytest.raises(ValueError, match="ZeroTrainingArguments"):
         ZeroTrainer(model=llama(), args=training_args(TrainingArguments, tmp_path), train_dataset=dataset(8))

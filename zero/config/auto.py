@@ -130,7 +130,8 @@ RULES = (
       for key in ("stage3_prefetch_bucket_size", "prefetch_bucket_size")),
     *(_hidden((ZERO, key), lambda h: 10 * h, "10 * hidden_size")
       for key in ("stage3_param_persistence_threshold", "param_persistence_threshold")),
-    *(_arg((ZERO, key), "zero3_save_16bit_model")
+    *(Rule((ZERO, key), lambda f: f.args.zero3_save_16bit_model, "args=TrainingArgs(zero3_save_16bit_model=...)",
+           must_match=False)  # a written false is the config's (DeepSpeed scripts write it): transformers keeps it
       for key in ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save")),
 )
 
