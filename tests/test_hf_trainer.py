@@ -400,6 +400,14 @@ def test_a_config_writing_false_for_gathering_16bit_weights_on_save_is_taken_as_
     assert trainer._resolved_config(4)["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is False
 
 
+def test_save_only_model_with_load_best_model_at_end_is_refused_before_training(tmp_path):
+    args = training_args(TrainingArguments, tmp_path, save_only_model=True, load_best_model_at_end=True,
+                         eval_strategy="steps", save_strategy="steps", eval_steps=2, save_steps=2)
+    with pytest.raises(ValueError, match="save_only_model=True with load_best_model_at_end=True"):
+        ZeroTrainer(model=llama(), args=args, train_dataset=dataset(8), eval_dataset=dataset(4),
+                    zero_config=hf_docs_zero3(tmp_path / "nvme"))
+
+
 def test_a_trainer_without_a_config_says_how_to_give_one(tmp_path):
     with pytest.raises(ValueError, match="ZeroTrainingArguments"):
         ZeroTrainer(model=llama(), args=training_args(TrainingArguments, tmp_path), train_dataset=dataset(8))

@@ -142,6 +142,10 @@ class ZeroTrainer(Trainer):
                 "TrainingArguments(deepspeed=...) hands the config to DeepSpeed through accelerate; to train with "
                 "zero-tiering use zero.integrations.ZeroTrainingArguments(deepspeed=...) (the same arguments), "
                 "or TrainingArguments without deepspeed= and ZeroTrainer(..., zero_config=...)")
+        if args is not None and args.save_only_model and args.load_best_model_at_end:
+            raise ValueError("save_only_model=True with load_best_model_at_end=True: the best model is loaded from "
+                             "its checkpoint-N's engine checkpoint, which save_only_model leaves out (as transformers "
+                             "refuses it with DeepSpeed): drop one")
         if zero_config is None and zero_weights is None:  # a zero_trainer(cls) class keeps them past cls's __init__
             zero_config, zero_weights = getattr(self, "_zero_arguments", (None, None))
         from_args = getattr(args, "zero_config", None)
