@@ -70,6 +70,26 @@ def test_weights_load_into_the_tiers_and_the_first_forward_is_exact(kind, stage,
         engine.close()
 
 
+def test_a_checkpoint_holding_both_names_of_a_tied_weight_loads(tmp_path):
+    """A full state_dict saved as it is (GPT-2's lm_head.weight beside transformer.wte.weight), as from_pretrained
+    reads it: the second name is the same tensor, not one the model has no place for."""
+    from safetensors.torch import save_file
+
+    reference = saved(gpt2_config(), tmp_path / "model")
+    state = {k: v.contiguous().clone() for k, v in reference.state_dict().items()}
+    assert "lm_head.weight" in state and "transformer.wte.weight" in state
+    (tmp_path / "full").mkdir()
+    save_file(state, tmp_path / "full" / "model.safetensors", metadata={"format": "pt"})
+    engine = zero.initialize(model=on_meta(gpt2_config()), config=ds_config(3, "fp32", "cpu", str(tmp_path)),
+                             weights=tmp_path / "full")[0]
+    try:
+        engine.eval()
+        with torch.no_grad():
+            assert torch.equal(engine(IDS).logits, reference(IDS).logits)
+    finally:
+        engine.close()
+
+
 def test_our_export_loads_back(tmp_path):
     from transformers import AutoModelForCausalLM
 

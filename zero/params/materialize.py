@@ -98,6 +98,7 @@ class Materializer:
                                          f"{' / '.join(map(repr, names))} (shape {list(p.shape)})")
         with torch.no_grad():
             self.weights.read_into(found, p.data, names[0])
+        self.weights.mark_used(names)
 
     def _copy_originals(self, params: list[nn.Parameter]) -> None:
         """PEFT's modules_to_save copies start as their originals: from their values, zero.Init's slices of them, or

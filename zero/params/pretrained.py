@@ -110,6 +110,10 @@ class PretrainedWeights:
                 return name
         return None
 
+    def mark_used(self, names: list[str]) -> None:
+        """A tied tensor's other names count as loaded too: a full state_dict (GPT-2's) writes it under each."""
+        self.used.update(name for name in (self.aliases.get(n, n) for n in names) if name in self.entries)
+
     def read_into(self, name: str, out: torch.Tensor, what: str) -> None:
         """Fill `out` (a contiguous CPU tensor; `what` is its name in the model) with tensor `name`, cast to
         out's dtype."""
