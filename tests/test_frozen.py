@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -600,3 +601,24 @@ def test_a_host_budget_below_the_largest_frozen_shard_is_refused_before_training
     config = stage3_config("nvme", "cpu", nvme_path=tmp_path, zero_tiering={"host_budget": embedding // 2})
     with pytest.raises(ConfigError, match=r"zero_tiering.host_budget.*largest parameter shard.*embed_tokens#frozen"):
         deepspeed.initialize(model=model, config=config, model_parameters=trainable(model))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("change", ["freeze", "unfreeze"])
+def test_changing_requires_grad_after_initialize_is_named(stage, change):
+    """The units were made from the trainable set: a parameter frozen since was still stepped (its moments and
+    weight decay moved it), one unfrozen never was; either is an error at the next backward, naming it."""
+    from zero.integrations.unsupported import UnsupportedFeatureError
+
+    model = lora("llama")
+    config = stage3_config("cpu", "cpu") if stage == 3 else {**stage3_config(), "zero_optimization": {"stage": 2}}
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=trainable(model))
+    try:
+        ids = batches(1)[0]
+        engine_train(engine, [ids])
+        name, param = next((n, p) for n, p in model.named_parameters() if p.requires_grad == (change == "freeze"))
+        param.requires_grad_(change == "unfreeze")
+        with pytest.raises(UnsupportedFeatureError, match=rf"changing requires_grad of '{re.escape(name)}' after"):
+            engine_train(engine, [ids])
+    finally:
+        engine.close()

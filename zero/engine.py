@@ -38,6 +38,7 @@ from .optim.speculative_step import SpeculativeStep
 from .optim.param_groups import ZeroOptimizer
 from .params.ds_param import OWNER, mark, set_owner
 from .params.full_values import FullValues
+from .params.wrap_policy import check_trainable
 from .params.placement import Placement
 from .params.unit import DS_STATUS, Unit
 from .services.preemption import SIGNALS, Preemption
@@ -102,14 +103,11 @@ class ZeroEngine(FullValues, nn.Module):
         """Samples a second of the optimizer steps (DeepSpeed's), timed from each forward to its step()."""
         self.unit_major = unit_major
         """Runs a step's micro-batches through each unit at once (train_batch), where the model allows."""
-        self.schedule = "micro-batch"
-        """How the last step's forwards and backwards ran: "unit-major" or "micro-batch"."""
-        self.optimizer_seconds = 0.0
-        """What the last boundary's step() took on the calling thread (train_batch's callers time their parts)."""
+        self.schedule = "micro-batch"  # how the last step's forwards and backwards ran (or "unit-major")
+        self.optimizer_seconds = 0.0  # what the last boundary's step() took on the calling thread
         self.device_minimum = device_minimum or {}
         """The least device budget this engine runs in, by part (budgets.device_minimum); activations come on top."""
-        self._bet = True
-        """Whether the next boundary speculates: the last step neither clipped nor overflowed."""
+        self._bet = True  # whether the next boundary speculates: the last step neither clipped nor overflowed
         self.stage = config.zero_optimization.stage
         self._last_grad_norm: float | None = None
         self._last_loss: torch.Tensor | None = None
@@ -117,6 +115,7 @@ class ZeroEngine(FullValues, nn.Module):
         self.preemption: Preemption | None = None
         self._preemption_state: Callable[[], Any] | None = None
         self._closed = False
+        self._trainable = [(name, p, p.requires_grad) for name, p in module.named_parameters()]  # check_trainable
         # zero.Init numbered the parameters it built; the others continue its numbering (DeepSpeed's are unique).
         next_id = 1 + max((p.ds_id for p in module.parameters() if hasattr(p, "ds_id")), default=-1)
         for unit in self.units:
@@ -214,6 +213,7 @@ class ZeroEngine(FullValues, nn.Module):
 
     def _backward(self, loss: torch.Tensor, divisor: int) -> torch.Tensor:
         self._finish_step()  # the gradients it accumulates into are the running step's to drop first
+        check_trainable(self._trainable)
         if self.speculation is not None and self._bet and self.counters.at_boundary():
             self.speculation.begin(self.optimizer.param_groups, self.optimizer.step_count + 1, 1.0 / self.cur_scale)
         self._last_loss = loss.detach()

@@ -10,6 +10,7 @@ from typing import Callable
 
 from torch import nn
 
+from ..integrations.unsupported import UnsupportedFeatureError
 from .holders import holders
 
 Policy = Callable[[str, nn.Module], bool]
@@ -86,3 +87,13 @@ def frozen_parts(name: str, module: nn.Module, frozen: Named) -> list[tuple[str,
         if id(sub) in by_owner:
             parts.append((f"{paths[id(sub)]}#frozen", sub, by_owner[id(sub)]))
     return parts
+
+
+def check_trainable(recorded: list[tuple[str, nn.Parameter, bool]]) -> None:
+    """No parameter's requires_grad changed since the units were made from them (name, parameter, requires_grad):
+    a parameter frozen since would still be stepped (its moments and weight decay move it), one unfrozen never."""
+    for name, param, trained in recorded:
+        if param.requires_grad != trained:
+            raise UnsupportedFeatureError(f"changing requires_grad of {name!r} after initialize (to "
+                                          f"{param.requires_grad})", "set requires_grad before zero.initialize "
+                                          "(a new engine for another trainable set)")
