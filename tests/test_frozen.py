@@ -310,6 +310,26 @@ def test_lora_on_a_base_never_whole_in_memory_starts_as_its_base(route, tmp_path
             engine.close()
 
 
+def test_every_adapter_of_an_embedding_is_initialized_on_a_base_under_zero_init(tmp_path):
+    """An embedding's LoRA parameters of every adapter live in one ParameterDict: each adapter is initialized as PEFT
+    does (A zero, B drawn), not the last one alone with the others left as whatever the memory held."""
+    config = stage3_config("cpu", "cpu")
+    with one_thread():
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            base = tiny_llama(0)
+        lora_config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["embed_tokens"])
+        model = peft.get_peft_model(base, lora_config)
+        model.add_adapter("second", lora_config)
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=trainable(model))
+        try:
+            state = full_state(engine)
+            for adapter in ("default", "second"):
+                a, b = (state[f"base_model.model.model.embed_tokens.lora_embedding_{x}.{adapter}"] for x in "AB")
+                assert not a.any() and b.isfinite().all() and 0.1 < b.std() < 10, adapter
+        finally:
+            engine.close()
+
+
 def as_stored_int8(model: torch.nn.Module) -> torch.nn.Module:
     """`model` with its frozen weights as the engine's int8 units decode them."""
     from zero.comm import DataParallel

@@ -109,6 +109,33 @@ def test_a_forward_that_raises_leaves_nothing_gathered_and_training_goes_on(tmp_
         engine.close()
 
 
+def test_a_forward_whose_gather_fails_releases_nothing_it_did_not_gather(tmp_path):
+    """The forward hook is always called, also when the pre-hook's gather raised (a budget, a read): it must not
+    drop a reference the gather never took (a unit left at refs -1 is never freed again)."""
+    model = tiny_gpt2()
+    engine, *_ = zero.initialize(model=model, config=stage3_config("cpu", "cpu"))
+    try:
+        data = batches(STEPS)
+        placement, block = engine.placement, engine.units[1]
+        real = placement._gather_in_order
+
+        def failing(unit):
+            if unit is block:
+                raise RuntimeError("no room, say")
+            return real(unit)
+
+        placement._gather_in_order = failing
+        with pytest.raises(RuntimeError, match="no room"):
+            loss_of(engine, data[0], True)
+        del placement._gather_in_order
+        assert all(unit.refs == 0 for unit in engine.units) and not units_held(engine)
+        losses = engine_train(engine, data)
+        ref = tiny_gpt2()
+        assert_same(losses, full_state(engine), reference_train(ref, data), state_of(ref))
+    finally:
+        engine.close()
+
+
 def test_module_called_twice_per_step():
     """Block 0 runs twice in every forward: its unit is gathered twice in forward and twice in backward,
     its gradient is the sum of both calls, and it is released once nobody needs it."""

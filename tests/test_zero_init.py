@@ -101,6 +101,13 @@ def test_a_nested_init_leaves_the_partitioning_to_the_outer_one(tmp_path):
             assert torch.equal(p, q), name
 
 
+def test_an_init_inside_a_disabled_one_partitions(tmp_path):
+    with deepspeed.zero.Init(enabled=False):
+        with deepspeed.zero.Init(config_dict_or_path=config(tmp_path)):
+            model = Blocks()
+    assert all(p.is_meta for p in model.parameters())
+
+
 def test_a_modifying_block_nested_in_a_reading_one_keeps_its_change(tmp_path):
     model = built(init=deepspeed.zero.Init(config_dict_or_path=config(tmp_path)))
     weight = model.layers[1].weight

@@ -105,8 +105,7 @@ class ZeroEngine(FullValues, nn.Module):
         """Runs a step's micro-batches through each unit at once (train_batch), where the model allows."""
         self.schedule = "micro-batch"  # how the last step's forwards and backwards ran (or "unit-major")
         self.optimizer_seconds = 0.0  # what the last boundary's step() took on the calling thread
-        self.device_minimum = device_minimum or {}
-        """The least device budget this engine runs in, by part (budgets.device_minimum); activations come on top."""
+        self.device_minimum = device_minimum or {}  # the least device budget it runs in, by part (budgets.py)
         self._bet = True  # whether the next boundary speculates: the last step neither clipped nor overflowed
         self.stage = config.zero_optimization.stage
         self._last_grad_norm: float | None = None
@@ -272,7 +271,8 @@ class ZeroEngine(FullValues, nn.Module):
         caller runs the micro-batches one after another); `schedule` says which. The first call probes the model
         with one forward of `batch_loss` on a micro-batch, without autograd (zero.accumulation.probe)."""
         k = self.counters.gradient_accumulation_steps
-        stacked = None if self.unit_major is None or k == 1 else self.unit_major.plan(micro_batches, batch_loss)
+        loop = self.unit_major is None or k == 1 or self.counters.boundary is not None  # (a script's boundary)
+        stacked = None if loop else self.unit_major.plan(micro_batches, batch_loss)
         self.schedule = "micro-batch" if stacked is None else "unit-major"
         if stacked is None:
             return None

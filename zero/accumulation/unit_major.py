@@ -94,7 +94,7 @@ class UnitMajor:
         try:
             loss = batch_loss(batch)
         except Exception as exc:  # noqa: BLE001  (said in the refusal; the micro-batch loop raises it again)
-            error = exc
+            error = f"{type(exc).__name__}: {exc}"  # not the exception: its frames hold the whole stacked forward
         failed = torch.tensor([0.0 if error is None else 1.0])
         if self.dp.world_size > 1:  # every rank the same schedule: the backward's reductions are collectives
             self.dp.all_reduce_sum(failed)
@@ -104,7 +104,7 @@ class UnitMajor:
         if streams[1] is not None:
             torch.cuda.set_rng_state(streams[1], device)
         self.refusal = ("another rank's stacked forward failed" if error is None else
-                        f"the step's stacked forward failed ({type(error).__name__}: {error})")
+                        f"the step's stacked forward failed ({error})")
         self._say(self.refusal)
         return None
 

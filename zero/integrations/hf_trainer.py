@@ -163,8 +163,9 @@ class ZeroTrainer(Trainer):
         self._micro_batches: list[dict[str, Any]] = []
         """This optimizer step's micro-batches so far, with accumulation: they run together at its last one."""
         super().__init__(model, args, *rest, **kwargs)
-        # The engine reduces each micro-batch's gradients itself: the Trainer's no_sync (DDP's) is not for it.
-        self.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
+        # The engine reduces each micro-batch's gradients itself: the Trainer's no_sync (DDP's) is not for it (every
+        # transformers version asks the accelerator for it; newer ones first read sync_each_batch).
+        self.accelerator.no_sync = lambda model: contextlib.nullcontext()
         if getattr(self.args, "save_on_signal", False):
             self.add_callback(SaveOnSignal(self))
         if self.args.max_steps > 0:  # every fact "auto" needs is known: report a bad config now, not in train()

@@ -45,12 +45,12 @@ class FullValues:
             for unit in chosen:
                 self.placement.gather(unit)
                 held.append(unit)
+                if modifying:  # in host memory: the device budget has no room for it
+                    entry[unit.index] = unit.full.to("cpu", copy=True)
                 if self.placement.frees_on_release(unit):
                     self._lent[unit.index] = unit.full.clone()
                     unit.flat.bind(self._lent[unit.index])
                     lent.append(unit)
-                if modifying:
-                    entry[unit.index] = unit.flat.flatten(torch.empty_like(unit.full))
             yield
             for unit in chosen if modifying else ():
                 unit.flat.flatten(unit.full)  # the parameters may be views of a lent copy, or assigned
@@ -68,8 +68,8 @@ class FullValues:
 
     def _adopt_full_values(self, unit: Unit, wanted: set[int] | None, before: torch.Tensor) -> None:
         """Make the unit's full buffer the truth for the parameters in `wanted` (None: all): copy the elements of
-        their part of this rank's range that differ from `before` into the masters (each sub-group fetched once),
-        and the range into the shard (the others' values are its own)."""
+        their part of this rank's range that differ from `before` (the full buffer when the block began) into the
+        masters (each sub-group fetched once), and the range into the shard (the others' values are its own)."""
         ranges = ([(0, unit.flat.padded_numel)] if wanted is None else
                   [(slot.offset, slot.numel) for slot in unit.flat.slots if id(slot.param) in wanted])
         runs: dict[int, tuple[SubGroup, list[tuple[int, int, int]]]] = {}
@@ -79,9 +79,9 @@ class FullValues:
         for sg, pieces in runs.values():
             with self.driver.held(sg, "master", dirty=True) as master:
                 for at, offset, numel in pieces:
-                    new = unit.full.narrow(0, offset, numel)
-                    changed = (new != before.narrow(0, offset, numel)).to(master.device)
-                    master.narrow(0, at, numel)[changed] = new.to(master.device, master.dtype)[changed]
+                    new = unit.full.narrow(0, offset, numel).to(master.device)
+                    changed = new != before.narrow(0, offset, numel).to(master.device)
+                    master.narrow(0, at, numel)[changed] = new.to(master.dtype)[changed]
         self.placement.adopt_full(unit)
 
     def _pieces(self, unit: Unit, offset: int, numel: int) -> Iterator[tuple[SubGroup, int, int, int]]:

@@ -178,7 +178,7 @@ class InitStore:
 
 
 _ACTIVE: list[Init] = []
-"""The zero.Init blocks entered and not yet left, outermost first."""
+"""The enabled zero.Init blocks entered and not yet left, outermost first."""
 
 
 class Init:
@@ -244,11 +244,13 @@ class Init:
         if self.enabled and not _ACTIVE:  # nested (transformers opens one inside the user's): the outer one partitions
             self._hooks = [module_hooks.register_module_parameter_registration_hook(self._registered),
                            module_hooks.register_module_module_registration_hook(self._module_registered)]
-        _ACTIVE.append(self)
+        if self.enabled:
+            _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        _ACTIVE.remove(self)
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()

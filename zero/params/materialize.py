@@ -35,17 +35,17 @@ class Materializer:
             if peft:
                 self.names[id(p)].append(name.removeprefix("base_model.model.").replace(".base_layer.", ".")
                                          .replace(".original_module.", "."))
-        self.adapters: dict[int, tuple[nn.Module, str]] = {}
-        """id(module) -> (PEFT tuner layer, adapter name) for an adapter's own modules (`lora_A[name]`, ...; an
-        embedding's `lora_embedding_A`, a ParameterDict, holds its parameters itself)."""
+        self.adapters: dict[int, list[tuple[nn.Module, str]]] = {}
+        """id(module) -> (PEFT tuner layer, adapter name) of an adapter's own modules (`lora_A[name]`, ...; an
+        embedding's `lora_embedding_A`, a ParameterDict, holds every adapter's parameters itself)."""
         self.copies: dict[int, nn.Parameter] = {}
         """id(parameter) -> its original, for a PEFT `modules_to_save` copy (trained, starting as the base's)."""
         for layer in model.modules():
             if callable(getattr(layer, "reset_lora_parameters", None)):
                 for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
                     for adapter, owned in getattr(layer, part, {}).items():
-                        self.adapters[id(owned if isinstance(owned, nn.Module) else getattr(layer, part))] = \
-                            (layer, adapter)
+                        key = id(owned if isinstance(owned, nn.Module) else getattr(layer, part))
+                        self.adapters.setdefault(key, []).append((layer, adapter))
             if isinstance(getattr(layer, "original_module", None), nn.Module) and \
                     isinstance(getattr(layer, "modules_to_save", None), nn.ModuleDict):
                 originals = dict(layer.original_module.named_parameters())
@@ -119,7 +119,8 @@ class Materializer:
 
     def _initialize(self, module: nn.Module) -> None:
         if id(module) in self.adapters:
-            self._initialize_adapter(*self.adapters[id(module)])
+            for layer, adapter in self.adapters[id(module)]:
+                self._initialize_adapter(layer, adapter)
             return
         with torch.no_grad():
             if self.init_weights is not None:
@@ -134,7 +135,7 @@ class Materializer:
         """A PEFT adapter whose base was on meta (built under zero.Init, or on meta to take pretrained weights):
         PEFT moved it to meta after initializing it, so its layer initializes it again (LoRA: A as nn.Linear, B
         zero, the model starting as its base), all its own modules at once."""
-        owned = [m for m in layer.modules() if self.adapters.get(id(m)) == (layer, adapter)]
+        owned = [m for m in layer.modules() if (layer, adapter) in self.adapters.get(id(m), ())]
         for module in owned:
             for p in module.parameters(recurse=False):
                 if p.is_meta:

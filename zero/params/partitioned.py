@@ -250,8 +250,7 @@ class PartitionedPlacement(Placement):
             unit.to("refill")
 
     def _drop(self, unit: Unit) -> None:
-        """Give back the bytes of a prefetched unit nobody gathered, or whose fill failed, once its fill has ended
-        (with CUDA too: a fill waiting for its shard's read would copy into them later)."""
+        """Give back a prefetched unit's bytes (nobody gathered it, or its fill failed) once its fill has ended."""
         unit.fill.settle()
         self._free_bytes(unit)
         unit.to("drop")
@@ -314,10 +313,9 @@ class PartitionedPlacement(Placement):
             unit.staging = None
 
     def _start_fill(self, unit: Unit) -> Fill:
-        """Fetch the unit's shard and copy it into the full buffer (with several ranks: into this rank's part of
-        it, for the all-gather) on the copy stream, behind the compute queued so far. The shard is released once
-        the copy has landed: until then its buffer can be neither evicted nor reused by a read. The copy is
-        queued once the shard is in its tier: at once, or by the thread that completes its read."""
+        """Copy the unit's shard into the full buffer (several ranks: into this rank's part, for the all-gather) on
+        the copy stream, behind the compute queued so far, once the shard is in its tier (at once, or by the thread
+        completing its read); the shard is released once the copy has landed (not evicted or reused before)."""
         tier = self.swap.device_tier
         after = tier.mark()
         flat = unit.flat
@@ -452,16 +450,15 @@ class PartitionedPlacement(Placement):
         if self._root_uses is not None and unit.block is not self._root_uses.model:
             self._root_uses.block_forward()  # the root's bytes go before the block takes room
         self._gather_in_order(unit)
+        unit.forwards += 1
         if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
-            # Forward run inside backward (activation checkpointing's recomputation): the saved tensors it
-            # makes are used right away, and non-reentrant checkpointing stops the recomputation as soon as
-            # it has them, so the forward hook may never run: this gather is backward's to drop.
+            # Forward run inside backward (activation checkpointing's recomputation): non-reentrant checkpointing
+            # stops it as soon as it has its saved tensors, so the forward hook may never run: backward drops it.
             unit.backward_refs += 1
             self._arm(unit)
 
     def _pre_forward_frozen(self, unit: Unit) -> None:
-        """A frozen unit's gather; its parameters' versions are noted: a forward that writes one in place is an
-        error at its end (the write would never be stored)."""
+        """A frozen unit's gather, its parameters' versions noted (a forward writing one is an error at its end)."""
         self._pre_forward(unit)
         unit.versions = [slot.param._version for slot in unit.flat.slots]
 
@@ -479,6 +476,9 @@ class PartitionedPlacement(Placement):
         """Arm the unit's backward on its outputs and drop the forward's gather. Returns the output the module's
         caller gets: any output that is a view of the unit's parameters (a bias returned as it is) becomes a copy,
         since the release takes those bytes away (reading them after would read freed memory)."""
+        if not unit.forwards:  # (always called) its pre-hook raised before the gather: nothing to drop
+            return output
+        unit.forwards -= 1
         if unit.frozen:
             check_unwritten(unit, self.release)
         leaves, spec = tree_flatten(output)

@@ -84,6 +84,8 @@ class Unit:
     """Holders of the gathered bytes: forward, backward, a nested call, gathered_parameters."""
     backward_refs: int = 0
     """Of `refs`, those its backward drops once every gradient is in."""
+    forwards: int = 0
+    """Forward calls of its module whose pre-hook gathered it and whose (always called) forward hook has not run."""
     grads_pending: int = 0
     """Parameters whose gradient backward has not produced yet (in state BACKWARD)."""
     grads_reserved: bool = False
