@@ -3,16 +3,13 @@ tier, gathered and released clean, never written back.
 
 PEFT's LoRA on a small Llama and on GPT-2 trains bit for bit as the same PEFT model in plain PyTorch with torch
 AdamW (fp32, accumulation 2, clipping on), the base on nvme and on cpu, one rank and two; the base's stored bytes
-are the same before and after training, and the swap manager wrote none of them after registering them. A
-checkpoint saved without the frozen parameters resumes, in a fresh process on the same base, bitwise.
+are the same before and after training, and the swap manager wrote none of them after registering them.
+Checkpoints with and without the frozen parameters: test_frozen_checkpoints.py.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
-import sys
 import time
 
 import peft
@@ -26,7 +23,7 @@ from zero.config import ConfigError
 from zero.params import int8_weights
 
 from stage3_models import (
-    REPO_ROOT, assert_state_equal, batches, engine_train, free_port, full_state, one_thread, reference_train,  # noqa: F401
+    assert_state_equal, batches, engine_train, free_port, full_state, one_thread, reference_train,  # noqa: F401
     stage3_config, tiny_gpt2, tiny_llama, units_held)
 
 ACCUM, CLIP = 2, 1.0
@@ -265,7 +262,7 @@ def test_unit_major_accumulation_runs_frozen_units_too(tmp_path):
             engine.close()
 
 
-def _lora_on(base: torch.nn.Module, *, everywhere: bool = False) -> torch.nn.Module:
+def lora_on(base: torch.nn.Module, *, everywhere: bool = False) -> torch.nn.Module:
     """Adapters on the attention's linears; `everywhere`: on the embedding too (parameters in a ParameterDict), and
     the head trained as a copy (modules_to_save)."""
     extra = {"modules_to_save": ["lm_head"], "target_modules": ["q_proj", "v_proj", "embed_tokens"]} if everywhere \
@@ -293,7 +290,7 @@ def test_lora_on_a_base_never_whole_in_memory_starts_as_its_base(route, tmp_path
             weights = tmp_path / "base"
             with torch.device("meta"):
                 base = tiny_llama(0)
-        model = _lora_on(base, everywhere=True)
+        model = lora_on(base, everywhere=True)
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=trainable(model),
                                           weights=weights)
         try:
@@ -466,81 +463,7 @@ def test_two_ranks_train_lora_as_plain_data_parallel_pytorch(name, int8, tmp_pat
         assert_state_equal(result["state"], state)
 
 
-# -- checkpoints and bad input ---------------------------------------------------------------------------------
-
-RESUME = """
-import sys, torch, peft
-sys.path.insert(0, {tests!r})
-import zero as deepspeed
-from test_frozen import lora, trainable, frozen_writes
-from stage3_models import batches, engine_train, full_state, stage3_config
-torch.set_num_threads(1)
-model = lora("llama")
-engine, *_ = deepspeed.initialize(model=model, config=stage3_config("nvme", "nvme", nvme_path={nvme!r}, accum=2, clip=1.0),
-                                  model_parameters=trainable(model))
-engine.load_checkpoint({ckpt!r})
-written = frozen_writes(engine)
-losses = engine_train(engine, batches(8)[4:])
-torch.save({{"losses": losses, "state": full_state(engine), "writes": frozen_writes(engine) - written}}, {out!r})
-engine.close()
-"""
-
-
-def test_a_checkpoint_without_the_base_resumes_bitwise_in_a_fresh_process(tmp_path):
-    data = batches(8)
-    with one_thread():
-        model = lora("llama")
-        config = stage3_config("nvme", "nvme", nvme_path=tmp_path / "a", accum=ACCUM, clip=CLIP)
-        (tmp_path / "a").mkdir()
-        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=trainable(model))
-        try:
-            first = engine_train(engine, data[:4])
-            engine.save_checkpoint(tmp_path / "ckpt", tag="lora", exclude_frozen_parameters=True)
-            rest = engine_train(engine, data[4:])
-            uninterrupted = full_state(engine)
-        finally:
-            engine.close()
-    with open(tmp_path / "ckpt" / "lora" / "manifest.json") as f:
-        excluded = json.load(f)["excluded"]
-    assert set(excluded) == {n for n, p in lora("llama").named_parameters() if not p.requires_grad}
-    data_bytes = sum(os.path.getsize(tmp_path / "ckpt" / "lora" / n) for n in os.listdir(tmp_path / "ckpt" / "lora"))
-    base_bytes = 4 * sum(p.numel() for p in lora("llama").parameters() if not p.requires_grad)
-    assert data_bytes < base_bytes  # the base is not in it
-    (tmp_path / "b").mkdir()
-    script = RESUME.format(tests=os.path.join(REPO_ROOT, "tests"), nvme=str(tmp_path / "b"),
-                           ckpt=str(tmp_path / "ckpt"), out=str(tmp_path / "resumed.pt"))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    resumed = torch.load(tmp_path / "resumed.pt")
-    assert first and resumed["losses"] == rest
-    assert resumed["writes"] == 0  # the load left the base as the engine stored it
-    assert_state_equal(resumed["state"], uninterrupted)
-
-
-def test_a_full_checkpoint_restores_the_base_too(tmp_path):
-    """Without exclusion the frozen parameters are saved by name, whole: a model whose base differs takes the
-    saved one on load."""
-    data = batches(2)
-    with one_thread():
-        model = lora("llama")
-        config = stage3_config("cpu", "cpu", accum=1)
-        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=trainable(model))
-        try:
-            engine_train(engine, data)
-            engine.save_checkpoint(tmp_path, tag="full")
-            saved = full_state(engine)
-        finally:
-            engine.close()
-        other = lora("llama", seed=1)
-        engine, *_ = deepspeed.initialize(model=other, config=config, model_parameters=trainable(other))
-        try:
-            assert not torch.equal(full_state(engine)["base_model.model.model.embed_tokens.weight"],
-                                   saved["base_model.model.model.embed_tokens.weight"])
-            engine.load_checkpoint(tmp_path, tag="full")
-            assert_state_equal(full_state(engine), saved)
-        finally:
-            engine.close()
-
+# -- bad input ------------------------------------------------------------------------------------------------
 
 class _InPlace(torch.nn.Linear):
     def forward(self, x):
@@ -562,55 +485,6 @@ def test_a_forward_writing_a_frozen_parameter_is_an_error_naming_it(tmp_path):
         assert units_held(engine) == []
     finally:
         engine.close()
-
-
-def test_zero_trainer_saves_a_peft_models_adapters_alone_and_resumes_from_its_checkpoint(tmp_path):
-    """ZeroTrainer with a PEFT model: `save_model` writes PEFT's adapter files (no base), which PeftModel.from_pretrained
-    loads onto a fresh base to compute the engine's loss; its checkpoint-N leaves the base out, and training resumed
-    from it continues as the uninterrupted run."""
-    from transformers import TrainingArguments
-
-    from test_hf_trainer import dataset, hf_docs_zero3, losses, training_args
-    from zero.integrations import ZeroTrainer
-
-    def trainer_of(out, **overrides):
-        model = _lora_on(tiny_llama(0, vocab_size=256))
-        args = training_args(TrainingArguments, out, max_steps=6, **overrides)
-        return ZeroTrainer(model=model, train_dataset=dataset(48), args=args,
-                           zero_config=hf_docs_zero3(tmp_path / "nvme", accumulation="micro-batch")), model
-
-    with one_thread():
-        whole, model = trainer_of(tmp_path / "whole")
-        try:
-            whole.train()
-            whole.save_model(str(tmp_path / "adapter"))
-            ids = dataset(1)[0]["input_ids"][None]
-            whole.engine.eval()
-            with torch.no_grad():
-                trained_loss = whole.engine(input_ids=ids, labels=ids).loss.item()
-        finally:
-            whole.close()
-        files = set(os.listdir(tmp_path / "adapter"))
-        assert {"adapter_config.json", "adapter_model.safetensors"} <= files and "model.safetensors" not in files
-        reloaded = peft.PeftModel.from_pretrained(tiny_llama(0, vocab_size=256), tmp_path / "adapter").eval()
-        with torch.no_grad():
-            assert abs(reloaded(input_ids=ids, labels=ids).loss.item() - trained_loss) <= 1e-6
-
-        first, _ = trainer_of(tmp_path / "run", save_strategy="steps", save_steps=3)
-        try:
-            first.train()
-        finally:
-            first.close()
-        checkpoint = tmp_path / "run" / "checkpoint-3"
-        with open(checkpoint / "global_step3" / "manifest.json") as f:
-            assert "base_model.model.model.embed_tokens.weight" in json.load(f)["excluded"]
-        resumed, _ = trainer_of(tmp_path / "resumed")
-        try:
-            resumed.train(resume_from_checkpoint=str(checkpoint))
-            after = {k: v for k, v in losses(resumed).items() if k > 3}
-            assert len(after) == 3 and after == {k: v for k, v in losses(first).items() if k > 3}
-        finally:
-            resumed.close()
 
 
 def test_a_host_budget_below_the_largest_frozen_shard_is_refused_before_training(tmp_path):
