@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -439,6 +440,108 @@ def test_a_compact_state_format_trains_under_the_trainer(gpt2_runs, tmp_path):
         assert any("int8" in sg.codecs.exp_avg.name for sg in trainer.engine.driver.sub_groups)
         ours, theirs = losses(trainer), losses(gpt2_runs["reference"])
         assert list(ours.values()) == pytest.approx(list(theirs.values()), rel=0.03)
+    finally:
+        trainer.close()
+
+
+class LlamaOwnMean(LlamaForCausalLM):
+    """A model the Trainer treats as taking no loss kwargs: it divides each micro-batch's mean loss itself."""
+    accepts_loss_kwargs = False
+
+
+def bert_masked_lm() -> nn.Module:
+    """Accepts **kwargs (so the Trainer passes num_items_in_batch and adds the micro-batches' losses undivided) but
+    takes its own mean: the plain Trainer's loss is the accumulation steps times a mean weighted per micro-batch."""
+    torch.manual_seed(0)
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+@pytest.mark.parametrize("build, schedule", [(llama, "unit-major"), (lambda: LlamaOwnMean(llama().config),
+                                             "micro-batch"), (bert_masked_lm, "micro-batch")],
+                         ids=["reads-the-item-count", "no-loss-kwargs", "own-mean"])
+def test_a_step_of_micro_batches_with_unequal_item_counts_trains_as_the_plain_trainer(tmp_path, build, schedule):
+    """Labels masked after a varying number of tokens: the micro-batches' item counts differ. Unit-major's one loss
+    over the stacked step is the plain Trainer's only where the model's loss reads num_items_in_batch; a model
+    taking its own mean runs micro-batch by micro-batch (seen in the probe's forward), as the warning says."""
+    from zero.accumulation.unit_major import UnitMajorWarning
+
+    data = dataset(32)
+    for i, row in enumerate(data):
+        row["labels"][2 + (i * 5) % (SEQ - 2):] = -100
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "gradient_clipping": "auto",
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                    "offload_optimizer": {"device": "cpu"}}}
+    settings = dict(max_steps=6, weight_decay=0.0, warmup_steps=0, lr_scheduler_type="constant", max_grad_norm=1.0)
+    reference = Trainer(model=build(), args=training_args(TrainingArguments, tmp_path / "plain", **settings),
+                        train_dataset=data)
+    reference.train()
+    trainer = ZeroTrainer(model=build(), args=training_args(TrainingArguments, tmp_path / "zero", **settings),
+                          train_dataset=data, zero_config=config)
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            trainer.train()
+        assert trainer.engine.schedule == schedule
+        told = [str(w.message) for w in said if issubclass(w.category, UnitMajorWarning)]
+        if schedule == "micro-batch" and build is bert_masked_lm:
+            assert any("does not read num_items_in_batch" in m for m in told), told
+        assert list(losses(trainer).values()) == pytest.approx(list(losses(reference).values()), rel=1e-5)
+        assert logged(trainer, "grad_norm") == pytest.approx(logged(reference, "grad_norm"), rel=1e-4)
+        assert_same_tensors(trainer.engine.module_state_dict(), reference.model.state_dict(), rtol=1e-4, atol=1e-5)
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("scheduler", ["trainer", "config"])
+def test_a_second_train_call_schedules_the_learning_rate_anew(tmp_path, scheduler):
+    """The plain Trainer makes the scheduler it made anew at every train() (the optimizer goes on as it was): a
+    second train() ran at learning rate 0 on the engine's spent schedule. Both the Trainer's schedule and the
+    config's (WarmupDecayLR over "auto" steps) start again; the Trainer's trains as the plain Trainer's does."""
+    settings = dict(max_steps=4, warmup_steps=0, lr_scheduler_type="linear", max_grad_norm=0.0)
+    config = hf_docs_zero3(tmp_path / "nvme", optimizer=False, scheduler=scheduler == "config")
+    trainer = ZeroTrainer(model=llama(), args=training_args(TrainingArguments, tmp_path / "zero", **settings),
+                          train_dataset=dataset(32), zero_config=config)
+    reference = Trainer(model=llama(), args=training_args(TrainingArguments, tmp_path / "plain", **settings),
+                        train_dataset=dataset(32))
+    try:
+        runs = []
+        for _ in range(2):
+            trainer.train()
+            runs.append((logged(trainer, "learning_rate"), losses(trainer)))
+        assert runs[1][0] == runs[0][0] and max(runs[1][0]) > 0
+        if scheduler == "trainer":
+            for _ in range(2):
+                reference.train()
+            assert runs[1][0] == logged(reference, "learning_rate")
+            assert list(runs[1][1].values()) == pytest.approx(list(losses(reference).values()), rel=1e-5)
+    finally:
+        trainer.close()
+
+
+def test_evaluate_before_train_runs_in_the_engine_and_training_then_follows_the_plain_trainer(tmp_path):
+    """A model on meta with its weights in a file (they are nowhere else): evaluate() before train() went around
+    the engine and crashed copying meta tensors. It builds the engine, as the Trainer builds DeepSpeed's there;
+    train() then makes the LR scheduler for its steps and trains as the plain Trainer does."""
+    llama().save_pretrained(tmp_path / "pretrained")
+    with torch.device("meta"):
+        empty = LlamaForCausalLM(llama().config)
+    settings = dict(max_steps=4)
+    trainer = ZeroTrainer(model=empty, args=training_args(TrainingArguments, tmp_path / "zero", **settings),
+                          train_dataset=dataset(32), zero_weights=tmp_path / "pretrained",
+                          zero_config=hf_docs_zero3(tmp_path / "nvme", optimizer=False, scheduler=False))
+    reference = Trainer(model=llama(), args=training_args(TrainingArguments, tmp_path / "plain", **settings),
+                        train_dataset=dataset(32))
+    held_out = dataset(8)
+    try:
+        assert trainer.evaluate(held_out)["eval_loss"] == pytest.approx(reference.evaluate(held_out)["eval_loss"],
+                                                                          rel=1e-5)
+        trainer.train()
+        reference.train()
+        assert logged(trainer, "learning_rate") == logged(reference, "learning_rate")
+        assert list(losses(trainer).values()) == pytest.approx(list(losses(reference).values()), rel=1e-5)
     finally:
         trainer.close()
 

@@ -28,6 +28,12 @@ PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 """Values a unit may be called with besides tensors: every slice sees them as they are."""
 
 
+class StackedLossRefused(Exception):
+    """Raised by a step's `batch_loss` when its loss on the stacked batch would not be the one the micro-batches
+    add up to (a Hugging Face model whose loss ignores the Trainer's item count: the plain Trainer sums the
+    micro-batches' means); its message is the reason, and the step runs micro-batch by micro-batch from then on."""
+
+
 def refusal(model: nn.Module, units: list[Unit], root: list[Unit], forward: Callable[[], Any], rows: int,
             device: torch.device) -> str | None:
     """Why `model` cannot run unit-major (None: it can), from `forward()`: one forward of a micro-batch of `rows`
@@ -64,6 +70,8 @@ def refusal(model: nn.Module, units: list[Unit], root: list[Unit], forward: Call
         with torch.no_grad(), _random_streams_kept(device), reads:
             model.eval()
             forward()
+    except StackedLossRefused as exc:
+        return str(exc)
     finally:
         for module, training in modes:
             module.training = training

@@ -34,7 +34,7 @@ from ..params.unit import Unit
 from ..services.counters import StepCounters
 from . import probe
 from .micro_batches import Stacked, batch_major, cut, rows_of, stack
-from .probe import PLAIN
+from .probe import PLAIN, StackedLossRefused
 
 
 class UnitMajor:
@@ -90,9 +90,11 @@ class UnitMajor:
         micro-batch (a real error in the model then shows there)."""
         device = self.units[0].full.device
         streams = _rng_state(device)
-        error, loss = None, None
+        error, loss, refused = None, None, None
         try:
             loss = batch_loss(batch)
+        except StackedLossRefused as exc:
+            error = refused = str(exc)
         except Exception as exc:  # noqa: BLE001  (said in the refusal; the micro-batch loop raises it again)
             error = f"{type(exc).__name__}: {exc}"  # not the exception: its frames hold the whole stacked forward
         failed = torch.tensor([0.0 if error is None else 1.0])
@@ -103,8 +105,8 @@ class UnitMajor:
         torch.set_rng_state(streams[0])
         if streams[1] is not None:
             torch.cuda.set_rng_state(streams[1], device)
-        self.refusal = ("another rank's stacked forward failed" if error is None else
-                        f"the step's stacked forward failed ({error})")
+        self.refusal = refused or ("another rank's stacked forward failed" if error is None else
+                                   f"the step's stacked forward failed ({error})")
         self._say(self.refusal)
         return None
 

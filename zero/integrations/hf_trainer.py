@@ -25,14 +25,15 @@ DeepSpeed wrappers):
   the Trainer's own optimizer (`optim`, `optimizers=`), whose hyperparameters it takes over. The LR
   scheduler is the config's, else the Trainer's own (`lr_scheduler_type`, or `optimizers=`) built on the
   engine's optimizer; the engine steps it after each optimizer step.
-- `training_step` runs the forward through the engine, then `engine.backward` and `engine.step` every
-  micro-batch; with gradient accumulation it keeps a step's micro-batches and runs them together at the last,
-  unit-major (`engine.unit_major_step`: each unit gathered once a step each way), where the loss is the Trainer's
-  own `compute_loss` (the model's, a sum over the batch's rows: a subclass's own loss, such as DPO's pairing of
-  a batch's rows, runs micro-batch by micro-batch). Gradient accumulation and clipping are the engine's (its
-  config's, filled from the arguments), and the Trainer's `optimizer` / `lr_scheduler` are views whose `step()`
-  does nothing, as accelerate's DeepSpeedOptimizerWrapper / DeepSpeedSchedulerWrapper are. Logged `grad_norm` is the
-  engine's (before clipping) and `learning_rate` the one the step used.
+- `training_step` runs the forward through the engine, then `engine.backward` and `engine.step` every micro-batch;
+  with gradient accumulation it keeps a step's micro-batches and runs them together at the last, unit-major
+  (`engine.unit_major_step`: each unit gathered once a step each way), where the loss is the Trainer's own
+  `compute_loss` normalized by the step's item count (loss_items.py; a model taking its own mean, as BERT's masked
+  LM, and a subclass's own loss, such as DPO's pairing of a batch's rows, run micro-batch by micro-batch). Gradient
+  accumulation and clipping are the engine's (its config's, filled from the arguments), and the Trainer's
+  `optimizer` / `lr_scheduler` are views whose `step()` does nothing, as accelerate's DeepSpeedOptimizerWrapper /
+  DeepSpeedSchedulerWrapper are. Logged `grad_norm` is the engine's (before clipping) and `learning_rate` the one
+  the step used.
 - Checkpoints: each `checkpoint-N/` holds the engine's checkpoint (`global_stepN/`, `latest`: parameters,
   fp32 masters and Adam moments wherever they live, scheduler, counters) beside what the Trainer writes
   there (trainer_state.json, rng_state.pth, the consolidated weights); `resume_from_checkpoint` loads it
@@ -42,9 +43,9 @@ DeepSpeed wrappers):
   unit: `zero.integrations.weights`), plus the model's config.json (and generation_config.json), the
   tokenizer and training_args.bin, as `save_pretrained` does.
 
-Trainers built on the Trainer (TRL's SFTTrainer, DPOTrainer) train the same way through `zero_trainer(cls)`, which
-puts ZeroTrainer between cls and Trainer in the method order; a `ref_model` it is given is partitioned into the
-tiers (`zero.init_inference`) before cls prepares it.
+Trainers built on the Trainer (TRL's SFTTrainer, DPOTrainer) train the same way through `zero_trainer(cls)`
+(derived_trainers.py), which puts ZeroTrainer between cls and Trainer in the method order; a `ref_model` it is
+given is partitioned into the tiers (`zero.init_inference`) before cls prepares it.
 
 Trainer internals this relies on (private names, as in transformers 5.x): `_wrap_model` (the engine is the
 wrapped model, so accelerate never prepares it), `_move_model_to_device` (the engine places the parameters),
@@ -58,7 +59,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import json
 import os
 import random
@@ -68,17 +68,19 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.utils import logging
 
+from ..accumulation.probe import StackedLossRefused
 from ..checkpoint.format import LATEST
 from ..config import ConfigError, TrainingArgs, load_config
 from ..config.auto import resolve_auto
 from ..engine import ZeroEngine
 from .engine_views import EngineOptimizer, EngineScheduler
-from ..inference import init_inference
 from ..initialize import initialize
-from ..services.preemption import Preemption
+from ..optim.lr_schedules import WarmupSchedule
+from .loss_items import items_read
+from .save_on_signal import SaveOnSignal
 from .weights import save_safetensors
 
 logger = logging.get_logger(__name__)
@@ -190,14 +192,18 @@ class ZeroTrainer(Trainer):
             zero3_save_16bit_model=True,  # save_model always writes the consolidated weights
         )
 
-    def _resolved_config(self, num_training_steps: int | None) -> dict:
-        """The config with every "auto" filled (a dict for zero.initialize). Raises ConfigError (an
-        UnresolvedAutoError for an "auto" the arguments cannot fill) naming the key."""
+    def _resolved_config(self, num_training_steps: int | None, *, schedule: bool = True) -> dict:
+        """The config with every "auto" filled (a dict for zero.initialize), without its scheduler unless
+        `schedule`. Raises ConfigError (an UnresolvedAutoError for an "auto" the arguments cannot fill) naming
+        the key."""
         args = self._training_args(num_training_steps)
         hidden = hidden_size(self.model)
         world = max(1, self.args.world_size)
-        load_config(self.zero_config, world_size=world, hidden_size=hidden, args=args)  # validates, names keys
         raw = _read_json(self.zero_config)
+        if not schedule:
+            raw.pop("scheduler", None)
+        load_config(self.zero_config if schedule else copy.deepcopy(raw), world_size=world, hidden_size=hidden,
+                    args=args)  # validates, names keys
         resolve_auto(raw, world_size=world, hidden_size=hidden, args=args)
         return raw
 
@@ -215,31 +221,34 @@ class ZeroTrainer(Trainer):
         self.create_scheduler(num_training_steps)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
-        """The engine steps its scheduler: the Trainer's is a view of it whose step() does nothing."""
+        """The engine steps its scheduler: the Trainer's is a view of it whose step() does nothing. A later train()
+        makes the engine's scheduler anew where the Trainer or the config made it (the Trainer unsets what it
+        made), over the optimizer as training left it, as the plain Trainer does."""
         if self.engine is None:
             return super().create_scheduler(num_training_steps, optimizer)
+        if self.lr_scheduler is None:
+            self._renew_scheduler(num_training_steps)
         if not isinstance(self.lr_scheduler, EngineScheduler):
             self.lr_scheduler = EngineScheduler(self.engine)
         return self.lr_scheduler
 
-    def _build_engine(self, num_training_steps: int | None) -> None:
+    def _build_engine(self, num_training_steps: int | None, *, schedule: bool = True) -> None:
+        """`schedule` False: without the LR scheduler the Trainer or the config makes (an evaluation before
+        train(), which makes it once the steps are known)."""
         if self.engine is not None:  # a new model (model_init): the old engine's state goes with it
             self.close()
-        config = self._resolved_config(num_training_steps)
+        config = self._resolved_config(num_training_steps, schedule=schedule)
         model = self.model
         optimizer, scheduler, groups = self.optimizer, self.lr_scheduler, None
+        saved_scheduler = scheduler
         if "optimizer" in config:  # the config's Adam, over the plain Trainer's decay / no-decay groups
             groups = self._param_groups(model)
         elif optimizer is None:  # the Trainer's own (args.optim), its hyperparameters taken over
             optimizer = super().create_optimizer()
-        if "scheduler" in config:
-            if scheduler is not None:
-                raise ConfigError("scheduler", "both the config and the Trainer's optimizers= give an LR scheduler: "
-                                               "keep one")
-        elif scheduler is None:  # the Trainer's own, built on the engine's optimizer when there is one
-            if str(getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)) in METRIC_SCHEDULERS:
-                raise ValueError(f"lr_scheduler_type={self.args.lr_scheduler_type!r} steps on evaluation metrics, "
-                                 "which the engine's step does not have: use another type or a config scheduler")
+        if scheduler is not None and "scheduler" in _read_json(self.zero_config):
+            raise ConfigError("scheduler", "both the config and the Trainer's optimizers= give an LR scheduler: "
+                                           "keep one")
+        if scheduler is None and schedule and "scheduler" not in config:  # the Trainer's, on the engine's optimizer
             if not num_training_steps or num_training_steps <= 0:
                 raise ValueError("the Trainer's LR scheduler needs the number of training steps: build the engine "
                                  "in train() or create_optimizer_and_scheduler(num_training_steps)")
@@ -251,13 +260,26 @@ class ZeroTrainer(Trainer):
             engine.close()
             raise ValueError(f"the engine computes on {engine.device} but the Trainer puts batches on "
                              f"{self.args.device} (use_cpu=True on a machine with CUDA): make them agree")
-        if isinstance(engine.lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
-            # torch warns that the scheduler stepped before its optimizer when the optimizer's own step() never
-            # ran; the engine's step always runs first (in the driver), so say so (torch's flag for it).
-            engine.lr_scheduler.optimizer._opt_called = True
+        _steps_after_the_optimizer(engine.lr_scheduler)
         self.engine = engine
         self.optimizer = EngineOptimizer(engine)
         self.lr_scheduler = EngineScheduler(engine)
+        self._created_lr_scheduler = saved_scheduler is None  # the Trainer makes it anew at a later train()
+
+    def _renew_scheduler(self, num_training_steps: int) -> None:
+        engine = self.engine
+        old = engine.lr_scheduler
+        if isinstance(old, WarmupSchedule):  # it starts from the groups' rates: put back those it started from
+            for group, lr in zip(engine.optimizer.param_groups, old.base_lrs):
+                group["lr"] = lr
+        config = self._resolved_config(num_training_steps)
+        if "scheduler" in config:
+            engine.lr_scheduler = WarmupSchedule(
+                engine.optimizer, load_config(config, world_size=max(1, self.args.world_size)).scheduler)
+        else:
+            engine.lr_scheduler = self._trainer_scheduler(num_training_steps, engine.optimizer)
+        _steps_after_the_optimizer(engine.lr_scheduler)
+        self._created_lr_scheduler = True
 
     def _param_groups(self, model: nn.Module) -> list[dict]:
         """The Trainer's groups (Trainer.create_optimizer): weight decay except on biases and norms."""
@@ -268,6 +290,9 @@ class ZeroTrainer(Trainer):
         return [g for g in groups if g["params"]]
 
     def _trainer_scheduler(self, num_training_steps: int, optimizer):
+        if str(getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)) in METRIC_SCHEDULERS:
+            raise ValueError(f"lr_scheduler_type={self.args.lr_scheduler_type!r} steps on evaluation metrics, "
+                             "which the engine's step does not have: use another type or a config scheduler")
         saved = self.lr_scheduler
         self.lr_scheduler = None
         try:
@@ -277,7 +302,11 @@ class ZeroTrainer(Trainer):
             self._created_lr_scheduler = False
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
-        """The engine is the wrapped model (so accelerate neither moves nor wraps it)."""
+        """The engine is the wrapped model (so accelerate neither moves nor wraps it). An evaluation or predict()
+        before train() builds it, as the Trainer builds DeepSpeed's there: the weights are in the tiers (on meta or
+        under zero.Init they are nowhere else); train() then makes the LR scheduler."""
+        if self.engine is None and not training and model is self.model:
+            self._build_engine(None, schedule=False)
         if self.engine is not None and (model is self.engine or model is self.engine.module):
             return self.engine
         return super()._wrap_model(model, training, dataloader)
@@ -299,7 +328,7 @@ class ZeroTrainer(Trainer):
         model.train()
         inputs = self._prepare_inputs(inputs)
         accumulation = engine.gradient_accumulation_steps()
-        if accumulation == 1 or not self.is_in_train or not self._rows_loss():
+        if accumulation == 1 or not self.is_in_train or not self._stacked_loss_adds_up(num_items_in_batch):
             return self._micro_batch_step(model, inputs, num_items_in_batch, check_boundary=self.is_in_train)
         pending = self._micro_batches
         pending.append(inputs)
@@ -315,19 +344,35 @@ class ZeroTrainer(Trainer):
             self.lr_scheduler.last_lrs = engine.get_lr()  # what this step runs at, for the log
 
         def step_loss(batch: dict[str, Any]) -> torch.Tensor:
-            with self.compute_loss_context_manager():
-                return self.compute_loss(model, batch, num_items_in_batch=num_items_in_batch)
+            with self.compute_loss_context_manager(), items_read(self.model, self) as read:
+                loss = self.compute_loss(model, batch, num_items_in_batch=num_items_in_batch)
+            if not read():
+                raise StackedLossRefused(f"{type(self.model).__name__}'s loss does not read num_items_in_batch (a "
+                                         "mean of its own), so the Trainer adds up the micro-batches' means")
+            return loss
 
         loss = engine.unit_major_step(pending, step_loss)
         if loss is not None:
             return loss
         return sum(self._micro_batch_step(model, batch, num_items_in_batch, check_boundary=False) for batch in pending)
 
-    def _rows_loss(self) -> bool:
-        """Whether the loss is the Trainer's own (the model's, or its label smoothing: a sum over the batch's rows),
-        which the step's micro-batches stacked into one batch keep; a subclass's compute_loss may pair or weigh
-        a batch's rows (TRL's DPO halves it into chosen and rejected) and a compute_loss_func is the user's."""
-        return type(self).compute_loss is Trainer.compute_loss and getattr(self, "compute_loss_func", None) is None
+    def _stacked_loss_adds_up(self, num_items_in_batch: Any) -> bool:
+        """Whether the loss is the Trainer's own (the model's, or its label smoothing) normalized by the step's item
+        count, so that the step's micro-batches stacked into one batch give the sum of their losses (loss_items.py:
+        whether the model's loss reads the count shows in the probe's forward); a subclass's compute_loss may pair
+        or weigh a batch's rows (TRL's DPO halves it into chosen and rejected) and a compute_loss_func is the
+        user's."""
+        return (type(self).compute_loss is Trainer.compute_loss and getattr(self, "compute_loss_func", None) is None
+                and self._loss_scaled_for_ga(num_items_in_batch))
+
+    def _loss_scaled_for_ga(self, num_items_in_batch: Any) -> bool:
+        """The Trainer's rule: whether the loss is already a share of the accumulated batch (normalized by its
+        items), or a micro-batch's mean the Trainer divides by the accumulation steps."""
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is not None:
+            return scaled
+        return (getattr(self, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None
+                ) or getattr(self, "compute_loss_func", None) is not None
 
     def _micro_batch_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any, *,
                           check_boundary: bool) -> torch.Tensor:
@@ -335,10 +380,7 @@ class ZeroTrainer(Trainer):
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         del inputs
-        scaled_for_ga = getattr(self, "loss_is_scaled_for_ga", None)
-        if scaled_for_ga is None:  # the Trainer's rule: normalized by the whole accumulated batch's items
-            scaled_for_ga = (getattr(self, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None
-                             ) or getattr(self, "compute_loss_func", None) is not None
+        scaled_for_ga = self._loss_scaled_for_ga(num_items_in_batch)
         accumulation = engine.gradient_accumulation_steps()
         boundary = engine.is_gradient_accumulation_boundary()
         if check_boundary and boundary != self.accelerator.gradient_state.sync_gradients:
@@ -472,79 +514,11 @@ class ZeroTrainer(Trainer):
         super().end()
 
 
-def zero_trainer(cls: type[Trainer]) -> type[Trainer]:
-    """`cls` (a subclass of transformers' Trainer: TRL's SFTTrainer, DPOTrainer, a user's own) training with our
-    engine: a subclass of both whose methods resolve cls's own overrides first, then ZeroTrainer's, then Trainer's
-    (`ZeroSFTTrainer.__mro__`: ZeroSFTTrainer, SFTTrainer, ..., ZeroTrainer, Trainer), so that what cls adds
-    around the Trainer's steps (TRL's training_step context, its loss, its logs and model card) runs and reaches
-    the engine through ZeroTrainer. It takes cls's arguments plus `zero_config=` and `zero_weights=` as
-    ZeroTrainer does (cls's own TrainingArguments subclass, e.g. SFTConfig, with `zero_config=` beside it)."""
-    if issubclass(cls, ZeroTrainer):
-        return cls
-    if not issubclass(cls, Trainer):
-        raise TypeError(f"zero_trainer({cls.__name__}): a subclass of transformers.Trainer")
-
-    def __init__(self, *args: Any, zero_config: str | os.PathLike | Mapping | None = None,
-                 zero_weights: str | os.PathLike | None = None, **kwargs: Any) -> None:
-        self._zero_arguments = (zero_config, zero_weights)  # cls's __init__ calls Trainer's without them
-        given = inspect.signature(cls.__init__).bind_partial(self, *args, **kwargs).arguments
-        reference = given.get("ref_model")
-        if isinstance(reference, nn.Module):  # partitioned before cls prepares it: never whole on the device
-            if getattr(given.get("args"), "sync_ref_model", False):
-                raise ValueError(f"{cls.__name__}: sync_ref_model=True writes the policy's weights into the "
-                                 "reference model, whose weights zero-tiering keeps partitioned: not supported")
-            source = zero_config if zero_config is not None else getattr(given.get("args"), "zero_config", None)
-            self.reference_engine = init_inference(reference, reference_config(source, given.get("args")))
-        try:
-            cls.__init__(self, *args, **kwargs)
-        except BaseException:
-            if getattr(self, "reference_engine", None) is not None:  # its buffers and nvme file go with the error
-                self.reference_engine.close()
-            raise
-
-    return type(f"Zero{cls.__name__}", (cls, ZeroTrainer),
-                {"__init__": __init__, "__module__": __name__, "__doc__": f"{cls.__name__} on zero-tiering's engine "
-                 "(zero.integrations.zero_trainer)."})
-
-
-class SaveOnSignal(TrainerCallback):
-    """ZeroTrainingArguments(save_on_signal=True): a signal noted (zero/services/preemption.py) makes the step's end
-    save the Trainer's checkpoint-N (the engine's state in it, as any save) and stop training; every rank agrees on
-    the step, as the engine's own save_on_signal does."""
-
-    def __init__(self, trainer: ZeroTrainer):
-        self.trainer = trainer
-        self.preemption: Preemption | None = None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.preemption = Preemption(args.output_dir)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.preemption.requested(self.trainer.engine.dp):
-            control.should_save = control.should_training_stop = True
-            if state.is_world_process_zero:
-                logger.warning(f"a signal: saving checkpoint-{state.global_step} in {args.output_dir} and stopping")
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.preemption.close()
-
-
-def reference_config(source: str | os.PathLike | Mapping | None, args: TrainingArguments | None) -> dict:
-    """The inference config of a reference model (a DPO trainer's): stage 3, its weights where the training config
-    puts parameters (`offload_param`, in host memory without one), the arguments' compute dtype, the config's aio."""
-    if source is None:
-        raise ValueError("zero_trainer needs a DeepSpeed-format config: zero_config='ds_config.json'")
-    raw = _read_json(json.loads(source) if isinstance(source, str) and source.lstrip().startswith("{") else source)
-    offload = dict(raw.get("zero_optimization", {}).get("offload_param") or {"device": "cpu"})
-    if offload.get("device") in (None, "none"):
-        offload["device"] = "cpu"
-    config = {"train_micro_batch_size_per_gpu": 1,
-              "zero_optimization": {"stage": 3, "offload_param": offload, "stage3_param_persistence_threshold": 0},
-              "bf16": {"enabled": bool(getattr(args, "bf16", False))},
-              "fp16": {"enabled": bool(getattr(args, "fp16", False))}}
-    if "aio" in raw:
-        config["aio"] = raw["aio"]
-    return config
+def _steps_after_the_optimizer(scheduler: Any) -> None:
+    """torch warns that a scheduler stepped before its optimizer when the optimizer's own step() never ran; the
+    engine's step always runs first (in the driver), so say so (torch's flag for it)."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        scheduler.optimizer._opt_called = True
 
 
 def hidden_size(model: nn.Module | None) -> int | None:
