@@ -355,10 +355,16 @@ def test_torch_scheduler_factory(source):
     assert engine.get_lr() == [LR * 0.25]
 
 
-def test_optimizer_in_config_and_call_is_an_error():
+def test_an_optimizer_in_the_call_overrides_the_configs():
+    """As DeepSpeed's initialize documents (a GAN script of DeepSpeedExamples passes one beside its config's)."""
     model = MODELS["tied"](0)
-    with pytest.raises(ConfigError, match="optimizer"):
-        zero.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=make_config())
+    with pytest.warns(UserWarning, match="optimizer section .* is ignored"):
+        engine, *_ = zero.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.0123),
+                                     config=make_config(lr=LR))
+    try:
+        assert engine.get_lr() == [0.0123]
+    finally:
+        engine.close()
 
 
 def test_unsupported_user_optimizer_is_named():

@@ -15,7 +15,6 @@ import contextlib
 import os
 import signal
 import time
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ContextManager, NamedTuple
 
@@ -26,10 +25,12 @@ from tiering import SwapManager
 
 from . import checkpoint
 from .accumulation.unit_major import UnitMajor
+from .checkpoint import sixteen_bit
 from .services.activations import ActivationOffload
 from .comm import DataParallel
 from .config import Config
 from .services.counters import StepCounters, ThroughputTimer
+from .services.direct_backward import DirectBackward
 from .optim.driver import STATE_PARTS, AdamDriver
 from .optim.gradients import Gradients
 from .optim.loss_scaler import LossScaler
@@ -115,6 +116,11 @@ class ZeroEngine(FullValues, nn.Module):
         self._preemption_state: Callable[[], Any] | None = None
         self._closed = False
         self._trainable = [(name, p, p.requires_grad) for name, p in module.named_parameters()]  # check_trainable
+        self._trained = {id(slot.param) for unit in self.units if not unit.frozen for slot in unit.flat.slots}
+        self.direct = DirectBackward(prologue=self._backward_prologue, epilogue=self._backward_epilogue,
+                                     gradients=gradients, accumulation=self.gradient_accumulation_steps,
+                                     needs_scale=lambda: self.loss_scaler is not None)
+        """What a backward() called on the forward's outputs instead of engine.backward does (direct_backward.py)."""
         # zero.Init numbered the parameters it built; the others continue its numbering (DeepSpeed's are unique).
         next_id = 1 + max((p.ds_id for p in module.parameters() if hasattr(p, "ds_id")), default=-1)
         for unit in self.units:
@@ -191,10 +197,13 @@ class ZeroEngine(FullValues, nn.Module):
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
         if self.activations is None or not torch.is_grad_enabled():
-            return self.module(*args, **kwargs)
-        micro_batch = self.counters.in_step()
-        with self.activations.saving(micro_batch):
-            return self.module(*args, **kwargs)
+            output = self.module(*args, **kwargs)
+        else:
+            with self.activations.saving(self.counters.in_step()):
+                output = self.module(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self.direct.watch(output)
+        return output
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.counters.at_boundary()
@@ -211,19 +220,32 @@ class ZeroEngine(FullValues, nn.Module):
         return self._backward(loss, self.counters.gradient_accumulation_steps)
 
     def _backward(self, loss: torch.Tensor, divisor: int) -> torch.Tensor:
-        self._finish_step()  # the gradients it accumulates into are the running step's to drop first
-        check_trainable(self._trainable)
-        if self.speculation is not None and self._bet and self.counters.at_boundary():
-            self.speculation.begin(self.optimizer.param_groups, self.optimizer.step_count + 1, 1.0 / self.cur_scale)
+        self._backward_prologue()
         self._last_loss = loss.detach()
         scaled = loss.float() / divisor
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
-        scaled.backward()
+        with self.direct.engine_backward():
+            scaled.backward()
+        self._backward_epilogue()
+        return loss
+
+    def _backward_prologue(self) -> None:
+        self._finish_step()  # the gradients it accumulates into are the running step's to drop first
+        check_trainable(self._trainable)
+        if self.speculation is not None and self._bet and self.counters.at_boundary():
+            self.speculation.begin(self.optimizer.param_groups, self.optimizer.step_count + 1, 1.0 / self.cur_scale)
+
+    def _backward_epilogue(self) -> None:
         self.placement.finish_backward()
         if self.activations is not None:
             self.activations.collect()  # the graph is freed: its activations' segments go
-        return loss
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed's: `loss` times fp16's loss scale, for `engine.scale(loss).backward()` (not divided by the
+        accumulation steps: direct_backward.py divides the gradients); the loss itself otherwise."""
+        self.direct.scaled = True
+        return loss.float() * self.loss_scaler.scale if self.loss_scaler is not None else loss
 
     def train_batch(self, data_iter: Iterable | None = None, *,
                     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> torch.Tensor:
@@ -301,6 +323,12 @@ class ZeroEngine(FullValues, nn.Module):
 
     def step(self) -> None:
         """Called every micro-batch; the optimizer runs at the accumulation boundary."""
+        stray = [name for name, p, _ in self._trainable if p.grad is not None and id(p) in self._trained]
+        if stray:  # the backward's hooks take every gradient: these came around the engine
+            raise RuntimeError(
+                f"engine.step(): {len(stray)} parameters ({stray[0]!r} first) hold gradients no engine backward took: "
+                "a backward() of tensors the engine's forward did not return, or gradients set by hand; use "
+                "engine.backward(loss), or backward() of the forward's outputs")
         boundary = self.is_gradient_accumulation_boundary()
         self.counters.micro_steps += 1
         if not boundary:
@@ -394,46 +422,8 @@ class ZeroEngine(FullValues, nn.Module):
 
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
-        """Rank 0 writes the model's state_dict in the compute dtype (torch.save) to `save_dir/save_filename`,
-        through a temporary file renamed into place; every rank calls it (stage 3 gathers unit by unit, rank 0
-        copying each to host memory, where the whole model is then held in 16 bits, as DeepSpeed does). As
-        DeepSpeed, stage 3 saves only with zero_optimization.stage3_gather_16bit_weights_on_model_save true:
-        otherwise it warns and returns False."""
-        if self.stage == 3 and not self.config.zero_optimization.gather_16bit_weights_on_model_save:
-            warnings.warn("save_16bit_model did nothing: under stage 3 it needs zero_optimization."
-                          "stage3_gather_16bit_weights_on_model_save true (zero.export writes the fp32 weights "
-                          "from a checkpoint without it)", stacklevel=2)
-            return False
-        self._finish_step()
-        keep = self.dp.rank == 0
-        names: dict[int, list[str]] = {}
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            if p.requires_grad or not exclude_frozen_parameters:
-                names.setdefault(id(p), []).append(name)
-        state: dict[str, torch.Tensor] = {}
-        for unit in self.units:
-            self.placement.gather(unit)
-            try:
-                for slot in unit.flat.slots:
-                    if keep and id(slot.param) in names:
-                        value = slot.param.detach().to("cpu", copy=True)
-                        state.update((name, value) for name in names[id(slot.param)])
-            finally:
-                self.placement.release(unit)
-        if keep:
-            for name, p in self.module.named_parameters(remove_duplicate=False):  # those in no unit: frozen
-                if name not in state and id(p) in names:
-                    state[name] = p.detach().cpu()
-            for prefix, owner in self.module.named_modules():
-                for name, buffer in owner.named_buffers(recurse=False):
-                    if name not in owner._non_persistent_buffers_set:
-                        state[f"{prefix}.{name}" if prefix else name] = buffer.detach().cpu()
-            os.makedirs(save_dir, exist_ok=True)
-            path = os.path.join(save_dir, save_filename)
-            torch.save(state, path + ".tmp")
-            os.replace(path + ".tmp", path)
-        self.dp.barrier()
-        return True
+        """DeepSpeed's: the model's weights in the compute dtype, written by rank 0 (zero/checkpoint/sixteen_bit.py)."""
+        return sixteen_bit.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -510,6 +500,8 @@ class ZeroEngine(FullValues, nn.Module):
             self.swap.close()
         if pending is not None:  # a preemption signal after the last boundary: its handler's, now all is freed
             signal.raise_signal(pending)
+
+    destroy = close  # DeepSpeed's name for it
 
     # -- what checkpoints read and write ----------------------------------------------------------------------
 

@@ -83,8 +83,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     cfg = load_config(source, world_size=DataParallel.world_size_to_join(join), hidden_size=hidden)
     dp = DataParallel.from_env(device, timeout=cfg.zero_tiering.collective_timeout) if join else DataParallel()
-    if cfg.optimizer is not None and optimizer is not None:
-        raise ConfigError("optimizer", "both the config and the call give an optimizer: keep one")
+    if cfg.optimizer is not None and optimizer is not None:  # DeepSpeed's rule: the call's overrides the config's
+        warnings.warn(f"the config's optimizer section ({cfg.optimizer.type}) is ignored: the optimizer passed to "
+                      "initialize trains, as DeepSpeed does", stacklevel=2)
     zo = cfg.zero_optimization
     dtype = compute_dtype(cfg)
     speed = dtype_speed(dtype, device)

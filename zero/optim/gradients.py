@@ -59,6 +59,9 @@ class Gradients:
         self.copies = copies
         self.reserve_device = reserve_device
         self._scratches: dict[str, torch.Tensor] = {}
+        self.divisor = 1
+        """A direct backward's accumulation steps (services/direct_backward.py): its gradients are divided as they
+        are flattened, where engine.backward divides the loss."""
 
     def reduce(self, unit: Unit) -> bool:
         """Flatten the unit's gradients (freeing them), reduce them over ranks, add this rank's range in fp32
@@ -87,6 +90,8 @@ class Gradients:
         slot = self.copies.scratch() if self.copies is not None else 0  # a scratch no copy still reads
         grads = flat.flatten_grads(self._scratch(f"grads{slot}", flat.padded_numel, dtype, full.device))
         flat.drop_grads()
+        if self.divisor != 1:
+            grads.div_(self.divisor)
         if world > 1 and self.predivide != 1.0:
             grads.div_(self.predivide)
         if self.reduce_scatter and world > 1:  # (one rank: its shard is the whole, reduced already)
@@ -118,6 +123,8 @@ class Gradients:
         grads = self._scratch(f"grads{slot}", world * n, dtype, unit.full.device, largest=world * self.copies.numel)
         for rank in range(world):
             flat.flatten_grads(grads[rank * n:(rank + 1) * n], rank * flat.shard_numel + sg.offset)
+        if self.divisor != 1:
+            grads.div_(self.divisor)
         if world == 1:
             return grads
         if self.predivide != 1.0:
