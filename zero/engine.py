@@ -25,6 +25,7 @@ from torch import nn
 from tiering import SwapManager
 
 from . import checkpoint
+from .checkpoint.sixteen_bit import save_16bit_model
 from .accumulation.unit_major import UnitMajor
 from .services.activations import ActivationOffload
 from .comm import DataParallel
@@ -405,34 +406,7 @@ class ZeroEngine(FullValues, nn.Module):
                           "from a checkpoint without it)", stacklevel=2)
             return False
         self._finish_step()
-        keep = self.dp.rank == 0
-        names: dict[int, list[str]] = {}
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            if p.requires_grad or not exclude_frozen_parameters:
-                names.setdefault(id(p), []).append(name)
-        state: dict[str, torch.Tensor] = {}
-        for unit in self.units:
-            self.placement.gather(unit)
-            try:
-                for slot in unit.flat.slots:
-                    if keep and id(slot.param) in names:
-                        value = slot.param.detach().to("cpu", copy=True)
-                        state.update((name, value) for name in names[id(slot.param)])
-            finally:
-                self.placement.release(unit)
-        if keep:
-            for name, p in self.module.named_parameters(remove_duplicate=False):  # those in no unit: frozen
-                if name not in state and id(p) in names:
-                    state[name] = p.detach().cpu()
-            for prefix, owner in self.module.named_modules():
-                for name, buffer in owner.named_buffers(recurse=False):
-                    if name not in owner._non_persistent_buffers_set:
-                        state[f"{prefix}.{name}" if prefix else name] = buffer.detach().cpu()
-            os.makedirs(save_dir, exist_ok=True)
-            path = os.path.join(save_dir, save_filename)
-            torch.save(state, path + ".tmp")
-            os.replace(path + ".tmp", path)
-        self.dp.barrier()
+        save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
         return True
 
     @contextlib.contextmanager
