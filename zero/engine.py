@@ -348,6 +348,8 @@ class ZeroEngine(FullValues, nn.Module):
             if self.loss_scaler is not None:
                 self.loss_scaler.update(overflow=True)
             self.driver.zero_grad()
+            if self._last_grad_norm is None:  # DeepSpeed's ZeRO optimizers start at 0.0 (see get_global_grad_norm)
+                self._last_grad_norm = 0.0
             return
         self._last_grad_norm = grad_norm.item() / loss_scale
         self.optimizer.step_count += 1
@@ -425,6 +427,9 @@ class ZeroEngine(FullValues, nn.Module):
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
+        """The unscaled gradient norm of the last optimizer step taken, as DeepSpeed's: None before the first
+        boundary; a step skipped on an overflow leaves the norm of the step before it (DeepSpeed's optimizers stash
+        it after their overflow check), or 0.0 where none was taken yet (their initial value)."""
         return self._last_grad_norm
 
     @property
