@@ -42,7 +42,7 @@ from .params.full_values import FullValues
 from .params.wrap_policy import check_trainable
 from .params.placement import Placement
 from .params.unit import DS_STATUS, Unit
-from .services.preemption import SIGNALS, Preemption
+from .services.preemption import SIGNALS, Preemption, save_due
 from .integrations.unsupported import UnsupportedFeatureError
 
 
@@ -314,7 +314,8 @@ class ZeroEngine(FullValues, nn.Module):
             self.swap.end_step()  # the trace of this step drives prefetch and eviction in the next
             self.optimizer_seconds = time.perf_counter() - start
         self.tput_timer.stop(global_step=True)
-        if self.preemption is not None and self.preemption.saved is None and self.preemption.requested(self.dp):
+        if save_due(self.preemption if self.preemption is not None and self.preemption.saved is None else None,
+                    self.dp):  # every rank asks, whether or not it watches: see save_due
             self._save_for_exit()
 
     def _optimizer_step(self) -> None:
@@ -444,7 +445,8 @@ class ZeroEngine(FullValues, nn.Module):
         """On one of `signals` (SIGTERM, SIGUSR1) to any rank: at the next step boundary every rank saves a
         checkpoint under `save_dir` (with `client_state()`, if given), rank 0 printing where; the next forward
         closes the engine and exits with status 0 (so the loop still logs the step saved). Call it from the main
-        thread; load_checkpoint(save_dir) resumes."""
+        thread, on every rank before the same step boundary: set up on some ranks alone, that boundary raises
+        UnevenWatchError on every rank (their saves would never meet). load_checkpoint(save_dir) resumes."""
         if self.preemption is not None:
             self.preemption.close()
         self.preemption = Preemption(save_dir, signals)
