@@ -179,8 +179,8 @@ def _budgeted_engine():
             return x.square().mean()
 
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"},
-                                    "stage3_param_persistence_threshold": 0}}
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                    "offload_optimizer": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}}
     engine, *_ = deepspeed.initialize(model=Layers(), config=config)
     need = sum(engine.device_minimum.values())
     engine.close()
