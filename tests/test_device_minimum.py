@@ -19,11 +19,14 @@ def model(seed: int = 0) -> GPT:
 
 
 def config(tmp_path, *, stage: int = 3, offload: str = "nvme", budget: int | None = None, accum: int = 1,
-           persistence: int = 0, prefetch: bool = True, bf16: bool = False, park: bool = False) -> dict:
+           persistence: int = 0, model_persistence: int | None = None, prefetch: bool = True, bf16: bool = False,
+           park: bool = False) -> dict:
     place = {"device": offload, **({"nvme_path": str(tmp_path)} if offload == "nvme" else {})}
     zo = {"stage": stage, "offload_optimizer": dict(place), "sub_group_size": 20_000}
     if stage == 3:
         zo.update(offload_param=dict(place), stage3_param_persistence_threshold=persistence)
+        if model_persistence is not None:
+            zo.update(stage3_model_persistence_threshold=model_persistence)
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accum, "gradient_clipping": 1.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zo, "bf16": {"enabled": bf16},
             "zero_tiering": {"prefetch": prefetch, "park_root": park,
@@ -44,6 +47,9 @@ CASES = {
     "stage3-cpu-accumulation-root-parked": dict(offload="cpu", accum=3, park=True),
     "stage3-cpu-accumulation": dict(offload="cpu", accum=3),
     "stage3-persistent-blocks": dict(offload="cpu", persistence=60_000),
+    # The cap holds the root and block 0; unprefetched, the peak tells whether the minimum counts the others persistent.
+    "stage3-persistent-blocks-capped": dict(offload="cpu", persistence=60_000, model_persistence=100_000,
+                                            prefetch=False),
     "stage3-bf16": dict(bf16=True),
     "stage3-no-prefetch": dict(prefetch=False),
     "stage3-state-on-device": dict(offload="none"),

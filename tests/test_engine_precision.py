@@ -192,6 +192,21 @@ def test_fp16_overflow_skips_exactly_that_step(hysteresis):
     engine.close()
 
 
+def test_fp16_skipped_step_reports_the_grad_norm_as_deepspeed_does():
+    """get_global_grad_norm() as DeepSpeed's engine reports it: None before the first boundary; after a step skipped
+    on an overflow, the norm of the last step taken (its ZeRO and fp16 optimizers stash the norm only after the
+    overflow check lets the step run), or 0.0 where the first step was skipped (their initial value)."""
+    engine, *_ = zero.initialize(model=MODELS["tied"](0), config=fp16_config(1, 1.0, 1))
+    assert engine.get_global_grad_norm() is None
+    norms = []
+    for step, ids in enumerate(batches(4)):
+        engine_train(engine, [ids], loss_factor={0: float("inf")} if step in (0, 2) else None)
+        norms.append(engine.get_global_grad_norm())
+    engine.close()
+    assert engine.skipped_steps == 2
+    assert norms[0] == 0.0 and norms[1] > 0.0 and norms[2] == norms[1] and norms[3] not in (0.0, norms[1]), norms
+
+
 def test_fp16_scale_grows_after_clean_window():
     """With loss_scale_window 3 and no overflow, the scale doubles after every third step (DeepSpeed counts
     from iteration 0 with the last overflow at -1)."""

@@ -156,3 +156,81 @@ def test_a_modifying_block_leaves_the_fp32_masters_of_what_it_did_not_change():
     for name in ("0.weight", "0.bias", "2.weight"):
         assert torch.equal(after[name], masters[name]), name
     engine.close()
+
+
+def _budgeted_engine():
+    """A stage-3 engine whose device budget is its minimum (budgets.device_minimum), after one step: the gathered
+    units, the unit gradients and the reduction's scratch (kept from the first backward)."""
+    import torch
+    from torch import nn
+
+    import zero as deepspeed
+
+    class Layers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(16, 64)
+            self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(2))
+
+        def forward(self, ids):
+            x = self.embed(ids)
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return x.square().mean()
+
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                    "offload_optimizer": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = deepspeed.initialize(model=Layers(), config=config)
+    need = sum(engine.device_minimum.values())
+    engine.close()
+    config["zero_tiering"] = {"device_budget": need}
+    torch.manual_seed(0)
+    model = Layers()
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    ids = torch.randint(0, 16, (2, 8))
+    engine.backward(engine(ids))
+    engine.step()
+    return engine, model, ids
+
+
+def test_the_private_copies_count_against_the_device_budget_while_the_block_holds_them():
+    """A block gathering one block's unit: its full buffer (gathered units) and the copy the parameters are lent
+    (GatheredParameters' copies) both count, within the budget; both go at the block's end."""
+    import zero as deepspeed
+
+    engine, model, ids = _budgeted_engine()
+    tier = engine.swap.device_tier
+    unit = next(u for u in engine.units if u.name == "layers.0")
+    before = tier.in_use
+    with deepspeed.zero.GatheredParameters(list(model.layers[0].parameters())):
+        assert tier.in_use == before + 2 * tier.charge(unit.nbytes) <= tier.budget, tier.parts()
+        assert tier.parts()["GatheredParameters' copies"] == tier.charge(unit.nbytes)
+    assert tier.parts()["GatheredParameters' copies"] == 0 and tier.in_use == before
+    engine.backward(engine(ids))
+    engine.step()
+    engine.close()
+
+
+def test_a_block_whose_copies_pass_the_device_budget_raises_naming_the_numbers():
+    """Every unit gathered at once with a copy of each: 2 x (4 + 20 + 20) KiB beside the 40 KiB scratch is past the
+    88 KiB budget. The error names the budget, what is in use by part (the copies among them) and the request; the
+    block leaves nothing held, and training goes on."""
+    import pytest
+
+    import zero as deepspeed
+    from tiering import BudgetExceededError
+
+    engine, model, ids = _budgeted_engine()
+    tier = engine.swap.device_tier
+    assert [u.nbytes for u in engine.units] == [4096, 20480, 20480] and tier.budget == 90112
+    before = tier.in_use
+    with pytest.raises(BudgetExceededError, match=r"device budget 88\.0 KiB exhausted: 88\.0 KiB in use \(gathered "
+                       r"units 24\.0 KiB, reduction scratch 40\.0 KiB, GatheredParameters' copies 24\.0 KiB\), 20\.0 "
+                       r"KiB requested for 'layers\.1'"):
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            pass
+    assert tier.in_use == before and not engine._lent
+    engine.backward(engine(ids))
+    engine.step()
+    engine.close()

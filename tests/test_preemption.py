@@ -1,7 +1,8 @@
 """Preemption: SIGTERM or SIGUSR1 (a scheduler's warning) makes the main job save a checkpoint at the next step
 boundary and exit 0 saying where; `--resume auto` continues from it, and the losses of the interrupted run and
 its continuation are bitwise the uninterrupted run's, on one rank and on two (the signal reaching one rank
-alone: the ranks agree at the boundary). A nan loss is a typed error naming the step, or a skipped step."""
+alone: the ranks agree at the boundary); set up on some ranks alone, it is an error on every rank, not a hang. A nan
+loss is a typed error naming the step, or a skipped step."""
 from __future__ import annotations
 
 import json
@@ -75,6 +76,43 @@ def test_a_signal_saves_at_the_boundary_and_the_resume_is_bitwise(tmp_path, worl
     out = finish(launch(job(tmp_path, "second", "--resume", "auto"), world, free_port()))
     assert f"resumed from {tmp_path / 'ckpt'}/global_step{len(first)} at step {len(first)}" in out
     assert first + losses(tmp_path, "second") == losses(tmp_path, "whole")
+
+
+UNEVEN = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import torch, zero
+from stage3_models import batches, stage3_config, tiny_gpt2
+torch.set_num_threads(1)
+engine, *_ = zero.initialize(model=tiny_gpt2(), config=stage3_config("cpu", "cpu"))
+if os.environ["RANK"] == "0":
+    engine.save_on_signal(sys.argv[2])
+ids = batches(1)[0]
+engine.backward(engine(input_ids=ids, labels=ids).loss)
+try:
+    engine.step()
+except RuntimeError as err:  # UnevenWatchError
+    print(type(err).__name__, err, flush=True)
+    engine.close()
+    sys.exit(3)
+"""
+
+
+def test_save_on_signal_on_some_ranks_alone_fails_on_every_rank_at_the_first_boundary(tmp_path):
+    """Rank 0 watches for signals, rank 1 does not: at the first boundary both raise UnevenWatchError naming them,
+    where a training loop used to hang (rank 0 in its agreement all-reduce, rank 1 in the next forward's gathers)."""
+    procs = launch([sys.executable, "-c", UNEVEN, os.path.join(REPO_ROOT, "tests"), str(tmp_path / "ckpt")], 2,
+                   free_port())
+    try:
+        outs = [p.communicate(timeout=150) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 3, (p.returncode, out, err[-2000:])
+        assert "UnevenWatchError save_on_signal (or save_on_signal=True) was set up on rank(s) [0] and not on [1] of " \
+               "2: every rank must set it up" in out
+    assert not os.path.exists(tmp_path / "ckpt")
 
 
 @pytest.mark.parametrize("mode", ["error", "skip"])

@@ -20,8 +20,12 @@ import functools
 
 import pytest
 import torch
+from torch import nn
 
 import zero
+from zero.config.zero_optimization import ZeroOptimizationConfig
+from zero.params.flat_unit import FlatUnit
+from zero.params.persistence import persistent_units
 
 from stage3_models import (
     batches, engine_train, full_state, loss_of, one_thread, own_gpt, reference_train, stage3_config, tiny_gpt2,
@@ -131,6 +135,30 @@ def test_every_unit_persistent_gives_the_same_results(case, tmp_path):
     assert all(unit.persistent for unit in units)
     assert all(unit.gathered for unit in units), "a persistent unit was released"
     assert_bitwise(losses, state, *reference(model, checkpointing, accum, clip))
+
+
+def test_model_persistence_threshold_caps_the_persistent_units(tmp_path):
+    """stage3_model_persistence_threshold caps the elements stage3_param_persistence_threshold keeps gathered: every
+    unit is under the per-unit threshold, the cap holds the root unit and one block, so the root and the first block
+    persist and the second block is released after each use; the numbers are still plain PyTorch's."""
+    model, param, optimizer, accum, clip, checkpointing = CASES["gpt2-param_cpu-opt_cpu-clip"]
+    net = build(model)
+    block = sum(p.numel() for p in net.transformer.h[0].parameters())
+    root = sum(p.numel() for p in net.parameters()) - len(net.transformer.h) * block
+    config = stage3_config(param, optimizer, accum=accum, clip=clip, persistence=10**9,
+                           stage3_model_persistence_threshold=root + block)
+    losses, state, engine = train_engine(model, checkpointing, config)
+    assert [(u.flat.name, u.persistent, u.gathered) for u in engine.units] == [
+        ("", True, True), ("transformer.h.0", True, True), ("transformer.h.1", False, False)]
+    assert_bitwise(losses, state, *reference(model, checkpointing, accum, clip))
+
+
+def test_a_unit_past_the_model_persistence_cap_is_skipped_and_a_smaller_one_after_it_persists():
+    """DeepSpeed's walk (mark_persistent_parameters): one that would pass the cap is skipped, the walk goes on."""
+    sizes = [300, 500, 200, 100, 50]
+    flats = [FlatUnit(str(i), [("w", nn.Parameter(torch.empty(n)))], 1, 0) for i, n in enumerate(sizes)]
+    zo = ZeroOptimizationConfig(param_persistence_threshold=400, model_persistence_threshold=550)
+    assert persistent_units(zo, flats) == [True, False, True, False, True]  # 300 + 200 + 50 = 550
 
 
 @pytest.mark.parametrize("case, persistence", [("gpt2-param_cpu-opt_nvme-accum4-clip-ckpt", 0),

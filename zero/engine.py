@@ -42,7 +42,7 @@ from .params.full_values import FullValues
 from .params.wrap_policy import check_trainable
 from .params.placement import Placement
 from .params.unit import DS_STATUS, Unit
-from .services.preemption import SIGNALS, Preemption
+from .services.preemption import SIGNALS, Preemption, save_due
 from .integrations.unsupported import UnsupportedFeatureError
 
 
@@ -341,7 +341,8 @@ class ZeroEngine(FullValues, nn.Module):
             self.swap.end_step()  # the trace of this step drives prefetch and eviction in the next
             self.optimizer_seconds = time.perf_counter() - start
         self.tput_timer.stop(global_step=True)
-        if self.preemption is not None and self.preemption.saved is None and self.preemption.requested(self.dp):
+        if save_due(self.preemption if self.preemption is not None and self.preemption.saved is None else None,
+                    self.dp):  # every rank asks, whether or not it watches: see save_due
             self._save_for_exit()
 
     def _optimizer_step(self) -> None:
@@ -375,6 +376,8 @@ class ZeroEngine(FullValues, nn.Module):
             if self.loss_scaler is not None:
                 self.loss_scaler.update(overflow=True)
             self.driver.zero_grad()
+            if self._last_grad_norm is None:  # DeepSpeed's ZeRO optimizers start at 0.0 (see get_global_grad_norm)
+                self._last_grad_norm = 0.0
             return
         self._last_grad_norm = grad_norm.item() / loss_scale
         self.optimizer.step_count += 1
@@ -441,6 +444,9 @@ class ZeroEngine(FullValues, nn.Module):
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
+        """The unscaled gradient norm of the last optimizer step taken, as DeepSpeed's: None before the first
+        boundary; a step skipped on an overflow leaves the norm of the step before it (DeepSpeed's optimizers stash
+        it after their overflow check), or 0.0 where none was taken yet (their initial value)."""
         return self._last_grad_norm
 
     @property
@@ -455,7 +461,8 @@ class ZeroEngine(FullValues, nn.Module):
         """On one of `signals` (SIGTERM, SIGUSR1) to any rank: at the next step boundary every rank saves a
         checkpoint under `save_dir` (with `client_state()`, if given), rank 0 printing where; the next forward
         closes the engine and exits with status 0 (so the loop still logs the step saved). Call it from the main
-        thread; load_checkpoint(save_dir) resumes."""
+        thread, on every rank before the same step boundary: set up on some ranks alone, that boundary raises
+        UnevenWatchError on every rank (their saves would never meet). load_checkpoint(save_dir) resumes."""
         if self.preemption is not None:
             self.preemption.close()
         self.preemption = Preemption(save_dir, signals)

@@ -40,6 +40,7 @@ from .optim.speculative_step import SpeculativeStep
 from .params.flat_unit import FlatUnit
 from .params.materialize import Materializer
 from .params.partitioned import PartitionedPlacement
+from .params.persistence import persistent_units
 from .params.placement import Placement
 from .params.pretrained import PretrainedWeights
 from .params.resident import ResidentPlacement
@@ -240,7 +241,7 @@ def build_placement(model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], cf
     if zo.stage == 3:
         return PartitionedPlacement.build(
             model, plan, materialize=materialize, driver=driver, param_home=HOMES[zo.offload_param.device], dtype=dtype,
-            sub_group_size=zo.sub_group_size, persistence_threshold=zo.param_persistence_threshold,
+            sub_group_size=zo.sub_group_size, persistent=persistent_units(zo, [flat for flat, _ in plan]),
             masters_are_params=masters_are_params(cfg, dtype), int8_frozen=zo.zero_quantized_nontrainable_weights,
             park_root=park_root, swap=swap, dp=dp, device=device,
             gradients=gradients, wait_for_update=waits_for_update(overlap, speculation),

@@ -87,7 +87,15 @@ class UnitMajor:
         """The step's loss from `batch_loss(batch)`, the stacked forward; None where it raised on any rank (an
         input the slices cannot cut, as BLOOM's alibi of batch x heads rows, or out of memory on the whole batch):
         the random streams are put back, the schedule is refused from then on, and the step runs micro-batch by
-        micro-batch (a real error in the model then shows there)."""
+        micro-batch (a real error in the model then shows there).
+
+        The ranks agree in one all-reduce after the forward, so the fallback serves failures every rank shares (the
+        same model and shapes everywhere: an input the slices cannot cut, out of memory on the whole batch where the
+        ranks hold alike). A failure on some ranks alone (out of memory on one rank) where the others still have
+        units to all-gather leaves those inside the forward's collectives while it waits in the agreement: every
+        rank waits zero_tiering.collective_timeout, then raises RankLostError, each naming another rank as silent
+        (measured with gloo, the embedding failing on one of two ranks). Failing fast instead would take a
+        collective before every unit's gather in every stacked forward, for a failure this rare."""
         device = self.units[0].full.device
         streams = _rng_state(device)
         error, loss, refused = None, None, None

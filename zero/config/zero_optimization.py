@@ -151,7 +151,8 @@ class ZeroOptimizationConfig(Section):
     """Stage 3: parameters with fewer elements stay resident (not partitioned)."""
 
     model_persistence_threshold: int = setting(sys.maxsize, ge=0, aliases=("stage3_model_persistence_threshold",))
-    """Stage 3: cap on the total elements kept resident by param_persistence_threshold."""
+    """Stage 3: cap on the total elements kept resident by param_persistence_threshold, units taken in plan order
+    (params/persistence.py)."""
 
     max_live_parameters: int = setting(1_000_000_000, ge=0, aliases=("stage3_max_live_parameters",))
     """Stage 3: cap on gathered parameter elements resident at once."""

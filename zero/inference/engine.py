@@ -25,6 +25,7 @@ from ..config import Config, ConfigError, load_config
 from ..initialize import check_host_budget, plan_units
 from ..params.materialize import Materializer
 from ..params.partitioned import PartitionedPlacement
+from ..params.persistence import persistent_units
 from ..params.pretrained import PretrainedWeights
 
 DEFAULT_CONFIG = {
@@ -50,7 +51,7 @@ def init_inference(model: nn.Module, config: str | os.PathLike | Mapping | None 
         placement = PartitionedPlacement.build(
             model, plan, materialize=Materializer(model, PretrainedWeights(weights) if weights is not None else None),
             driver=None, param_home=HOMES[zo.offload_param.device], dtype=dtype, sub_group_size=0,
-            persistence_threshold=zo.param_persistence_threshold, masters_are_params=False, swap=swap,
+            persistent=persistent_units(zo, [flat for flat, _ in plan]), masters_are_params=False, swap=swap,
             dp=DataParallel(), device=device, gradients=None)
     except BaseException:
         swap.close()

@@ -7,7 +7,7 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.utils import logging
 
-from ..services.preemption import Preemption
+from ..services.preemption import Preemption, save_due
 
 logger = logging.get_logger(__name__)
 
@@ -25,7 +25,7 @@ class SaveOnSignal(TrainerCallback):
         self.preemption = Preemption(args.output_dir)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.preemption.requested(self.trainer.engine.dp):
+        if save_due(self.preemption, self.trainer.engine.dp):
             control.should_save = control.should_training_stop = True
             if state.is_world_process_zero:
                 logger.warning(f"a signal: saving checkpoint-{state.global_step} in {args.output_dir} and stopping")

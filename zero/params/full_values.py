@@ -14,6 +14,9 @@ from ..optim.driver import STATE_PARTS, SubGroup
 from .flat_unit import ParamSlot
 from .unit import Unit
 
+LENT = "GatheredParameters' copies"
+"""The device tier's part the private copies of full buffers a GatheredParameters block lends count as."""
+
 
 class FullValues:
     @contextlib.contextmanager
@@ -32,7 +35,10 @@ class FullValues:
         the release gives the full buffer's bytes back (to nothing, or to the device tier's pool), and a tensor the
         caller kept (`p.data`, `p.data.cpu()` on a CPU, a view) must stay valid after the block, as DeepSpeed's
         does. What the parameters hold on exit (written in place or assigned to `p.data`) is what is adopted, in
-        a block nested in another too; on exit they are views again of what they were views of before it."""
+        a block nested in another too; on exit they are views again of what they were views of before it. The copy
+        counts against the device budget (as `LENT`) while the block holds it, beside the gathered unit: a block
+        the budget cannot hold raises BudgetExceededError. A copy the caller keeps past the block (`p.data` taken
+        inside) is no longer counted: its bytes are the caller's."""
         self._finish_step()
         modifying = modify or modifier_rank is not None
         wanted = None if params is None else {id(p) for p in params}
@@ -48,9 +54,10 @@ class FullValues:
                 if modifying:  # in host memory: the device budget has no room for it
                     entry[unit.index] = unit.full.to("cpu", copy=True)
                 if self.placement.frees_on_release(unit):
+                    self.swap.reserve_device(unit.nbytes, f"{unit.name} (a GatheredParameters copy)", LENT)
+                    lent.append(unit)
                     self._lent[unit.index] = unit.full.clone()
                     unit.flat.bind(self._lent[unit.index])
-                    lent.append(unit)
             yield
             for unit in chosen if modifying else ():
                 unit.flat.flatten(unit.full)  # the parameters may be views of a lent copy, or assigned
@@ -61,8 +68,10 @@ class FullValues:
                     self._lent[unit.index].copy_(unit.full)  # an enclosing block's copy: its caller sees them
         finally:
             for unit in held:
-                copy = self._lent.pop(unit.index) if unit in lent else self._lent.get(unit.index)
+                copy = self._lent.pop(unit.index, None) if unit in lent else self._lent.get(unit.index)
                 unit.flat.bind(unit.full if copy is None or unit in lent else copy)
+            for unit in lent:
+                self.swap.unreserve_device(unit.nbytes, LENT)
             for unit in held:  # a lent unit's caller keeps the private copy; the release unbinds
                 self.placement.release(unit)
 

@@ -20,9 +20,17 @@ def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor] | None, mod
     `modifier_rank`, what that rank's parameters hold on exit becomes every rank's and the model's (the fp32
     masters too, once `initialize` has made them); without, changes are dropped. A block that raises changes
     nothing. A parameter on meta that nobody partitioned gets real host memory for a block with `modifier_rank`
-    (zeros, then what the block writes), which it keeps. `fwd_module` is accepted for DeepSpeed's signature:
-    units are gathered by the forward that runs them, so no parameter needs registering with another module's
-    forward."""
+    (zeros, then what the block writes), which it keeps.
+
+    `fwd_module` is accepted for DeepSpeed's signature and ignored. DeepSpeed registers the parameters as external
+    parameters of that module, gathered around its later forwards, because it gathers a module's own parameters
+    only. Here a unit is gathered around the forward of the module it follows (a block; the root unit, holding what
+    no block holds, for the whole forward), so a parameter read anywhere inside its own block's forward (a
+    submodule's, read by its parent: the case DeepSpeed's registrations serve) is whole there with no registration,
+    and a root unit's parameter anywhere. A forward that reads another block's parameter is not served: that unit is
+    released there, its parameters empty, and the forward fails on them (a size mismatch). Serving it would take
+    gathering a unit, and taking its gradient, inside another unit's forward and backward, which the placement
+    does not do."""
     if not enabled or params is None:
         yield
         return

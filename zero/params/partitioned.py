@@ -92,7 +92,7 @@ class PartitionedPlacement(Placement):
 
     @classmethod
     def build(cls, model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], *, materialize: Materializer,
-              driver: AdamDriver | None, param_home: Tier, dtype: torch.dtype, sub_group_size: int, persistence_threshold: int,
+              driver: AdamDriver | None, param_home: Tier, dtype: torch.dtype, sub_group_size: int, persistent: list[bool],
               masters_are_params: bool, int8_frozen: bool = False, park_root: bool = False,
               **collaborators) -> PartitionedPlacement:
         """Unit by unit: materialize (a model built on meta), flatten, keep this rank's shard (the fp32
@@ -130,7 +130,7 @@ class PartitionedPlacement(Placement):
             del values, master
             full = torch.empty(flat.padded_numel, dtype=dtype, device=device)
             placement._add(Unit(index, flat, module, full, sub_groups, segment, int8=int8,
-                                persistent=flat.numel <= persistence_threshold, state=UnitState.RELEASED))
+                                persistent=persistent[index], state=UnitState.RELEASED))
         placement.model_hooks.append(model._register_state_dict_hook(
             full_values_hook(model, placement.units, placement.gather, placement.release)))
         if park_root and placement.gradients is not None:

@@ -35,6 +35,7 @@ from ..optim.gradient_copies import SLOTS
 from ..optim.gradients import COMM_DTYPES
 from ..params import int8_weights
 from ..params.flat_unit import FlatUnit
+from ..params.persistence import persistent_units
 from ..params.root_uses import parkable
 from ..params.tied_head import STAGING, tied_heads
 
@@ -228,8 +229,8 @@ def parks_root(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: nn.Mo
 
 def root_parkable(plan: list[tuple[FlatUnit, nn.Module]], model: nn.Module, cfg: Config) -> bool:
     """Whether the plan has a root unit to park and its uses can be seen (root_uses.parkable)."""
-    threshold = cfg.zero_optimization.param_persistence_threshold
-    roots = [flat for flat, module in plan if module is model and flat.numel > threshold]
+    persists = persistent_units(cfg.zero_optimization, [flat for flat, _ in plan])
+    roots = [flat for (flat, module), kept in zip(plan, persists) if module is model and not kept]
     return bool(roots) and parkable(model, [slot.param for flat in roots for slot in flat.slots],
                                     [module for flat, module in plan if (flat.within or module) is not model])
 
@@ -281,14 +282,14 @@ def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: n
             int8 = flat.frozen and zo.zero_quantized_nontrainable_weights
             return charge(flat.padded_numel * dtype.itemsize) + (charge(shard_bytes(cfg, flat, dtype)) if int8 else 0)
 
+        persists = persistent_units(zo, [flat for flat, _ in plan])
+        persistent = sum(gathered(flat) for (flat, _), kept in zip(plan, persists) if kept)
+        released = [(flat, flat.within or module) for (flat, module), kept in zip(plan, persists) if not kept]
         by_module: dict[int, int] = {}
-        for flat, module in plan:
-            block = flat.within or module
-            if block is not model and flat.numel > zo.param_persistence_threshold:
+        for flat, block in released:
+            if block is not model:
                 by_module[id(block)] = by_module.get(id(block), 0) + gathered(flat)
-        threshold = zo.param_persistence_threshold
-        persistent = sum(gathered(flat) for flat, _ in plan if flat.numel <= threshold)
-        root_units = [flat for flat, module in plan if (flat.within or module) is model and flat.numel > threshold]
+        root_units = [flat for flat, block in released if block is model]
         root_gathered = sum(gathered(flat) for flat in root_units)
         block = max(by_module.values(), default=0)
         grads: dict[int, int] = {}

@@ -3,9 +3,10 @@ the next step boundary and a clean exit, so a long run on a shared machine loses
 
 The handler only notes the signal: saving is a collective of every rank and must happen between steps, never
 inside the handler (which runs between two bytecodes of whatever the main thread was doing). At each boundary
-the ranks agree with one all-reduce (the sum of the noted flags), so a signal that reached some ranks alone still
-saves on all of them, at the same step. The exit waits for the next forward, so the training loop still logs
-the step it saved.
+every rank joins one all-reduce (`save_due`), whether or not it watches for signals, so a signal that reached some
+ranks alone still saves on all of them, at the same step, and ranks that watch while others do not fail together
+instead of waiting forever in a save the others never join. The exit waits for the next forward, so the training
+loop still logs the step it saved.
 """
 from __future__ import annotations
 
@@ -35,13 +36,6 @@ class Preemption:
     def _note(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum
 
-    def requested(self, dp: DataParallel) -> bool:
-        """Whether any rank noted a signal: the same answer on every rank (one all-reduce of one element)."""
-        if dp.world_size == 1:
-            return self.received is not None
-        flag = torch.tensor([float(self.received is not None)])
-        return dp.all_reduce_sum(flag).item() > 0
-
     def close(self) -> int | None:
         """Give the signals back to the handlers they had. Returns a signal noted and not acted on (no boundary
         came after it), for the caller to deliver to them once it has cleaned up: it is not lost."""
@@ -49,3 +43,27 @@ class Preemption:
             signal.signal(sig, previous)
         self._previous = {}
         return self.received if self.saved is None else None
+
+
+class UnevenWatchError(RuntimeError):
+    """Some ranks watch for preemption signals and others do not: their saves could never meet."""
+
+
+def save_due(preemption: Preemption | None, dp: DataParallel) -> bool:
+    """At a step boundary, on every rank, `preemption` its watch (None where it keeps none, or saved already):
+    whether any rank noted a signal, the same answer on every rank. With several ranks one all-reduce of two flags
+    per rank, run whether or not this rank watches (a rank that does not cannot know that another does): where
+    some ranks watch and others do not, every rank raises UnevenWatchError naming them, at the first boundary."""
+    if dp.world_size == 1:
+        return preemption is not None and preemption.received is not None
+    flags = torch.zeros(2, dp.world_size)
+    if preemption is not None:
+        flags[0, dp.rank], flags[1, dp.rank] = 1.0, float(preemption.received is not None)
+    dp.all_reduce_sum(flags)
+    watching = flags[0].nonzero().flatten().tolist()
+    if 0 < len(watching) < dp.world_size:
+        idle = [r for r in range(dp.world_size) if r not in watching]
+        raise UnevenWatchError(f"save_on_signal (or save_on_signal=True) was set up on rank(s) {watching} and not on "
+                               f"{idle} of {dp.world_size}: every rank must set it up before the same step boundary "
+                               "(saving is a collective of every rank)")
+    return bool(flags[1].any())
