@@ -5,6 +5,7 @@ zero.Init and trains within the budget plus 1 GiB.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -261,3 +262,53 @@ def test_save_16bit_model_writes_the_gathered_weights_where_the_config_asks(tmp_
     assert saved.keys() == expected.keys()
     assert all(torch.equal(saved[k], expected[k]) for k in expected)
     engine.close()
+
+
+class NormedBlocks(nn.Module):
+    """Blocks reading a submodule's weight through a weight norm of their own, registered as an external parameter
+    the way transformers' wav2vec2 positional convolution registers its weight_v and weight_g under ZeRO-3."""
+
+    def __init__(self, dim: int = 16, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(32, dim)
+        self.blocks = nn.ModuleList(NormedBlock(dim) for _ in range(layers))
+
+    def forward(self, ids, labels):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return nn.functional.cross_entropy((x @ self.embed.weight.t()).flatten(0, 1), labels.flatten())
+
+
+class NormedBlock(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.inner = nn.Linear(dim, dim)
+        self.gain = nn.Parameter(torch.ones(dim, 1))
+        deepspeed.zero.register_external_parameter(self, self.inner.weight)
+
+    def forward(self, x):
+        weight = self.gain * self.inner.weight / self.inner.weight.norm(dim=1, keepdim=True)
+        return torch.tanh(nn.functional.linear(x, weight, self.inner.bias))
+
+
+def test_a_registered_external_parameter_of_the_same_block_trains_as_the_plain_model(tmp_path):
+    """deepspeed.zero.register_external_parameter exists (transformers calls it) and a block reading its submodule's
+    weight in its own forward trains bitwise as the plain model, built under zero.Init."""
+    losses = []
+    for init in (None, deepspeed.zero.Init(config_dict_or_path=config(tmp_path))):
+        torch.manual_seed(0)
+        with init or contextlib.nullcontext():
+            model = NormedBlocks()
+        engine, *_ = deepspeed.initialize(model=model, config=config(tmp_path))
+        torch.manual_seed(5)
+        run = []
+        for _ in range(3):
+            ids = torch.randint(0, 32, (2, 8))
+            loss = engine(ids, torch.roll(ids, 1, 1))
+            engine.backward(loss)
+            engine.step()
+            run.append(loss.item())
+        engine.close()
+        losses.append(run)
+    assert losses[0] == losses[1]
