@@ -3,7 +3,7 @@ into a full buffer only while the unit's module runs (forward, then again for ba
 
 Each unit keeps one full buffer tensor whose storage holds no bytes while the unit is released: the
 parameters stay views of it, and tensors autograd saved in forward (views too) see the bytes again once the
-unit is re-gathered for backward (the storage gets its bytes back in place: see `_take_bytes`). A unit is
+unit is re-gathered for backward (the storage gets its bytes back in place: full_bytes.py). A unit is
 gathered by the forward pre-hook of its module and released by the forward hook; hooks on the module's outputs
 gather it again when backward reaches them; when every parameter of the unit has its gradient, the gradient
 is reduce-scattered into the shard, accumulated in fp32 by Gradients, and the unit is released. Gathers and
@@ -45,14 +45,13 @@ from . import int8_weights
 from .ds_param import ZeroParamStatus, set_status
 from .flat_unit import FlatUnit
 from .frozen import FrozenEnds, check_frozen, check_unwritten, join_ends
+from .full_bytes import free_bytes, take_bytes
 from .full_state_dict import full_values_hook
 from .materialize import Materializer, host_empty
 from .placement import Placement
 from .root_uses import RootUses
 from .tied_head import TiedHead, sent_this_backward, tied_heads
-from .unit import GATHERED, GRADIENTS, Fill, Unit, UnitState
-SWAPS_STORAGE_BYTES = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
-"""Whether this torch can hand a storage another's bytes in place (else a CPU full buffer takes fresh pages)."""
+from .unit import GRADIENTS, Fill, Unit, UnitState
 
 
 class PartitionedPlacement(Placement):
@@ -211,7 +210,7 @@ class PartitionedPlacement(Placement):
             unit.parked = False  # its bytes went when it was parked
             unit.flat.unbind()
         else:
-            self._free_bytes(unit)
+            free_bytes(self.swap, unit)
         unit.to("release")
 
     def frees_on_release(self, unit: Unit) -> bool:
@@ -219,30 +218,30 @@ class PartitionedPlacement(Placement):
 
     def _prefetch(self, unit: Unit) -> None:
         """Give a released unit's full buffer its bytes and start its fill."""
-        self._take_bytes(unit)
+        take_bytes(self.swap, unit)
         try:
             unit.fill = self._start_fill(unit)
         except BaseException:
-            self._free_bytes(unit)
+            free_bytes(self.swap, unit)
             raise
         unit.to("prefetch")
 
     def _park(self, unit: Unit) -> None:
         """Give back a held unit's bytes until its next use (root_uses.py); it stays held, its parameters bare views."""
-        self._free_bytes(unit, unbind=False)
+        free_bytes(self.swap, unit, unbind=False)
         unit.parked = True
         set_status((slot.param for slot in unit.flat.slots), ZeroParamStatus.NOT_AVAILABLE)
 
     def _unpark(self, unit: Unit) -> None:
         """A parked unit's bytes again, filled from its shard (a step since refills a stale one)."""
         self.wait_for_update(unit.index)
-        self._take_bytes(unit)
+        take_bytes(self.swap, unit)
         try:
             unit.fill = self._start_fill(unit)
             self._wait_fill(unit)
         except BaseException:  # parked as it was, once the fill has ended (it may be copying into the bytes)
             unit.fill.settle()
-            self._free_bytes(unit, unbind=False)
+            free_bytes(self.swap, unit, unbind=False)
             raise
         unit.parked = False
         set_status((slot.param for slot in unit.flat.slots), ZeroParamStatus.AVAILABLE)
@@ -252,65 +251,12 @@ class PartitionedPlacement(Placement):
     def _drop(self, unit: Unit) -> None:
         """Give back a prefetched unit's bytes (nobody gathered it, or its fill failed) once its fill has ended."""
         unit.fill.settle()
-        self._free_bytes(unit)
+        free_bytes(self.swap, unit)
         unit.to("drop")
 
     def _refill(self, unit: Unit) -> None:  # a gathered unit's full buffer takes its shard's current values
         unit.fill = self._start_fill(unit)
         self._wait_fill(unit)
-
-    def _take_bytes(self, unit: Unit) -> None:
-        """Count the full buffer against the device budget (evicting segments for room) and give it bytes.
-        Without CUDA they are the pages of a buffer from the device tier's pool, handed to the full buffer's own
-        storage in place (the storage object stays the one autograd's saved views hold): a step reuses pages
-        instead of faulting in fresh ones at every gather."""
-        tier = self.swap.device_tier
-        self.swap.reserve_device(unit.nbytes, unit.name, GATHERED)
-        storage = unit.full.untyped_storage()
-        try:
-            lent = tier.lend(unit.nbytes, unit.name) if SWAPS_STORAGE_BYTES else None
-            if lent is None:
-                with tier.out_of_memory(unit.nbytes, unit.name):
-                    storage.resize_(unit.nbytes)
-            else:
-                try:
-                    storage._swap_data_ptr_(lent.storage.untyped_storage())
-                except BaseException:
-                    lent.release()
-                    raise
-        except BaseException:
-            self.swap.unreserve_device(unit.nbytes, GATHERED)
-            raise
-        unit.lent = lent
-        unit.flat.bind(unit.full)
-        if unit.int8:  # where the stored bytes land before they are decoded into the full buffer
-            nbytes = self.swap.segments[unit.segment].nbytes
-            self.swap.reserve_device(nbytes, f"{unit.name} int8", GATHERED)
-            unit.staging = torch.empty(nbytes, dtype=torch.uint8, device=unit.full.device)
-
-    def _free_bytes(self, unit: Unit, *, unbind: bool = True) -> None:
-        """Give back the full buffer's bytes, once no copy uses them: with CUDA the caching allocator waits for
-        the streams recorded on them; without CUDA the copy worker may still be writing them, so wait for it.
-        `unbind` False (a parked unit): the parameters keep their shapes (autograd accumulates their gradients)."""
-        if unbind:
-            unit.flat.unbind()  # released parameters hold no bytes a stray read could reach (they are 0-element)
-        storage = unit.full.untyped_storage()
-        if unit.full.is_cuda:
-            unit.full.record_stream(torch.cuda.current_stream(unit.full.device))  # the compute that read them
-        elif unit.fill is not None:
-            unit.fill.settle()
-        if unit.lent is None:
-            storage.resize_(0)
-        else:
-            storage._swap_data_ptr_(unit.lent.storage.untyped_storage())  # the pages back to the pool's buffer
-            unit.lent.release()
-            unit.lent = None
-        self.swap.unreserve_device(unit.nbytes, GATHERED)
-        if unit.staging is not None:
-            if unit.staging.is_cuda:
-                unit.staging.record_stream(torch.cuda.current_stream(unit.staging.device))
-            self.swap.unreserve_device(unit.staging.numel(), GATHERED)
-            unit.staging = None
 
     def _start_fill(self, unit: Unit) -> Fill:
         """Copy the unit's shard into the full buffer (several ranks: into this rank's part, for the all-gather) on
