@@ -18,9 +18,10 @@ free room for it, so its gather only waits for its copy's event.
 
 A frozen unit (an adapter's base: parameters without gradients) moves the same way but is never written: its
 shard is stored once, gathered, released clean. Its backward gives no gradient to wait for, so it ends when the
-gradients of its module's inputs are computed (an identity on them, `_InputsDone`, fires then: every use of the
-frozen weights in the module's backward is behind it) and its module's trained units have theirs; where the
-inputs need no gradient and nothing else ends it, at the backward's end.
+gradients of its module's inputs are computed, in the calls the backward has reached (an identity on them,
+`_InputsDone`, fires then: every use of the frozen weights in the module's backward is behind it; a graph kept alive
+without a backward holds nothing) and its module's trained units have theirs; where the inputs need no gradient
+and nothing else ends it, at the backward's end.
 
 A weight tied between an embedding and the head (tied_head.py) has the head's gradient kept on the host through
 the blocks' backward and added back before its unit's reduction. Where the device budget needs it, the root unit
@@ -409,10 +410,11 @@ class PartitionedPlacement(Placement):
         unit.versions = [slot.param._version for slot in unit.flat.slots]
 
     def _end_frozen(self, ends: FrozenEnds) -> None:
-        """End the backward of the frozen units cut from a module once its inputs' gradients are computed and its
-        trained units have their gradients (both may still need their weights before). Not the root's (finish_backward
-        ends them): its inputs (token ids) guard nothing, and its weights pass gradients on to the blocks after."""
-        if ends.module is not self._model and ends.inputs_pending == 0 and all(
+        """End the backward of the frozen units cut from a module once its inputs' gradients are computed (in every
+        call a backward has reached: frozen.py) and its trained units have their gradients (both may still need their
+        weights before). Not the root's (finish_backward ends them): its inputs (token ids) guard nothing, and its
+        weights pass gradients on to the blocks after."""
+        if ends.module is not self._model and not ends.inputs_pending and all(
                 t.state is not UnitState.BACKWARD for t in self._trained_of.get(id(ends.module), ())):
             for unit in ends.units:
                 if unit.state is UnitState.BACKWARD:
@@ -523,6 +525,8 @@ class PartitionedPlacement(Placement):
         for unit in self.units:
             if unit.state is UnitState.BACKWARD:
                 self._finish_backward(unit)
+        for ends in self._frozen_ends.values():
+            ends.backward_over()
         self.gradients.drain()
 
     def close(self) -> None:
