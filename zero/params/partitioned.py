@@ -24,8 +24,9 @@ without a backward holds nothing) and its module's trained units have theirs; wh
 and nothing else ends it, at the backward's end.
 
 A weight tied between an embedding and the head (tied_head.py) has the head's gradient kept on the host through
-the blocks' backward and added back before its unit's reduction. Where the device budget needs it, the root unit
-is parked while the blocks run: held, its bytes given back until its next use (root_uses.py).
+the blocks' backward and added back before its unit's reduction. A module holding root parameters called outside
+the model's forward gathers the root unit around that call; where the device budget needs it, the root unit is
+parked while the blocks run: held, its bytes given back until its next use (root_uses.py).
 """
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ class PartitionedPlacement(Placement):
         """id(module) -> the frozen units cut from its unit (frozen.py)."""
         self._tied: dict[int, list[TiedHead]] = {}
         """Unit index -> its weights tied between an embedding and the head (their head gradients)."""
-        self._root_uses: RootUses | None = None  # training with park_root: parks the root between its uses
+        self._root_uses: RootUses | None = None
+        """The root's uses outside the model's forward, and its parking (with park_root, in training)."""
         self._model: nn.Module | None = None
 
     @classmethod
@@ -133,12 +135,11 @@ class PartitionedPlacement(Placement):
                                 persistent=flat.numel <= persistence_threshold, state=UnitState.RELEASED))
         placement.model_hooks.append(model._register_state_dict_hook(
             full_values_hook(model, placement.units, placement.gather, placement.release)))
-        if park_root and placement.gradients is not None:
-            placement._root_uses = RootUses(
-                model, [u for u in placement.units if u.module is model],
-                [u for u in placement.units if u.block is not model], park=placement._park,
-                unpark=placement._unpark,
-                head_done=lambda p: sent_this_backward((h for t in placement._tied.values() for h in t), p))
+        placement._root_uses = RootUses(
+            model, [u for u in placement.units if u.module is model], [u for u in placement.units if u.block is not model],
+            enter=placement._enter, leave=placement._post_forward, parks=park_root and placement.gradients is not None,
+            park=placement._park, unpark=placement._unpark,
+            head_done=lambda p: sent_this_backward((h for t in placement._tied.values() for h in t), p))
         materialize.rest()
         for module in model.modules():  # buffers: to the device, in the dtype they were built in (a rotary
             for name, buffer in module.named_buffers(recurse=False):  # table's fp32, as DeepSpeed keeps it)
@@ -155,10 +156,9 @@ class PartitionedPlacement(Placement):
         self.units.append(unit)
         if unit.frozen:
             join_ends(self._frozen_ends, unit, self._end_frozen)
-            unit.hooks.append(unit.module.register_forward_pre_hook(lambda m, args: self._pre_forward_frozen(unit)))
         else:
             self._trained_of.setdefault(id(unit.module), []).append(unit)
-            unit.hooks.append(unit.module.register_forward_pre_hook(lambda m, args: self._pre_forward(unit)))
+        unit.hooks.append(unit.module.register_forward_pre_hook(lambda m, args: self._enter(unit)))
         post = unit.module.register_forward_hook(lambda m, args, out: self._post_forward(unit, out), always_call=True)
         unit.hooks.append(post)  # (always: a forward that raises releases the unit too)
         if self.gradients is not None and not unit.frozen:
@@ -392,9 +392,14 @@ class PartitionedPlacement(Placement):
 
     # -- hooks --------------------------------------------------------------------------------------------
 
+    def _enter(self, unit: Unit) -> None:
+        """The gather before a forward of the unit's module (or, for a root unit, of a module holding its parameters
+        outside the model's forward: root_uses.py)."""
+        (self._pre_forward_frozen if unit.frozen else self._pre_forward)(unit)
+
     def _pre_forward(self, unit: Unit) -> None:
         self._land_heads()  # (a recomputation inside the backward)
-        if self._root_uses is not None and unit.block is not self._root_uses.model:
+        if unit.block is not self._model:
             self._root_uses.block_forward()  # the root's bytes go before the block takes room
         self._gather_in_order(unit)
         unit.forwards += 1
@@ -461,7 +466,7 @@ class PartitionedPlacement(Placement):
         if self.gradients is None:  # zero.inference's: nothing would release the unit after the backward
             raise RuntimeError(f"unit {unit.name!r}: an inference engine runs forwards only (no backward)")
         self._land_heads()
-        if self._root_uses is not None and unit.block is not self._root_uses.model:
+        if unit.block is not self._model:
             self._root_uses.block_backward()
         self._reserve_gradients(unit)  # before the gather prefetches the next unit: the gradients come first
         self._gather_in_order(unit)
