@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import zero
 
-from stage3_models import (LR, WEIGHT_DECAY, assert_state_equal, batches, full_state, one_thread, stage3_config,
+from stage3_models import (assert_state_equal, batches, full_state, one_thread, reference_train, stage3_config,
                            tiny_gpt2, tiny_llama, units_held)
 from test_inference import PROMPT, inference_config
 from test_pretrained import llama_config, on_meta, saved
@@ -57,18 +57,7 @@ USES = {"inputs_embeds": embeds_passed, "head in the loss": head_in_the_loss, "h
 
 
 def plain_train(model, data, use) -> list[float]:
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-    losses = []
-    for index, ids in enumerate(data):
-        loss = use(model, model, ids)
-        (loss / ACCUM).backward()
-        losses.append(loss.item())
-        if (index + 1) % ACCUM == 0:
-            torch.nn.utils.clip_grad_norm_(params, CLIP)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    return losses
+    return reference_train(model, data, accum=ACCUM, clip=CLIP, loss=lambda model, ids: use(model, model, ids))
 
 
 @pytest.mark.parametrize("park", [False, True], ids=["held", "parked"])
