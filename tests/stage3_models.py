@@ -301,19 +301,20 @@ def stage3_config(param: str = "none", optimizer: str = "none", *, nvme_path=Non
 
 def reference_train(model: nn.Module, data: list[torch.Tensor], *, accum: int = 1, clip: float = 0.0,
                     optimizer: torch.optim.Optimizer | None = None, lr: float = LR,
-                    set_to_none: bool = True) -> list[float]:
+                    set_to_none: bool = True, loss=None) -> list[float]:
     """Plain PyTorch: per optimizer step, `accum` micro-batches of (loss / accum).backward(), then
     clip_grad_norm_ (clip > 0), AdamW(fused=True).step(), zero_grad(set_to_none). Returns every micro-batch's
-    loss."""
+    loss. `loss(model, ids)`: a script's own loss (else `loss_of`)."""
     hf = is_hf(model)
+    loss_fn = loss or (lambda model, ids: loss_of(model, ids, hf))
     params = [p for p in model.parameters() if p.requires_grad]
     if optimizer is None:
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, fused=True)
     losses = []
     for index, ids in enumerate(data):
-        loss = loss_of(model, ids, hf)
-        (loss / accum).backward()
-        losses.append(loss.item())
+        value = loss_fn(model, ids)
+        (value / accum).backward()
+        losses.append(value.item())
         if (index + 1) % accum == 0:
             if clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, clip)

@@ -99,6 +99,28 @@ def test_the_root_is_parked_while_the_blocks_run_and_trains_as_plain_pytorch(nam
         engine.close()
 
 
+def test_an_embedding_adapter_reading_its_parameter_dict_in_its_backward_finds_the_root_gathered(tmp_path):
+    """PEFT's LoRA on the embedding: its adapters live in ParameterDicts that the adapter's module reads (the second
+    one in its backward, a matmul, before the blocks): that module counts as their holder, so the root parked while
+    the blocks run is gathered again for its backward. The bits are plain PyTorch's."""
+    from test_frozen import lora_on, trainable
+
+    data = batches(4)
+    reference = lora_on(tiny_llama(), everywhere=True)
+    expected = reference_train(reference, data, accum=2, clip=1.0)
+    model = lora_on(tiny_llama(), everywhere=True)
+    engine, *_ = zero.initialize(model=model, config=stage3_config(
+        "cpu", "cpu", accum=2, clip=1.0, zero_tiering={"park_root": True}), model_parameters=trainable(model))
+    try:
+        assert engine.placement._root_uses.enabled
+        assert engine_train(engine, data) == expected
+        state = full_state(engine)
+        for key, value in reference.state_dict().items():
+            assert torch.equal(state[key], value), key
+    finally:
+        engine.close()
+
+
 class ReadsTheEmbedding(nn.Module):
     """A block scaling its output by a row of the embedding's weight (a root parameter) through a closure."""
 
@@ -174,7 +196,7 @@ def test_a_model_holding_root_parameters_itself_is_never_parked(tmp_path):
     and trains as before."""
     engine, data, reference, expected = train_both(OwnsAParameter, tmp_path, tier="cpu", steps=2)
     try:
-        assert engine.placement._root_uses is None
+        assert not engine.placement._root_uses.enabled
         assert engine_train(engine, data) == expected
     finally:
         engine.close()
@@ -211,7 +233,7 @@ def test_a_budget_below_holding_the_root_parks_it_and_the_parked_minimum_is_enou
         engine, *_ = zero.initialize(model=own_gpt(0, None, PEAK_CONFIG), config=stage3_config(
             "cpu", "cpu", zero_tiering={"device_budget": budget}))
         try:
-            assert (engine.placement._root_uses is not None) == parks, budget
+            assert engine.placement._root_uses.enabled == parks, budget
             assert sum(engine.device_minimum.values()) == scratch + (parked if parks else held)
             losses, peaks = train_recording_peaks(engine, data)
             assert losses == expected and max(peaks) <= budget, peaks

@@ -45,7 +45,7 @@ from tiering.aligned import align_up
 from tiering.errors import fmt_bytes
 from zero.config import ConfigError
 from zero.optim.gradients import REDUCTION_SCRATCH
-from zero.params.partitioned import GATHERED, GRADIENTS
+from zero.params.unit import GATHERED, GRADIENTS
 from zero.train.gpt import Block, GPTConfig
 
 from stage3_models import (

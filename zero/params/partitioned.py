@@ -3,7 +3,7 @@ into a full buffer only while the unit's module runs (forward, then again for ba
 
 Each unit keeps one full buffer tensor whose storage holds no bytes while the unit is released: the
 parameters stay views of it, and tensors autograd saved in forward (views too) see the bytes again once the
-unit is re-gathered for backward (the storage gets its bytes back in place: see `_take_bytes`). A unit is
+unit is re-gathered for backward (the storage gets its bytes back in place: full_bytes.py). A unit is
 gathered by the forward pre-hook of its module and released by the forward hook; hooks on the module's outputs
 gather it again when backward reaches them; when every parameter of the unit has its gradient, the gradient
 is reduce-scattered into the shard, accumulated in fp32 by Gradients, and the unit is released. Gathers and
@@ -18,13 +18,15 @@ free room for it, so its gather only waits for its copy's event.
 
 A frozen unit (an adapter's base: parameters without gradients) moves the same way but is never written: its
 shard is stored once, gathered, released clean. Its backward gives no gradient to wait for, so it ends when the
-gradients of its module's inputs are computed (an identity on them, `_InputsDone`, fires then: every use of the
-frozen weights in the module's backward is behind it) and its module's trained units have theirs; where the
-inputs need no gradient and nothing else ends it, at the backward's end.
+gradients of its module's inputs are computed, in the calls the backward has reached (an identity on them,
+`_InputsDone`, fires then: every use of the frozen weights in the module's backward is behind it; a graph kept alive
+without a backward holds nothing) and its module's trained units have theirs; where the inputs need no gradient
+and nothing else ends it, at the backward's end.
 
 A weight tied between an embedding and the head (tied_head.py) has the head's gradient kept on the host through
-the blocks' backward and added back before its unit's reduction. Where the device budget needs it, the root unit
-is parked while the blocks run: held, its bytes given back until its next use (root_uses.py).
+the blocks' backward and added back before its unit's reduction. A module holding root parameters called outside
+the model's forward gathers the root unit around that call; where the device budget needs it, the root unit is
+parked while the blocks run: held, its bytes given back until its next use (root_uses.py).
 """
 from __future__ import annotations
 
@@ -45,14 +47,13 @@ from . import int8_weights
 from .ds_param import ZeroParamStatus, set_status
 from .flat_unit import FlatUnit
 from .frozen import FrozenEnds, check_frozen, check_unwritten, join_ends
+from .full_bytes import free_bytes, take_bytes
 from .full_state_dict import full_values_hook
 from .materialize import Materializer, host_empty
 from .placement import Placement
 from .root_uses import RootUses
 from .tied_head import TiedHead, sent_this_backward, tied_heads
-from .unit import GATHERED, GRADIENTS, Fill, Unit, UnitState
-SWAPS_STORAGE_BYTES = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
-"""Whether this torch can hand a storage another's bytes in place (else a CPU full buffer takes fresh pages)."""
+from .unit import GRADIENTS, Fill, Unit, UnitState
 
 
 class PartitionedPlacement(Placement):
@@ -87,7 +88,8 @@ class PartitionedPlacement(Placement):
         """id(module) -> the frozen units cut from its unit (frozen.py)."""
         self._tied: dict[int, list[TiedHead]] = {}
         """Unit index -> its weights tied between an embedding and the head (their head gradients)."""
-        self._root_uses: RootUses | None = None  # training with park_root: parks the root between its uses
+        self._root_uses: RootUses | None = None
+        """The root's uses outside the model's forward, and its parking (with park_root, in training)."""
         self._model: nn.Module | None = None
 
     @classmethod
@@ -133,12 +135,11 @@ class PartitionedPlacement(Placement):
                                 persistent=persistent[index], state=UnitState.RELEASED))
         placement.model_hooks.append(model._register_state_dict_hook(
             full_values_hook(model, placement.units, placement.gather, placement.release)))
-        if park_root and placement.gradients is not None:
-            placement._root_uses = RootUses(
-                model, [u for u in placement.units if u.module is model],
-                [u for u in placement.units if u.block is not model], park=placement._park,
-                unpark=placement._unpark,
-                head_done=lambda p: sent_this_backward((h for t in placement._tied.values() for h in t), p))
+        placement._root_uses = RootUses(
+            model, [u for u in placement.units if u.module is model], [u for u in placement.units if u.block is not model],
+            enter=placement._enter, leave=placement._post_forward, parks=park_root and placement.gradients is not None,
+            park=placement._park, unpark=placement._unpark,
+            head_done=lambda p: sent_this_backward((h for t in placement._tied.values() for h in t), p))
         materialize.rest()
         for module in model.modules():  # buffers: to the device, in the dtype they were built in (a rotary
             for name, buffer in module.named_buffers(recurse=False):  # table's fp32, as DeepSpeed keeps it)
@@ -155,10 +156,9 @@ class PartitionedPlacement(Placement):
         self.units.append(unit)
         if unit.frozen:
             join_ends(self._frozen_ends, unit, self._end_frozen)
-            unit.hooks.append(unit.module.register_forward_pre_hook(lambda m, args: self._pre_forward_frozen(unit)))
         else:
             self._trained_of.setdefault(id(unit.module), []).append(unit)
-            unit.hooks.append(unit.module.register_forward_pre_hook(lambda m, args: self._pre_forward(unit)))
+        unit.hooks.append(unit.module.register_forward_pre_hook(lambda m, args: self._enter(unit)))
         post = unit.module.register_forward_hook(lambda m, args, out: self._post_forward(unit, out), always_call=True)
         unit.hooks.append(post)  # (always: a forward that raises releases the unit too)
         if self.gradients is not None and not unit.frozen:
@@ -211,7 +211,7 @@ class PartitionedPlacement(Placement):
             unit.parked = False  # its bytes went when it was parked
             unit.flat.unbind()
         else:
-            self._free_bytes(unit)
+            free_bytes(self.swap, unit)
         unit.to("release")
 
     def frees_on_release(self, unit: Unit) -> bool:
@@ -219,30 +219,30 @@ class PartitionedPlacement(Placement):
 
     def _prefetch(self, unit: Unit) -> None:
         """Give a released unit's full buffer its bytes and start its fill."""
-        self._take_bytes(unit)
+        take_bytes(self.swap, unit)
         try:
             unit.fill = self._start_fill(unit)
         except BaseException:
-            self._free_bytes(unit)
+            free_bytes(self.swap, unit)
             raise
         unit.to("prefetch")
 
     def _park(self, unit: Unit) -> None:
         """Give back a held unit's bytes until its next use (root_uses.py); it stays held, its parameters bare views."""
-        self._free_bytes(unit, unbind=False)
+        free_bytes(self.swap, unit, unbind=False)
         unit.parked = True
         set_status((slot.param for slot in unit.flat.slots), ZeroParamStatus.NOT_AVAILABLE)
 
     def _unpark(self, unit: Unit) -> None:
         """A parked unit's bytes again, filled from its shard (a step since refills a stale one)."""
         self.wait_for_update(unit.index)
-        self._take_bytes(unit)
+        take_bytes(self.swap, unit)
         try:
             unit.fill = self._start_fill(unit)
             self._wait_fill(unit)
         except BaseException:  # parked as it was, once the fill has ended (it may be copying into the bytes)
             unit.fill.settle()
-            self._free_bytes(unit, unbind=False)
+            free_bytes(self.swap, unit, unbind=False)
             raise
         unit.parked = False
         set_status((slot.param for slot in unit.flat.slots), ZeroParamStatus.AVAILABLE)
@@ -252,65 +252,12 @@ class PartitionedPlacement(Placement):
     def _drop(self, unit: Unit) -> None:
         """Give back a prefetched unit's bytes (nobody gathered it, or its fill failed) once its fill has ended."""
         unit.fill.settle()
-        self._free_bytes(unit)
+        free_bytes(self.swap, unit)
         unit.to("drop")
 
     def _refill(self, unit: Unit) -> None:  # a gathered unit's full buffer takes its shard's current values
         unit.fill = self._start_fill(unit)
         self._wait_fill(unit)
-
-    def _take_bytes(self, unit: Unit) -> None:
-        """Count the full buffer against the device budget (evicting segments for room) and give it bytes.
-        Without CUDA they are the pages of a buffer from the device tier's pool, handed to the full buffer's own
-        storage in place (the storage object stays the one autograd's saved views hold): a step reuses pages
-        instead of faulting in fresh ones at every gather."""
-        tier = self.swap.device_tier
-        self.swap.reserve_device(unit.nbytes, unit.name, GATHERED)
-        storage = unit.full.untyped_storage()
-        try:
-            lent = tier.lend(unit.nbytes, unit.name) if SWAPS_STORAGE_BYTES else None
-            if lent is None:
-                with tier.out_of_memory(unit.nbytes, unit.name):
-                    storage.resize_(unit.nbytes)
-            else:
-                try:
-                    storage._swap_data_ptr_(lent.storage.untyped_storage())
-                except BaseException:
-                    lent.release()
-                    raise
-        except BaseException:
-            self.swap.unreserve_device(unit.nbytes, GATHERED)
-            raise
-        unit.lent = lent
-        unit.flat.bind(unit.full)
-        if unit.int8:  # where the stored bytes land before they are decoded into the full buffer
-            nbytes = self.swap.segments[unit.segment].nbytes
-            self.swap.reserve_device(nbytes, f"{unit.name} int8", GATHERED)
-            unit.staging = torch.empty(nbytes, dtype=torch.uint8, device=unit.full.device)
-
-    def _free_bytes(self, unit: Unit, *, unbind: bool = True) -> None:
-        """Give back the full buffer's bytes, once no copy uses them: with CUDA the caching allocator waits for
-        the streams recorded on them; without CUDA the copy worker may still be writing them, so wait for it.
-        `unbind` False (a parked unit): the parameters keep their shapes (autograd accumulates their gradients)."""
-        if unbind:
-            unit.flat.unbind()  # released parameters hold no bytes a stray read could reach (they are 0-element)
-        storage = unit.full.untyped_storage()
-        if unit.full.is_cuda:
-            unit.full.record_stream(torch.cuda.current_stream(unit.full.device))  # the compute that read them
-        elif unit.fill is not None:
-            unit.fill.settle()
-        if unit.lent is None:
-            storage.resize_(0)
-        else:
-            storage._swap_data_ptr_(unit.lent.storage.untyped_storage())  # the pages back to the pool's buffer
-            unit.lent.release()
-            unit.lent = None
-        self.swap.unreserve_device(unit.nbytes, GATHERED)
-        if unit.staging is not None:
-            if unit.staging.is_cuda:
-                unit.staging.record_stream(torch.cuda.current_stream(unit.staging.device))
-            self.swap.unreserve_device(unit.staging.numel(), GATHERED)
-            unit.staging = None
 
     def _start_fill(self, unit: Unit) -> Fill:
         """Copy the unit's shard into the full buffer (several ranks: into this rank's part, for the all-gather) on
@@ -445,9 +392,14 @@ class PartitionedPlacement(Placement):
 
     # -- hooks --------------------------------------------------------------------------------------------
 
+    def _enter(self, unit: Unit) -> None:
+        """The gather before a forward of the unit's module (or, for a root unit, of a module holding its parameters
+        outside the model's forward: root_uses.py)."""
+        (self._pre_forward_frozen if unit.frozen else self._pre_forward)(unit)
+
     def _pre_forward(self, unit: Unit) -> None:
         self._land_heads()  # (a recomputation inside the backward)
-        if self._root_uses is not None and unit.block is not self._root_uses.model:
+        if unit.block is not self._model:
             self._root_uses.block_forward()  # the root's bytes go before the block takes room
         self._gather_in_order(unit)
         unit.forwards += 1
@@ -463,10 +415,11 @@ class PartitionedPlacement(Placement):
         unit.versions = [slot.param._version for slot in unit.flat.slots]
 
     def _end_frozen(self, ends: FrozenEnds) -> None:
-        """End the backward of the frozen units cut from a module once its inputs' gradients are computed and its
-        trained units have their gradients (both may still need their weights before). Not the root's (finish_backward
-        ends them): its inputs (token ids) guard nothing, and its weights pass gradients on to the blocks after."""
-        if ends.module is not self._model and ends.inputs_pending == 0 and all(
+        """End the backward of the frozen units cut from a module once its inputs' gradients are computed (in every
+        call a backward has reached: frozen.py) and its trained units have their gradients (both may still need their
+        weights before). Not the root's (finish_backward ends them): its inputs (token ids) guard nothing, and its
+        weights pass gradients on to the blocks after."""
+        if ends.module is not self._model and not ends.inputs_pending and all(
                 t.state is not UnitState.BACKWARD for t in self._trained_of.get(id(ends.module), ())):
             for unit in ends.units:
                 if unit.state is UnitState.BACKWARD:
@@ -513,7 +466,7 @@ class PartitionedPlacement(Placement):
         if self.gradients is None:  # zero.inference's: nothing would release the unit after the backward
             raise RuntimeError(f"unit {unit.name!r}: an inference engine runs forwards only (no backward)")
         self._land_heads()
-        if self._root_uses is not None and unit.block is not self._root_uses.model:
+        if unit.block is not self._model:
             self._root_uses.block_backward()
         self._reserve_gradients(unit)  # before the gather prefetches the next unit: the gradients come first
         self._gather_in_order(unit)
@@ -577,6 +530,8 @@ class PartitionedPlacement(Placement):
         for unit in self.units:
             if unit.state is UnitState.BACKWARD:
                 self._finish_backward(unit)
+        for ends in self._frozen_ends.values():
+            ends.backward_over()
         self.gradients.drain()
 
     def close(self) -> None:

@@ -1,14 +1,21 @@
-"""The root unit's full buffer given back between its uses.
+"""The root unit's uses: gathered where its holders run outside the model's forward, and parked between its uses.
 
-The root unit holds what no block holds (the embeddings, the final norm, the head) and is used at both ends of a
-step: the embeddings at the forward's start; the head at its end and again at the backward's start; the
-embeddings' gradient at the backward's end. Held gathered all the while, its full buffer (with a tied embedding,
-the model's largest matrix) sits on the device beside every block. Here it is parked instead: its bytes given back
-when the first block's forward begins and gathered again when a module holding root parameters runs next (the
-head); in the backward given back once the parameters of the modules that ran after the blocks have their
-gradients (the head's backward is over: a tied head's part has gone to the host), and gathered again before the
-backward of a module that ran before the blocks and reads its weight there (a Linear: an embedding's backward reads
-none).
+The root unit holds what no block holds (the embeddings, the final norm, the head) and follows the model's forward.
+A script may call a module holding root parameters outside it (`model.get_input_embeddings()(ids)` passed on as
+`inputs_embeds`, the head applied in a custom loss, the inner model called alone): there its units are gathered
+around that call as around the model's forward (the placement's forward hooks, `enter` and `leave`), so its
+backward gathers them again and its gradient reaches their reduction like any other. Inside the model's forward
+nothing changes.
+
+The root unit is used at both ends of a step: the embeddings at the forward's start; the head at its end and again
+at the backward's start; the embeddings' gradient at the backward's end. Held gathered all the while, its full
+buffer (with a tied embedding, the model's largest matrix) sits on the device beside every block. Where parking is
+on it is parked instead: its bytes given back when the first block's forward begins and gathered again when a
+module holding root parameters runs next (the head); in the backward given back once the parameters of the modules
+that ran after the blocks have their gradients (the head's backward is over: a tied head's part has gone to the
+host), and gathered again before the backward of a module that ran before the blocks and reads its weight there (a
+Linear: an embedding's backward reads none). A use outside the model's forward is not recorded: its own backward
+gathers the root again (a parked one is unparked), and blocks run outside the model's forward park nothing.
 
 What the module hooks do not foresee is watched for while a forward has parked it (a torch function mode): a root
 parameter read outside the modules that hold it (inside a block, by the model's own forward) gathers it again and
@@ -25,53 +32,71 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from .holders import holders
+from .holders import readers
 from .unit import Unit, UnitState
 
 
 def parkable(model: nn.Module, root_params: list[nn.Parameter], block_modules: list[nn.Module]) -> bool:
     """Whether the root can be parked at all (its uses are seen): the model holds none of its parameters itself
     and no module holding them encloses a block."""
-    owners = {owner for held in holders(model, root_params).values() for owner, _ in held}
+    owners = {owner for read in readers(model, root_params).values() for owner in read}
     blocks = {id(m) for m in block_modules}
     return bool(owners) and model not in owners and not any(
         id(m) in blocks for owner in owners for m in owner.modules())
 
 
 class RootUses:
-    """Parks and unparks the root units (`park`, `unpark`: the placement's) as the step's hooks report uses.
-    `head_done(param)`: whether a tied head's backward has sent that parameter's head gradient this backward."""
+    """Gathers the root units (`roots`: those following the model's forward) around their holders' calls outside the
+    model's forward (`enter(unit)`, `leave(unit, output) -> output`: the placement's forward hooks), and where `parks`
+    (training, zero_tiering.park_root) parks and unparks them (`park`, `unpark`: the placement's) as the step's hooks
+    report uses. `head_done(param)`: whether a tied head's backward has sent that parameter's head gradient this
+    backward."""
 
-    def __init__(self, model: nn.Module, roots: list[Unit], blocks: list[Unit], *, park: Callable[[Unit], None],
+    def __init__(self, model: nn.Module, roots: list[Unit], blocks: list[Unit], *, enter: Callable[[Unit], None],
+                 leave: Callable[[Unit, object], object], parks: bool, park: Callable[[Unit], None],
                  unpark: Callable[[Unit], None], head_done: Callable[[nn.Parameter], bool]):
-        self.model = model
+        self.enter, self.leave = enter, leave
         self.park, self.unpark, self.head_done = park, unpark, head_done
         self.moving = False  # parking or unparking: its own reads are not the model's
-        self.roots = [u for u in roots if not u.persistent]
+        self.depth = 0  # calls of the model's forward running
+        self.roots = [u for u in roots if not u.persistent]  # (parked ones)
         self.unit_of = {id(slot.param): unit for unit in self.roots for slot in unit.flat.slots}
-        params = [slot.param for unit in self.roots for slot in unit.flat.slots]
+        self.params_of: dict[nn.Module, list[nn.Parameter]] = {}
+        """Each module holding root parameters (or a container of them) -> those parameters (persistent units' too)."""
         self.owned: dict[nn.Module, list[Unit]] = {}
-        """Each module holding root parameters -> the root units they are in."""
-        for pid, held in holders(model, params).items():
-            for owner, _ in held:
-                if self.unit_of[pid] not in self.owned.setdefault(owner, []):
-                    self.owned[owner].append(self.unit_of[pid])
-        self.enabled = parkable(model, params, [b.module for b in blocks])
-        self.hooks: list = []
+        """Each of those modules -> the root units its parameters are in."""
+        slots = {id(slot.param): (slot.param, unit) for unit in roots for slot in unit.flat.slots}
+        for pid, read in readers(model, [param for param, _ in slots.values()]).items():
+            param, unit = slots[pid]
+            for owner in read:
+                self.params_of.setdefault(owner, []).append(param)
+                if unit not in self.owned.setdefault(owner, []):
+                    self.owned[owner].append(unit)
+        params = [slot.param for unit in self.roots for slot in unit.flat.slots]
+        self.enabled = parks and parkable(model, params, [b.module for b in blocks])
         self.reads = _UnforeseenReads(self)
         self.watching = False
         self._begin()
+        self.hooks = [model.register_forward_pre_hook(lambda m, args: self._model_begins(), prepend=True),
+                      model.register_forward_hook(lambda m, args, out: self._model_ends(), prepend=True, always_call=True)]
+        for owner in self.owned:
+            if owner is not model:  # (the pre-hook first: a tied head reads the weight in its own)
+                self.hooks += [owner.register_forward_pre_hook(lambda m, args: self._owner_begins(m), prepend=True),
+                               owner.register_forward_hook(self._owner_ends, always_call=True)]
         if not self.enabled:
             return
-        self.hooks += [model.register_forward_pre_hook(lambda m, args: self._begin()),
-                       model.register_forward_hook(lambda m, args, out: self._stop_watching(), prepend=True)]
-        for owner in self.owned:
-            self.hooks += [owner.register_forward_pre_hook(lambda m, args: self._owner_begins(m), prepend=True),
-                           owner.register_forward_hook(self._owner_ends)]  # (first: a tied head reads it in a hook)
         for unit in self.roots:
             for slot in unit.flat.slots:
                 if slot.param.requires_grad:
                     self.hooks.append(slot.param.register_post_accumulate_grad_hook(self._grad_landed))
+
+    def _model_begins(self) -> None:
+        self.depth += 1
+        self._begin()
+
+    def _model_ends(self) -> None:
+        self.depth -= 1
+        self._stop_watching()
 
     def _begin(self) -> None:
         """A forward of the model begins: its uses are noted afresh (a forward without gradients, or one that
@@ -93,12 +118,15 @@ class RootUses:
             self.moving = False
 
     def _recording(self) -> bool:
-        return self.enabled and self.training and torch._C._current_graph_task_id() == -1
+        """Whether uses are noted: parking on, in a training forward of the model (not a recomputation in the backward)."""
+        return self.enabled and self.training and self.depth > 0 and torch._C._current_graph_task_id() == -1
 
     # -- the forward ------------------------------------------------------------------------------------------
 
     def block_forward(self) -> None:
         """A block's forward begins (not a recomputation inside the backward)."""
+        if not self.depth and torch._C._current_graph_task_id() == -1:
+            self.parked_in_forward = False  # blocks run outside the model's forward: their backward parks nothing
         if not self._recording():
             return
         if self.tail:
@@ -115,6 +143,10 @@ class RootUses:
             self.watching = True
 
     def _owner_begins(self, owner: nn.Module) -> None:
+        if not self.depth:  # outside the model's forward: gathered for this call (a parked one is unparked)
+            for unit in self.owned[owner]:
+                self.enter(unit)
+            return
         for unit in self.owned[owner]:
             if unit.parked:
                 self._move(self.unpark, unit)
@@ -124,15 +156,20 @@ class RootUses:
         if self.blocks_begun:
             self.tail.append(owner)
 
-    def _owner_ends(self, owner: nn.Module, args, output) -> None:
+    def _owner_ends(self, owner: nn.Module, args, output) -> object:
+        if not self.depth:
+            for unit in reversed(self.owned[owner]):
+                output = self.leave(unit, output)
+            return output
         if self.inside and self.inside[-1] is owner:
             self.inside.pop()
         if not self._recording() or self.blocks_begun or isinstance(owner, nn.Embedding):
-            return
+            return None
         # Ran before the blocks and reads its weights in its backward: gathered again when its backward comes.
         for value in tree_flatten(output)[0]:
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 value.register_hook(lambda grad: self._lead_backward(owner))
+        return None
 
     def _lead_backward(self, owner: nn.Module) -> None:
         for unit in self.owned[owner]:
@@ -141,7 +178,7 @@ class RootUses:
 
     def unforeseen_read(self, param: nn.Parameter) -> None:
         """A root parameter read outside the modules holding it: gathered again, and parked no more."""
-        if self.inside and any(param is p for p in self.inside[-1]._parameters.values()):
+        if self.inside and any(param is p for p in self.params_of[self.inside[-1]]):
             return
         self.enabled = False  # (the mode leaves the stack at the forward's end: not from inside its own call)
         for unit in self.roots:
@@ -167,8 +204,7 @@ class RootUses:
         for unit in self.roots:
             if unit.parked or unit.state is not UnitState.BACKWARD or unit.refs != unit.backward_refs:
                 continue
-            needed = [p for owner in self.tail for p in owner._parameters.values()
-                      if p is not None and self.unit_of.get(id(p)) is unit]
+            needed = [p for owner in self.tail for p in self.params_of[owner] if self.unit_of.get(id(p)) is unit]
             if all(id(p) in self.landed or self.head_done(p) for p in needed):
                 self._move(self.park, unit)
 
