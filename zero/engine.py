@@ -24,6 +24,7 @@ from torch import nn
 from tiering import SwapManager
 
 from . import checkpoint
+from .accumulation.micro_batches import loss_of
 from .accumulation.unit_major import UnitMajor
 from .checkpoint import sixteen_bit
 from .services.activations import ActivationOffload
@@ -43,6 +44,7 @@ from .params.wrap_policy import check_trainable
 from .params.placement import Placement
 from .params.unit import DS_STATUS, Unit
 from .services.preemption import SIGNALS, Preemption, save_due
+from .integrations.engine_surface import UNPROVIDED, UnprovidedEngineMethod
 from .integrations.unsupported import UnsupportedFeatureError
 
 
@@ -159,13 +161,16 @@ class ZeroEngine(FullValues, nn.Module):
 
     def __getattr__(self, name: str) -> Any:
         """What the engine lacks is asked of the wrapped model, as DeepSpeed's engine does:
-        `engine.gradient_checkpointing_enable()`, `engine.generate(...)`, `engine.model` are the model's."""
+        `engine.gradient_checkpointing_enable()`, `engine.generate(...)`, `engine.model` are the model's; a
+        DeepSpeedEngine method neither has is an error naming it (integrations/engine_surface.py)."""
         try:
             return super().__getattr__(name)
         except AttributeError:
             module = self._modules.get("module")
             if module is None:
                 raise
+            if name in UNPROVIDED and not hasattr(module, name):
+                raise UnprovidedEngineMethod(name) from None
             return getattr(module, name)
 
     @property
@@ -274,12 +279,12 @@ class ZeroEngine(FullValues, nn.Module):
             except StopIteration:
                 raise ValueError(f"train_batch needs {k} micro-batches (gradient_accumulation_steps) and data_iter "
                                  f"gave {len(micro_batches)}") from None
-        loss = self.unit_major_step(micro_batches, lambda batch: _loss_of(self._call(batch), batch, loss_fn))
+        loss = self.unit_major_step(micro_batches, lambda batch: loss_of(self._call(batch), batch, loss_fn))
         if loss is not None:
             return loss
         losses = []
         for batch in micro_batches:
-            loss = _loss_of(self._call(batch), batch, loss_fn)
+            loss = loss_of(self._call(batch), batch, loss_fn)
             self.backward(loss)
             losses.append(loss.detach().float())
             self.step()
@@ -565,24 +570,6 @@ class ZeroEngine(FullValues, nn.Module):
         return checkpoint.load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                           load_lr_scheduler_states=load_lr_scheduler_states,
                                           load_rng_states=load_rng_states)
-
-
-def _loss_of(output: Any, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> torch.Tensor:
-    """The loss of a forward's `output` on `batch`: `loss_fn`'s, else the model's own."""
-    if loss_fn is not None:
-        return loss_fn(output, batch)
-    if isinstance(output, torch.Tensor):
-        loss = output
-    elif isinstance(output, Mapping):
-        loss = output.get("loss")
-    elif isinstance(output, (tuple, list)) and output:
-        loss = output[0]
-    else:
-        loss = getattr(output, "loss", None)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ValueError(f"train_batch found no loss in the model's output ({type(output).__name__}): give the "
-                         "model its labels, or pass loss_fn(output, batch)")
-    return loss
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:

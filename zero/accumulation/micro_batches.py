@@ -4,10 +4,11 @@ The unit-major schedule runs the model once on the step's batch: every tensor of
 dimension is the micro-batch's rows (those of its first tensor with a dimension, e.g. input_ids) is concatenated
 along it; every other value (a scalar tensor, a flag, a mask shared by all rows) must be the same in every
 micro-batch, since one forward sees it once. What cannot be stacked says why, and the step runs micro-batch by
-micro-batch instead.
+micro-batch instead. `loss_of` finds the loss in a forward's output (train_batch's, either schedule).
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -68,3 +69,21 @@ def batch_major(value: torch.Tensor, rows: int, count: int) -> bool:
 def cut(value: torch.Tensor, rows: int, index: int) -> torch.Tensor:
     """Slice `index` (of `rows` rows) of a tensor of the whole step."""
     return value.narrow(0, index * rows, rows)
+
+
+def loss_of(output: Any, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> torch.Tensor:
+    """The loss of a forward's `output` on `batch`: `loss_fn`'s, else the model's own."""
+    if loss_fn is not None:
+        return loss_fn(output, batch)
+    if isinstance(output, torch.Tensor):
+        loss = output
+    elif isinstance(output, Mapping):
+        loss = output.get("loss")
+    elif isinstance(output, (tuple, list)) and output:
+        loss = output[0]
+    else:
+        loss = getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(f"train_batch found no loss in the model's output ({type(output).__name__}): give the "
+                         "model its labels, or pass loss_fn(output, batch)")
+    return loss
