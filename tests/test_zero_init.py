@@ -53,6 +53,19 @@ def built(seed: int = 0, init=None) -> Blocks:
         return Blocks()
 
 
+def three_steps(engine) -> list[float]:
+    """Three steps on random ids (the same for every engine: seeded here); their losses."""
+    torch.manual_seed(5)
+    run = []
+    for _ in range(3):
+        ids = torch.randint(0, 32, (2, 8))
+        loss = engine(ids, torch.roll(ids, 1, 1))
+        engine.backward(loss)
+        engine.step()
+        run.append(loss.item())
+    return run
+
+
 def test_modules_built_inside_are_partitioned_with_deepspeeds_attributes(tmp_path):
     plain = built()
     model = built(init=deepspeed.zero.Init(config_dict_or_path=config(tmp_path)))
@@ -129,14 +142,7 @@ def test_initialize_takes_the_slices_and_trains_as_the_plain_model(tmp_path):
         model = built(init=init)
         engine, *_ = deepspeed.initialize(model=model, config=config(tmp_path))
         staged = sorted(os.listdir(tmp_path))
-        torch.manual_seed(5)
-        run = []
-        for _ in range(3):
-            ids = torch.randint(0, 32, (2, 8))
-            loss = engine(ids, torch.roll(ids, 1, 1))
-            engine.backward(loss)
-            engine.step()
-            run.append(loss.item())
+        run = three_steps(engine)
         assert all(p.ds_status is NOT_AVAILABLE for p in model.parameters())
         engine.close()
         losses.append((run, staged))
@@ -301,14 +307,7 @@ def test_a_registered_external_parameter_of_the_same_block_trains_as_the_plain_m
         with init or contextlib.nullcontext():
             model = NormedBlocks()
         engine, *_ = deepspeed.initialize(model=model, config=config(tmp_path))
-        torch.manual_seed(5)
-        run = []
-        for _ in range(3):
-            ids = torch.randint(0, 32, (2, 8))
-            loss = engine(ids, torch.roll(ids, 1, 1))
-            engine.backward(loss)
-            engine.step()
-            run.append(loss.item())
+        run = three_steps(engine)
         engine.close()
         losses.append(run)
     assert losses[0] == losses[1]
