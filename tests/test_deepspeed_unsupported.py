@@ -6,7 +6,6 @@ builds them; `moe.utils`' helpers serve a dense model."""
 from __future__ import annotations
 
 import importlib
-import sys
 
 import pytest
 import torch
