@@ -21,7 +21,8 @@ The cases (tests/deepspeed_examples/harness.py):
   imports rewritten too in the zero_imports run): a tiny Llama from_pretrained and resized by the script, bf16,
   2 micro-batches per step, the script's HF cosine schedule; at ZeRO-2 (FusedAdam), at ZeRO-2 with --offload
   (DeepSpeedCPUAdam, optimizer state on the CPU) and at ZeRO-3 with --offload (parameters too; the model built
-  under HfDeepSpeedConfig, which the zero_imports run maps to zero's HfZeroConfig).
+  under transformers' HfDeepSpeedConfig, which is zero's HfZeroConfig under the launcher, and by its rewritten
+  import in the zero_imports run).
 A case's `zero_launch_limit` skips its zero_launch run (a documented limit, with the reason); a case's `zero_gap`
 marks its runs as expected to fail (strict: an unexpected pass fails) until zero closes the gap it names.
 """
@@ -60,8 +61,10 @@ def check(name: str, run: str, ours: dict, theirs: dict, tolerance: float = harn
     assert worst <= tolerance, report
 
 
-IMPORTS_TOO = {"cifar10_zero3_cpu_offload_1rank", "cifar10_zero3_cpu_offload_2ranks"}
-"""Cases run with rewritten imports beside their zero_launch run: one rank and two (torchrun)."""
+IMPORTS_TOO = {"cifar10_zero3_cpu_offload_1rank", "cifar10_zero3_cpu_offload_2ranks",
+               "deepspeed_chat_sft_zero3_cpu_offload_bf16"}
+"""Cases run with rewritten imports beside their zero_launch run: one rank and two (torchrun), and the model built
+under HfZeroConfig named by the script (the launcher gives it transformers' name)."""
 RUNS = [(name, "zero_launch") for name in harness.CASES] + [
     (name, "zero_imports") for name, case in harness.CASES.items()
     if "zero_launch_limit" in case or name in IMPORTS_TOO]

@@ -6,7 +6,6 @@ builds them; `moe.utils`' helpers serve a dense model."""
 from __future__ import annotations
 
 import importlib
-import sys
 
 import pytest
 import torch
@@ -76,6 +75,32 @@ def test_pipeline_and_moe_import_and_raise_when_built(statement, name, feature, 
         with pytest.raises(UnsupportedFeatureError) as error:
             cls(hidden_size=4)
         assert error.value.feature == feature and instead in error.value.instead
+
+
+@pytest.mark.parametrize("module, name, instead", [
+    ("zero.ops.op_builder", "AsyncIOBuilder", "its NVMe I/O is tiering's"),
+    ("zero.ops.sparse_attention", "FixedSparsityConfig", "the model's own dense attention"),
+    ("zero.module_inject", "replace_transformer_layer", "there is no kernel injection"),
+    ("zero.module_inject", "LinearAllreduce", "there is no tensor, model or sequence parallelism"),
+    ("zero.sequence.layer", "DistributedAttention", "there is no sequence (Ulysses) parallelism"),
+    ("zero.runtime.data_pipeline.data_routing.helper", "convert_to_random_ltd", "DeepSpeed Data Efficiency"),
+    ("zero.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr",
+     "get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed", "DeepSpeed Data Efficiency"),
+    ("zero.runtime.domino.transformer", "DominoTransformer", "there is no tensor, model or sequence parallelism"),
+    ("zero.compression.compress", "init_compression", "DeepSpeed Compression is absent"),
+    ("zero.comm", "TorchBackend", "DeepSpeed's backend classes are absent"),
+    ("zero.inference", "RaggedInferenceEngineConfig", "zero.init_inference(model, dtype=...)"),
+])
+def test_deepspeed_modules_for_features_not_here_import_and_raise_when_used(module, name, instead):
+    """A DeepSpeed module zero-tiering has no feature for still imports, and the name a script takes from it raises
+    UnsupportedFeatureError naming it where it is called or built (before: an ImportError, 'unknown location')."""
+    namespace: dict = {}
+    exec(f"from {module} import {name}", namespace)
+    with pytest.raises(UnsupportedFeatureError) as error:
+        namespace[name]()
+    assert error.value.feature == f"{deepspeed_name(module)}.{name}" and instead in error.value.instead
+    with pytest.raises(ImportError):
+        exec(f"from {module} import {name}Typo", {})
 
 
 def test_moe_utils_serve_a_dense_model_and_refuse_expert_parameters():

@@ -6,7 +6,8 @@ because a peer rank died or stopped answering raises RankLostError, so a rank ne
 
 It is also DeepSpeed's `deepspeed.comm` for scripts (`from deepspeed import comm as dist`): `init_distributed`,
 `get_rank`, `get_world_size`, `get_local_rank`, `barrier` and the collectives, torch.distributed's on the group
-joined, this one process being the world before one is.
+joined, this one process being the world before one is; its backend classes (`TorchBackend`) import, and raise
+UnsupportedFeatureError when built.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .integrations.unsupported import stand_ins_getattr
 
 
 def local_device() -> torch.device:
@@ -291,3 +294,9 @@ def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group=Non
 
 def new_group(ranks=None, **kwargs: Any):
     return dist.new_group(ranks, **kwargs) if is_initialized() else None
+
+
+__getattr__ = stand_ins_getattr(__name__, "deepspeed.comm", dict.fromkeys(
+    ("TorchBackend", "Backend", "CCLBackend", "MPIBackend"),
+    "deepspeed.comm's functions (init_distributed, get_rank, all_reduce, ...: zero.comm's, over torch.distributed); "
+    "DeepSpeed's backend classes are absent"))

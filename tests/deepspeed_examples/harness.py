@@ -115,10 +115,6 @@ CASES: dict[str, dict] = {
         # HfDeepSpeedConfig (transformers' zero.Init) and its embeddings resized under GatheredParameters
         "script": "deepspeed_chat_step1_main.py", "package": "dschat", "world": 1, "setup": "llama",
         "args": DSCHAT_ARGS + ["--zero_stage", "3", "--offload"], "tolerance": BF16_TOLERANCE,
-        "zero_launch_limit": (
-            "at ZeRO-3 dschat builds transformers' HfDeepSpeedConfig, whose constructor checks the deepspeed "
-            "package's metadata (not installed); zero's stand-in, zero.integrations.hf_config.HfZeroConfig, needs "
-            "the import changed, as the zero_imports run does"),
         "zero_gap": (AssertionError,
                      "bf16 at ZeRO-3: the first loss, before any step, differs from DeepSpeed's by 5.6e-4 and the "
                      "steps after by up to 2.4e-3, over the 2e-3 bf16 tolerance (the ZeRO-2 cases agree within "

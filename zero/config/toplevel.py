@@ -26,6 +26,9 @@ def _fp32_accumulation(value: object) -> bool:
 
 MONITORING = "logging or monitoring output only"
 
+DEEPSPEED_STATE_KEYS = {"moments": "bf16_optimizer_states", "master": "bf16_master_weights_and_grads"}
+"""DeepSpeed's bf16 keys for the optimizer state parts (zero_tiering.moments / .master), each asking for bf16."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Config(Section):
@@ -141,22 +144,26 @@ class Config(Section):
 
     def _check_state_format(self) -> None:
         zt, bf16 = self.zero_tiering, self.bf16
-        for ours, theirs, value in (("moments", "bf16_optimizer_states", "bf16"),
-                                    ("master", "bf16_master_weights_and_grads", "bf16")):
-            if getattr(bf16, theirs) and getattr(zt, ours) not in (None, value):
-                raise ConfigError(f"zero_tiering.{ours}", f"bf16.{theirs} asks for {value!r}: drop one of the two",
-                                  value=getattr(zt, ours))
+        for part, theirs in DEEPSPEED_STATE_KEYS.items():
+            if getattr(bf16, theirs) and getattr(zt, part) not in (None, "bf16"):
+                raise ConfigError(f"zero_tiering.{part}", f"bf16.{theirs} asks for 'bf16': drop one of the two",
+                                  value=getattr(zt, part))
         fmt = self.state_format
         if fmt.master != "fp32" and not self.bf16.enabled:
-            key = "zero_tiering.master" if zt.master else "bf16.bf16_master_weights_and_grads"
+            key, value = self._written("master")
             raise ConfigError(key, f"a {fmt.master} master is the bf16 parameter's value: it needs bf16 compute "
                                    "(bf16.enabled); this config computes in "
-                                   f"{'fp16' if self.fp16.enabled else 'fp32'}", value=zt.master or True)
+                                   f"{'fp16' if self.fp16.enabled else 'fp32'}", value=value)
         if not fmt.exact and self.zero_optimization.offload_optimizer.device == "none":
-            key = "zero_tiering.moments" if fmt.moments != "fp32" else "zero_tiering.master"
+            key, value = self._written("moments" if fmt.moments != "fp32" else "master")
             raise ConfigError(key, f"a compact state format ({fmt.describe()}) is stepped by CPU-Adam: set "
-                                   "zero_optimization.offload_optimizer.device to cpu or nvme",
-                              value=getattr(zt, key.split(".")[1]) or True)
+                                   "zero_optimization.offload_optimizer.device to cpu or nvme", value=value)
+
+    def _written(self, part: str) -> tuple[str, object]:
+        """The key this config sets state `part` ("moments", "master") with, as the user wrote it, and its value:
+        ours (zero_tiering.<part>) where set, else DeepSpeed's bf16 one."""
+        ours = getattr(self.zero_tiering, part)
+        return (f"zero_tiering.{part}", ours) if ours else (f"bf16.{DEEPSPEED_STATE_KEYS[part]}", True)
 
     @property
     def activation_offload(self) -> str:

@@ -27,6 +27,7 @@ from ..params.materialize import Materializer
 from ..params.partitioned import PartitionedPlacement
 from ..params.persistence import persistent_units
 from ..params.pretrained import PretrainedWeights
+from . import deepspeed_config
 
 DEFAULT_CONFIG = {
     "train_micro_batch_size_per_gpu": 1,
@@ -36,11 +37,12 @@ DEFAULT_CONFIG = {
 
 
 def init_inference(model: nn.Module, config: str | os.PathLike | Mapping | None = None, *,
-                   weights: str | os.PathLike | None = None) -> InferenceEngine:
+                   weights: str | os.PathLike | None = None, **deepspeed_args: Any) -> InferenceEngine:
     """An InferenceEngine over `model` (built on meta, or with real values it takes over) with one rank's
     weights partitioned into the tiers `config` names; `weights`: a safetensors checkpoint (a save_pretrained
-    directory, sharded or not, or our export) the weights are read from."""
-    cfg, dtype, plan = _plan(model, config)
+    directory, sharded or not, or our export) the weights are read from. DeepSpeed's arguments (`dtype=`,
+    `mp_size=`, ..., or its inference config as `config`) are translated by deepspeed_config.py."""
+    cfg, dtype, plan = _plan(model, deepspeed_config.ours(config, deepspeed_args, DEFAULT_CONFIG))
     zo = cfg.zero_optimization
     device = local_device()
     swap = SwapManager(swap_config(cfg, [flat for flat, _ in plan], dtype, optimizer=False))

@@ -6,18 +6,42 @@ Once installed (first on sys.meta_path), `import deepspeed`, `from deepspeed.com
 `zero.X` (its names, and what it gains later, read through), so every class and function is the one `zero` has.
 A name `zero` lacks is the ImportError `zero` gives. Where it stops: code that asks for the deepspeed *package's*
 metadata (`importlib.metadata.version("deepspeed")`, transformers' `is_deepspeed_available()`, accelerate's
-DeepSpeed plugin) finds none, and a `deepspeed` imported before the alias is installed stays what it was.
+DeepSpeed plugin) finds none (the launcher then adds PACKAGE_ASKED, saying what to use: `asks_for_the_package`), and a
+`deepspeed` imported before the alias is installed stays what it was.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import sys
 import types
 
 PREFIX = "deepspeed"
+
+PACKAGE_ASKED = (
+    "`deepspeed` in this process is zero-tiering's alias (python -m zero.launch installs it): its modules, not the "
+    "deepspeed package whose installation this code checks for. Accelerate's DeepSpeed plugin: keep the Accelerator "
+    "for the processes and the data and hand the model and optimizer to zero.initialize instead of "
+    "accelerator.prepare (README.md, \"From Accelerate\"); the Trainer's deepspeed= argument: "
+    "zero.integrations.ZeroTrainer (README.md, \"Hugging Face Trainer\")"
+)
+"""What the launcher says after an error that `asks_for_the_package`."""
+
+
+class PackageAskedError(ImportError):
+    """Code run under the alias asked for the deepspeed package itself, which no alias provides."""
+
+
+def asks_for_the_package(err: ImportError) -> bool:
+    """Whether `err` says that the deepspeed package is missing (a dependency check: its metadata not found, or a
+    library's own message), not that a module or name the alias maps is (such errors carry the module's name)."""
+    mentions = PREFIX in str(err).lower()
+    if isinstance(err, importlib.metadata.PackageNotFoundError):
+        return mentions
+    return mentions and err.name is None
 
 
 class DeepSpeedAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -77,12 +77,52 @@ MOE_INSTEAD = (
 FUSED_LAYERS_INSTEAD = "the model's own layers (e.g. Hugging Face's); DeepSpeed's fused transformer kernels are absent"
 """For DeepSpeed's fused transformer layer and its config."""
 
+TENSOR_PARALLEL_INSTEAD = (
+    "ZeRO data parallelism: zero_optimization.stage 3 partitions every weight over the ranks, each rank running the "
+    "whole model on its own batch; there is no tensor, model or sequence parallelism"
+)
+"""For tensor parallelism (init_inference's mp_size, AutoTP, Domino, an `mpu`)."""
+
+INJECTION_INSTEAD = (
+    "the model's own modules: zero.init_inference(model, dtype=...) streams their weights from host memory or nvme; "
+    "there is no kernel injection or automatic tensor parallelism"
+)
+"""For deepspeed.module_inject and init_inference's kernel injection."""
+
+KERNEL_BUILDS_INSTEAD = (
+    "zero-tiering builds no DeepSpeed op: its NVMe I/O is tiering's (tiering.NvmeStore, O_DIRECT on the libaio or "
+    "threads engine: the config's aio section and zero_tiering.engine), its CPU Adam zero.ops.adam.DeepSpeedCPUAdam"
+)
+"""For deepspeed.ops.op_builder."""
+
+SPARSE_ATTENTION_INSTEAD = ("the model's own dense attention (e.g. torch.nn.functional.scaled_dot_product_attention); "
+                            "DeepSpeed's block-sparse attention kernels are absent")
+"""For deepspeed.ops.sparse_attention."""
+
+SEQUENCE_PARALLEL_INSTEAD = (
+    "each rank holding whole sequences: long ones fit with activation checkpointing and zero_tiering."
+    'activation_offload "cpu" or "nvme"; there is no sequence (Ulysses) parallelism'
+)
+"""For deepspeed.sequence."""
+
+DATA_EFFICIENCY_INSTEAD = ("the script's own data loading (a torch DataLoader); DeepSpeed Data Efficiency (random-LTD, "
+                           "curriculum learning, variable batch size) is absent")
+"""For deepspeed.runtime.data_pipeline."""
+
+COMPRESSION_INSTEAD = ("the model as it is, or one quantized or pruned by another library before zero.initialize; "
+                       "DeepSpeed Compression is absent")
+"""For deepspeed.compression.compress."""
+
 TOP_LEVEL_INSTEAD = {
     "PipelineModule": PIPELINE_INSTEAD,
     "PipelineEngine": PIPELINE_INSTEAD,
     "DeepSpeedTransformerLayer": FUSED_LAYERS_INSTEAD,
     "DeepSpeedTransformerConfig": FUSED_LAYERS_INSTEAD,
     "DeepSpeedHybridEngine": "zero.initialize to train and zero.init_inference to generate",
+    "replace_transformer_layer": INJECTION_INSTEAD,
+    "revert_transformer_layer": INJECTION_INSTEAD,
+    "set_autotp_mode": TENSOR_PARALLEL_INSTEAD,
+    "tp_model_init": TENSOR_PARALLEL_INSTEAD,
 }
 """DeepSpeed's top-level names (`deepspeed.X`) for features zero-tiering lacks, for `zero`'s module
 `__getattr__`: `stand_ins_getattr("zero", "deepspeed", TOP_LEVEL_INSTEAD)`."""

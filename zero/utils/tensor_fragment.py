@@ -1,13 +1,13 @@
-"""DeepSpeed's `deepspeed.utils` accessors of one parameter's training state, whole, wherever its shards live:
-what libraries written for DeepSpeed call to read or set a parameter's fp32 master, gradient or Adam moments
-under ZeRO (every rank calls them, as DeepSpeed's). The engine that trains the parameter answers; a parameter no
+"""DeepSpeed's `deepspeed.utils.tensor_fragment` accessors of one parameter's training state, whole, wherever its
+shards live: what libraries written for DeepSpeed call to read or set a parameter's fp32 master, gradient or Adam
+moments under ZeRO (every rank calls them, as DeepSpeed's). The engine that trains the parameter answers; a parameter no
 engine trains gives None, as DeepSpeed's do.
 """
 from __future__ import annotations
 
 import torch
 
-from .params.ds_param import owner_of
+from ..params.ds_param import owner_of
 
 OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
 """DeepSpeed's optimizer state keys for Adam, which are also the engine's names of those state parts."""
