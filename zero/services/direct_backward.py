@@ -8,8 +8,8 @@ step speculated) and queues, for the end of that backward, what it does after (e
 sub-groups, the activations' segments collected). engine.backward divides the loss by the accumulation steps; here
 the root of the backward is out of reach (and one output may be computed from another, the loss from the logits:
 dividing at each would divide twice), so each parameter's gradient is divided where it is flattened for its
-reduction, once: bit for bit engine.backward's where the accumulation steps are a power of two, within rounding
-otherwise. While engine.backward runs, the hooks stand aside. Under fp16 the loss scale must be applied,
+reduction, once: in fp32 bit for bit engine.backward's where the accumulation steps are a power of two, within
+rounding otherwise. While engine.backward runs, the hooks stand aside. Under fp16 the loss scale must be applied,
 `engine.scale(loss).backward()`, else the backward is an error (as in DeepSpeed): an unscaled fp16 gradient
 underflows silently.
 """
