@@ -61,7 +61,8 @@ def test_a_backward_of_the_forwards_outputs_trains_as_engine_backward(name, stag
 
 def test_gradients_the_engine_never_saw_are_an_error_at_step():
     """A backward of something computed from the model's parameters around the engine's forward leaves its
-    gradients in p.grad: step() says so instead of stepping without them."""
+    gradients in p.grad: step() after a micro-batch no engine backward saw says so instead of stepping without
+    them."""
     model = MODELS["llama"](0)
     engine, *_ = zero.initialize(model=model, config=make_config(2, "cpu"))
     try:

@@ -119,6 +119,7 @@ class ZeroEngine(FullValues, nn.Module):
         self._closed = False
         self._trainable = [(name, p, p.requires_grad) for name, p in module.named_parameters()]  # check_trainable
         self._trained = {id(slot.param) for unit in self.units if not unit.frozen for slot in unit.flat.slots}
+        self._backward_ran = False  # in this micro-batch, through engine.backward or the forward's outputs
         self.direct = DirectBackward(prologue=self._backward_prologue, epilogue=self._backward_epilogue,
                                      gradients=gradients, accumulation=self.gradient_accumulation_steps,
                                      needs_scale=lambda: self.loss_scaler is not None)
@@ -236,6 +237,7 @@ class ZeroEngine(FullValues, nn.Module):
         return loss
 
     def _backward_prologue(self) -> None:
+        self._backward_ran = True
         self._finish_step()  # the gradients it accumulates into are the running step's to drop first
         check_trainable(self._trainable)
         if self.speculation is not None and self._bet and self.counters.at_boundary():
@@ -328,8 +330,10 @@ class ZeroEngine(FullValues, nn.Module):
 
     def step(self) -> None:
         """Called every micro-batch; the optimizer runs at the accumulation boundary."""
-        stray = [name for name, p, _ in self._trainable if p.grad is not None and id(p) in self._trained]
-        if stray:  # the backward's hooks take every gradient: these came around the engine
+        stray = [] if self._backward_ran else [  # a micro-batch no engine backward saw: its gradients came around
+            name for name, p, _ in self._trainable if p.grad is not None and id(p) in self._trained]
+        self._backward_ran = False
+        if stray:
             raise RuntimeError(
                 f"engine.step(): {len(stray)} parameters ({stray[0]!r} first) hold gradients no engine backward took: "
                 "a backward() of tensors the engine's forward did not return, or gradients set by hand; use "
