@@ -267,6 +267,33 @@ def test_on_a_cpu_device_the_speculated_step_counts_the_checksums_beside_the_com
     assert on.step_s >= on.bytes_per_step / 1e6 > off.step_s
 
 
+@pytest.mark.parametrize("gpu_bytes", [0, 80 << 30])
+def test_the_unit_the_forward_uses_first_steps_after_the_backward(tmp_path, gpu_bytes):
+    """Speculated, the root unit (the embedding's) has its gradient final only when the backward ends: its
+    share of the optimizer phase comes after the compute, however long the compute, with or without a GPU."""
+    from zero.comm import DataParallel
+    from zero.initialize import plan_units
+    from zero.optim.param_groups import param_groups_from
+    from zero.plan.__main__ import disk_figures
+    from zero.plan.machine import Machine
+    from zero.plan.predict import predict
+
+    shape = from_preset("tiny")
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": 3, "offload_param": nvme, "offload_optimizer": nvme}}
+    args = parse_args(["--model", "tiny", "--nvme-path", str(tmp_path), *DISK])
+    machine = Machine(ram_bytes=64 << 30, gpu_bytes=gpu_bytes, disk=disk_figures(args), matmul_flops=1e7,
+                      adam_elements=1e12, copy_bytes=1e12, fresh_bytes=1e12, checksum_bytes=1e12, compact_adam={})
+    prediction = predict(shape, machine, config, 0, None)
+    flats = [flat for flat, _ in plan_units(shape.model, param_groups_from(shape.model, None, None,
+                                                                           load_config(config)), DataParallel())]
+    assert flats[0].name == ""  # the root unit: the embedding and the tied head
+    tail = flats[0].padded_numel / sum(flat.padded_numel for flat in flats)
+    assert prediction.compute_s > 100 * prediction.io_s  # the I/O all but hidden, but for the tail's
+    assert prediction.step_s - prediction.compute_s >= 0.99 * tail * prediction.optimizer_s > 0
+
+
 def test_unit_major_accumulation_moves_each_unit_once_and_keeps_every_micro_batchs_inputs(tmp_path):
     """Accumulation 4, stage 3 on nvme, the host budget the engine derives (its working window: no cache):
     unit-major reads each parameter twice a step and its gradient accumulator not at all, writing that once, where

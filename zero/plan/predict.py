@@ -19,12 +19,13 @@ today's engine, with its terms measured on this machine or counted from the mode
   (write-behind), which hide behind compute;
   With the speculative step (zero_tiering.speculative_step, where it is served) the optimizer phase runs
   inside the backward: the step is then the larger of the compute plus what runs beside it on the same cores
-  (with a GPU, CPU-Adam's share of the last unit; on a CPU device, all of the early steps' CPU-Adam, a copy
-  pass over each byte the I/O moves and its checksum) and the forward plus all of the step's I/O, and the boundary's gradients
-  are stepped while in host memory (not written and read back). With state on nvme, a sub-group steps early only where the previous state can be kept
-  in a fresh extent (tiering/kept.py: within the nvme budget, or without one the disk's free space less its
-  reserve): the share of the step's nvme writes that room holds speculates, the rest steps at the boundary
-  (its gradients written and read back, its I/O after the backward);
+  (with a GPU, nothing; on a CPU device, the early steps' CPU-Adam, a copy pass over each byte the I/O moves and
+  its checksum) and the forward plus the early steps' I/O, then the optimizer phase of the unit the forward uses
+  first (its gradient is final only when the backward ends), and the boundary's gradients are stepped while in
+  host memory (not written and read back). With state on nvme, a sub-group steps early only where the previous
+  state can be kept in a fresh extent (tiering/kept.py: within the nvme budget, or without one the disk's free
+  space less its reserve): the share of the step's nvme writes that room holds speculates, the rest steps at the
+  boundary (its gradients written and read back, its I/O after the backward);
 - device peak = what is homed there, the engine's least device budget (budgets.device_minimum: stage 3's gathered
   units and their gradients until reduced, the reduction's scratch), the activations kept (see activation_bytes)
   and the head's logits (one chunk's where the model computes its loss in chunks: ModelShape.loss_rows);
@@ -209,7 +210,10 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     budgets = swap_config(cfg, every, dtype)
     derived = swap_config(load_config(working_window_config(config), hidden_size=shape.hidden), every, dtype)
     n = sum(flat.padded_numel for flat in flats)
-    largest = max(flat.padded_numel for flat in flats)
+    # The unit the forward uses first (the root, with the embedding; plan_units lists it first) has its gradient
+    # final only when the backward ends: a speculated step runs its sub-groups after the backward, not beside it.
+    first = flats[0].name.split("#")[0]
+    tail = sum(flat.padded_numel for flat in flats if flat.name.split("#")[0] == first) / n
     # Frozen parameters (an adapter's base; stage 3): stored and gathered as parameters, never written.
     frozen = p * sum(flat.padded_numel for flat in every if flat.frozen)
 
@@ -295,12 +299,13 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     optimizer = max(adam, opt_io)
     step = compute + fb_io - hidden + optimizer
     if speculative:  # the optimizer phase inside the backward (a third of the compute is the forward)
+        early = share * (1 - tail)  # the share of the state stepped beside the backward
         if machine.gpu_bytes:  # the backward on the GPU, CPU-Adam and the I/O's copies beside it on the host
-            beside = adam * largest / n
+            beside = 0.0
         else:  # one set of cores: the early steps' CPU-Adam, the I/O's copies and checksums (a pass over each byte)
             hashed = (reads + writes) / machine.checksum_bytes if cfg.zero_tiering.checksums else 0.0
-            beside = share * adam + (reads + writes) / machine.copy_bytes + hashed
-        step = max(compute + beside, compute / 3 + fb_io + share * opt_io) + (1 - share) * optimizer
+            beside = early * adam + (reads + writes) / machine.copy_bytes + hashed
+        step = max(compute + beside, compute / 3 + fb_io + early * opt_io) + (1 - early) * optimizer
 
     prediction = Prediction(placement, config, tiers, peak_rss, device_peak, reads, writes, compute, optimizer,
                             fb_io + opt_io, step, host_budget,
