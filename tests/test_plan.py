@@ -294,6 +294,29 @@ def test_the_unit_the_forward_uses_first_steps_after_the_backward(tmp_path, gpu_
     assert prediction.step_s - prediction.compute_s >= 0.99 * tail * prediction.optimizer_s > 0
 
 
+def test_a_host_budget_below_the_engines_minimum_does_not_fit(tmp_path):
+    """The planner never proposes a config initialize would refuse: a host budget below budgets.host_minimum (here
+    the tied embedding's head gradient and the staging beside the largest shard) is a why-not."""
+    from zero.plan.__main__ import disk_figures
+    from zero.plan.machine import Machine
+    from zero.plan.predict import predict
+    from zero.train.gpt import GPT, PRESETS
+
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    args = parse_args(["--model", "tiny", "--nvme-path", str(tmp_path), *DISK])
+    machine = Machine(ram_bytes=64 << 30, gpu_bytes=0, disk=disk_figures(args), matmul_flops=1e11,
+                      adam_elements=1e8, copy_bytes=1e10, fresh_bytes=1e10, checksum_bytes=1e10, compact_adam={})
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {
+        "stage": 3, "offload_param": nvme, "offload_optimizer": {"device": "cpu"}}}
+    with pytest.raises(zero.config.ConfigError, match=r"raise it to at least (\d+) bytes") as refused:
+        zero.initialize(model=GPT(PRESETS["tiny"]), config={**config, "zero_tiering": {"host_budget": 1}})
+    least = int(refused.value.args[0].split("at least ")[-1].split(" bytes")[0])
+    short = predict(from_preset("tiny"), machine, {**config, "zero_tiering": {"host_budget": least - 1}}, 0, None)
+    enough = predict(from_preset("tiny"), machine, {**config, "zero_tiering": {"host_budget": least}}, 0, None)
+    assert not short.fits and any("the engine needs at least" in why for why in short.why_not)
+    assert not any("the engine needs at least" in why for why in enough.why_not)
+
+
 def test_unit_major_accumulation_moves_each_unit_once_and_keeps_every_micro_batchs_inputs(tmp_path):
     """Accumulation 4, stage 3 on nvme, the host budget the engine derives (its working window: no cache):
     unit-major reads each parameter twice a step and its gradient accumulator not at all, writing that once, where

@@ -23,7 +23,7 @@ from .accumulation.unit_major import UnitMajor
 from .services.activations import HOMES as ACTIVATION_HOMES, ActivationOffload
 from .services.budgets import (
     HOMES, compute_dtype, device_minimum, grad_dtype, host_minimum, largest_sub_group, largest_window,
-    masters_are_params, nvme_segments, parks_root, reduce_dtype, swap_config)
+    masters_are_params, nvme_segments, parks_root, reduce_dtype, swap_config, tied_head_bytes)
 from .comm import DataParallel, local_device
 from .services.compute_speed import SlowComputeWarning, dtype_speed, fast_alternative, slow_dtype_line
 from .config import Config, ConfigError, load_config
@@ -99,7 +99,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
     driver = overlap = speculation = None
     try:
         device_need, park_root = check_device_budget(cfg, plan, model, dtype, swap)  # before any byte is written
-        check_host_budget(cfg, [flat for flat, _ in plan], dtype, swap.config.host_budget)
+        check_host_budget(cfg, [flat for flat, _ in plan], dtype, swap.config.host_budget,
+                          heads=tied_head_bytes(plan, model, dtype) if zo.stage == 3 else [])
         if swap.store is not None:  # a disk too small is one error now, before any byte is written
             check_room(swap.store, nvme_segments(cfg, [flat for flat, _ in plan], dtype))
         state_home = HOMES[zo.offload_optimizer.device]
@@ -218,10 +219,11 @@ def check_device_budget(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], mod
     return parts, parks
 
 
-def check_host_budget(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, budget: int) -> None:
+def check_host_budget(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, budget: int, *,
+                      heads: list[int] = (), optimizer: bool = True) -> None:
     """A host budget below what no step can run without (budgets.host_minimum) is refused here, naming its parts,
-    rather than met at the first gather of the largest unit."""
-    parts = host_minimum(cfg, units, dtype)
+    rather than met in the first step."""
+    parts = host_minimum(cfg, units, dtype, heads=heads, optimizer=optimizer)
     need = sum(parts.values())
     if budget < need:
         held = ", ".join(f"{part} {fmt_bytes(n)}" for part, n in parts.items() if n)

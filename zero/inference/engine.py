@@ -47,7 +47,7 @@ def init_inference(model: nn.Module, config: str | os.PathLike | Mapping | None 
     device = local_device()
     swap = SwapManager(swap_config(cfg, [flat for flat, _ in plan], dtype, optimizer=False))
     try:
-        check_host_budget(cfg, [flat for flat, _ in plan], dtype, swap.config.host_budget)  # before a byte is written
+        check_host_budget(cfg, [flat for flat, _ in plan], dtype, swap.config.host_budget, optimizer=False)  # before any write
         if swap.store is not None:
             check_room(swap.store, nvme_segments(cfg, [flat for flat, _ in plan], dtype, optimizer=False))
         placement = PartitionedPlacement.build(
@@ -67,7 +67,7 @@ def host_need(model: nn.Module, config: str | os.PathLike | Mapping | None = Non
     weights on nvme, the largest shard): the plan alone, nothing built or written."""
     cfg, dtype, plan = _plan(model, config)
     model.requires_grad_(False)
-    return sum(host_minimum(cfg, [flat for flat, _ in plan], dtype).values())
+    return sum(host_minimum(cfg, [flat for flat, _ in plan], dtype, optimizer=False).values())
 
 
 def _plan(model: nn.Module, config: str | os.PathLike | Mapping | None) -> tuple[Config, torch.dtype, list]:

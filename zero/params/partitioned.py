@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from tiering import Handle, SwapManager, Tier
+from tiering import BudgetExceededError, Handle, SwapManager, Tier
 
 from ..comm import DataParallel
 from ..optim.driver import AdamDriver, SubGroup
@@ -339,7 +339,10 @@ class PartitionedPlacement(Placement):
         if self.swap.moving(unit.segment) or self.update_pending(index):
             return  # its fetch (or its update) would be waited for here, before this unit computes: its gather will
         self.wait_for_update(index)
-        self._prefetch(unit)
+        try:
+            self._prefetch(unit)
+        except BudgetExceededError:
+            return  # the host cannot take its shard beside what the backward holds now: its gather will wait for room
         self._ahead = unit
 
     def _room_for(self, unit: Unit) -> bool:

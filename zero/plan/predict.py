@@ -44,7 +44,8 @@ import torch
 from tiering.device_tier import device_charge
 from tiering.nvme_store import RESERVE_MAX, RESERVE_SHARE
 
-from ..services.budgets import HOMES, device_minimum, grad_dtype, masters_are_params, sub_groups, swap_config
+from ..services.budgets import (HOMES, device_minimum, grad_dtype, host_minimum, masters_are_params, sub_groups,
+                                swap_config, tied_head_bytes)
 from ..comm import DataParallel
 from ..config import load_config
 from ..initialize import frozen_units, plan_units, speculates
@@ -321,6 +322,11 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     if budgets.device_budget is not None and counted > budgets.device_budget:
         prediction.why_not.append(f"device peak {counted / 2**30:.2f} GiB > device budget "
                                   f"{budgets.device_budget / 2**30:.2f} GiB")
+    heads = tied_head_bytes(plan, shape.model, dtype) if zo.stage == 3 else []
+    least_host = sum(host_minimum(cfg, every, dtype, heads=heads).values())
+    if host_budget < least_host:
+        prediction.why_not.append(f"host budget {host_budget / 2**30:.2f} GiB < the {least_host / 2**30:.2f} GiB "
+                                  "the engine needs at least (initialize refuses it)")
     if tiers["host"] > host_budget:
         prediction.why_not.append(f"{tiers['host'] / 2**30:.1f} GiB homed on host > host budget "
                                   f"{host_budget / 2**30:.1f} GiB")

@@ -199,20 +199,43 @@ def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, optim
     )
 
 
-def host_minimum(cfg: Config, units: list[FlatUnit], dtype: torch.dtype) -> dict[str, int]:
-    """A floor under the host budget, by part: what is homed on the host (the optimizer's state and gradients with
-    offload_optimizer cpu, the parameter shards with stage 3 offload_param cpu) and, with the parameters on nvme, the
-    largest shard, which a gather holds in host memory whole. Below it no step can run. (Offloaded activations
+def host_minimum(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, heads: list[int] = (),
+                 optimizer: bool = True) -> dict[str, int]:
+    """The least host budget a step runs in, by part: what is homed on the host (the optimizer's state and
+    gradients with offload_optimizer cpu, the parameter shards with stage 3 offload_param cpu); with the parameters
+    on nvme, the largest shard, which a gather (and a step updating it) holds in host memory whole; and the larger
+    of what the backward holds there beside it (`heads`: each tied embedding's head gradient, tied_head_bytes; the
+    gradients' staging on their way to the host, gradient_copies.py; with the state on nvme, the sub-groups'
+    gradients the staged parts are added to) and what a step of one sub-group holds (its state and gradient, read from nvme). `optimizer` False (inference): none of the last. (Offloaded activations
     spill to nvme where the budget has no room for them.)"""
     zo = cfg.zero_optimization
     parts = {"optimizer state": 0, "parameter shards": 0, "largest parameter shard": 0}
-    if zo.offload_optimizer.device == "cpu":
+    if optimizer and zo.offload_optimizer.device == "cpu":
         parts["optimizer state"] = sum(sum(window_bytes(cfg, dtype, unit)) for unit in trained(units))
     if zo.stage == 3 and zo.offload_param.device == "cpu":
-        parts["parameter shards"] = sum(shard_bytes(cfg, unit, dtype) for unit in units)
+        parts["parameter shards"] = sum(align_up(shard_bytes(cfg, unit, dtype)) for unit in units)
     if zo.stage == 3 and zo.offload_param.device == "nvme":
-        parts["largest parameter shard"] = max((shard_bytes(cfg, unit, dtype) for unit in units), default=0)
+        parts["largest parameter shard"] = max((align_up(shard_bytes(cfg, unit, dtype)) for unit in units), default=0)
+    if optimizer and zo.offload_optimizer.device != "none" and trained(units):
+        part = max(largest_sub_group(cfg, units), 1)
+        staging = SLOTS * align_up(reduce_dtype(cfg, dtype).itemsize * part)
+        backward = sum(align_up(n) for n in heads) + staging
+        step = 0
+        if zo.offload_optimizer.device == "nvme":  # each staged part is added to its sub-group's gradient
+            backward += SLOTS * align_up(grad_dtype(cfg, dtype).itemsize * part)
+            step = largest_window(cfg, dtype, units)
+        if backward >= step:
+            parts["head gradients and gradient staging" if heads else "gradient staging"] = backward
+        else:
+            parts["a sub-group's state and gradient"] = step
     return parts
+
+
+def tied_head_bytes(plan: list[tuple[FlatUnit, nn.Module]], model: nn.Module, dtype: torch.dtype) -> list[int]:
+    """Bytes of each tied embedding's head gradient (stage 3: tied_head.py), the whole weight in the compute dtype,
+    held off the device from the head's backward to the root unit's reduction."""
+    return [slot.numel * dtype.itemsize for flat, module in plan if not flat.frozen and module is model
+            for slot, *_ in tied_heads(module, flat.slots)]
 
 
 def parks_root(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: nn.Module, dtype: torch.dtype,
@@ -297,8 +320,7 @@ def device_minimum(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], model: n
             grads[id(module)] = grads.get(id(module), 0) + charge(flat.padded_numel * dtype.itemsize)
         root = grads.pop(id(model), 0)
         block_grads = max(grads.values(), default=0)
-        heads = [slot.numel * dtype.itemsize for flat, module in learning if module is model
-                 for slot, *_ in tied_heads(module, flat.slots)]
+        heads = tied_head_bytes(plan, model, dtype)
         staging = max((min(STAGING, n) for n in heads), default=0)
         if parked is None:
             parked = cfg.zero_tiering.park_root is not False and root_parkable(plan, model, cfg)
