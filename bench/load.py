@@ -62,7 +62,9 @@ def main() -> dict:
         offload = {"device": "nvme", "nvme_path": nvme}
         ds_config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
                      "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                           "sub_group_size": 4_000_000, "offload_param": offload,
+                                           # quick: sub-groups small beside the model's, as the full size's are
+                                           "sub_group_size": 20_000 if args.quick else 4_000_000,
+                                           "offload_param": offload,
                                            "offload_optimizer": dict(offload)},
                      "zero_tiering": {"host_budget": budget}}
         start = time.perf_counter()
