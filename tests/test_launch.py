@@ -128,6 +128,9 @@ def test_bad_flags_from_the_command_line_are_one_message_and_status_2(tmp_path):
     ([], "no script given"),
     (["--num_gpus", "2"], "no script given"),
     (["missing.py"], "script 'missing.py': no such file"),
+    (["--module", "zero.nosuch"], "--module 'zero.nosuch': no such module"),
+    (["--module", "nosuchpackage.train"], "--module 'nosuchpackage.train': no such module"),
+    (["--master_port", "99999", "train.py"], "--master_port 99999: a TCP port, 1-65535"),
 ])
 def test_bad_flags_exit_2_naming_the_problem(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)

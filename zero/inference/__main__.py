@@ -62,6 +62,8 @@ def inference_config(args: argparse.Namespace) -> dict:
         return read_json(args.config)  # as load_config reads it: a key twice is an error
     offload = {"device": args.offload}
     if args.offload == "nvme":
+        if os.path.exists(args.nvme_path) and not os.path.isdir(args.nvme_path):
+            raise ValueError(f"--nvme-path {args.nvme_path!r} is not a directory")
         os.makedirs(args.nvme_path, exist_ok=True)
         offload["nvme_path"] = args.nvme_path
     config = {"train_micro_batch_size_per_gpu": 1,
@@ -69,7 +71,10 @@ def inference_config(args: argparse.Namespace) -> dict:
     if DTYPES[args.dtype]:
         config[DTYPES[args.dtype]] = {"enabled": True}
     if args.host_budget:
-        parse_size(args.host_budget)  # a bad size is named here, before the model is built
+        try:  # a bad size is named here, before the model is built
+            parse_size(args.host_budget)
+        except ValueError as exc:
+            raise ValueError(f"--host-budget {args.host_budget!r}: {exc}") from None
         config["zero_tiering"] = {"host_budget": args.host_budget}
     return config
 
@@ -86,12 +91,18 @@ def main(argv: list[str] | None = None) -> list[int]:
     engine = init_inference(model, inference_config(args), weights=args.model)
     try:
         tokenizer = load_tokenizer(args.model)
-        if args.prompt_ids:
-            ids = [int(i) for i in args.prompt_ids.split(",")]
+        if args.prompt_ids is not None:
+            try:
+                ids = [int(i) for i in args.prompt_ids.split(",")]
+            except ValueError:
+                raise ValueError(f"--prompt-ids {args.prompt_ids!r}: token ids separated by commas, such as 1,2,3") \
+                    from None
         elif tokenizer is not None:
             ids = tokenizer(args.prompt)["input_ids"]
         else:
             ids = list(args.prompt.encode())
+        if not ids:
+            raise ValueError("the prompt is empty: give --prompt some text or --prompt-ids at least one id")
         bad = [i for i in ids if not 0 <= i < model_config.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{model_config.vocab_size - 1})")

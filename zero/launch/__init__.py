@@ -10,6 +10,7 @@ torchrun's job: its own multi-node flags, with `-m zero.launch.rank` as the prog
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 
@@ -169,6 +170,14 @@ def torchrun_argv(args: argparse.Namespace, processes: int) -> list[str]:
             "--master-port", str(args.master_port), *child]
 
 
+def module_found(name: str) -> bool:
+    """Whether `python -m name` would find the module (its parent packages imported to look, as -m does)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package that is missing, or an empty name
+        return False
+
+
 def exit_status(exitcode: int) -> int:
     """A failed process's exit status for the shell: its own, or 128 + the signal that killed it."""
     return 128 - exitcode if exitcode < 0 else exitcode or 1
@@ -182,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no script given")
     if not args.module and not os.path.isfile(args.command[0]):
         parser.error(f"script {args.command[0]!r}: no such file (with --module, a module name)")
+    if args.module and not module_found(args.command[0]):
+        parser.error(f"--module {args.command[0]!r}: no such module on this Python's path")
+    if not 0 < args.master_port < 65536:
+        parser.error(f"--master_port {args.master_port}: a TCP port, 1-65535")
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     try:
         ids = select(args, cuda_devices)
