@@ -1,5 +1,6 @@
 """The fp32 export: `python -m zero.export` writes model.safetensors that plain PyTorch (`load_state_dict`,
-strict) and transformers (`from_pretrained`) load, with tied weights written once, equal to the fp32 masters."""
+strict) and transformers (`from_pretrained`) load, with tied weights written once, equal to the fp32 masters; a
+checkpoint without its frozen parameters is refused, with nothing written."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 
 import zero
@@ -43,6 +45,9 @@ def test_export_loads_in_plain_pytorch_and_transformers(tmp_path):
 
     written = safetensors.torch.load_file(out / "model.safetensors")
     assert "lm_head.weight" not in written, "a tied weight is written once"
+    with safetensors.safe_open(out / "model.safetensors", framework="pt") as f:
+        aliases = json.loads(f.metadata()["zero_tiering_aliases"])
+    assert aliases == {"lm_head.weight": "transformer.wte.weight"} and set(aliases.values()) <= written.keys()
     assert written.keys() == masters.keys()
     for name, value in masters.items():
         assert written[name].dtype == torch.float32 and torch.equal(written[name], value), name
@@ -98,3 +103,43 @@ def test_export_of_a_model_with_cross_unit_ties_and_frozen_parameters(tmp_path):
     model.load_state_dict(state)
     for name, value in reference.items():
         assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_a_checkpoint_saved_without_its_frozen_parameters_is_refused_and_nothing_written(tmp_path):
+    """exclude_frozen_parameters=True leaves the base out (here GPT-2's tied embedding, frozen by hand): no whole
+    model can come of it, so the export says which parameters are missing and what to do, rather than write a file
+    whose loaders initialize the base at random."""
+    from zero.checkpoint.format import MANIFEST, CheckpointCorruptError, manifest_bytes
+    from zero.export import ExcludedParametersError, export_fp32
+
+    model = gpt2()
+    model.transformer.wte.weight.requires_grad_(False)
+    engine = zero.initialize(model=model, config=ds_config(3, "fp32", "cpu", str(tmp_path)),
+                             model_parameters=[p for p in model.parameters() if p.requires_grad])[0]
+    train(engine, 1)
+    engine.save_checkpoint(tmp_path / "ckpt", tag="adapters", exclude_frozen_parameters=True)
+    engine.save_checkpoint(tmp_path / "ckpt", tag="whole")
+    engine.close()
+
+    with pytest.raises(ExcludedParametersError) as info:
+        export_fp32(tmp_path / "ckpt", tmp_path / "out", tag="adapters")
+    assert info.value.excluded == ["transformer.wte.weight"]
+    assert "1 frozen parameter(s)" in str(info.value) and "transformer.wte.weight" in str(info.value)
+    proc = subprocess.run([sys.executable, "-m", "zero.export", str(tmp_path / "ckpt"), str(tmp_path / "out"),
+                           "--tag", "adapters"], capture_output=True, text=True, timeout=120, env=child_env(),
+                          cwd=REPO_ROOT)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("zero.export: ExcludedParametersError: checkpoint ") and "wte" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+    # The whole checkpoint exports; one whose aliases name a tensor it does not hold is refused as corrupt.
+    assert "transformer.wte.weight" in zero.export.load_state_dict(export_fp32(tmp_path / "ckpt", tmp_path / "out",
+                                                                               tag="whole"))
+    tag_dir = tmp_path / "ckpt" / "whole"
+    manifest = json.loads((tag_dir / MANIFEST).read_bytes())
+    manifest.pop("manifest_xxh3_64")
+    manifest["aliases"]["lm_head.weight"] = "transformer.absent.weight"
+    (tag_dir / MANIFEST).write_bytes(manifest_bytes(manifest))
+    with pytest.raises(CheckpointCorruptError, match=r"\(lm_head\.weight -> transformer\.absent\.weight\)"):
+        export_fp32(tmp_path / "ckpt", tmp_path / "out2", tag="whole")
+    assert not (tmp_path / "out2").exists()

@@ -18,6 +18,10 @@ Loading the result in plain PyTorch:
 Streamed: the safetensors header is computed from the manifest's unit layout first, then one unit at a time
 is assembled from the records of every rank, written, and dropped. Peak memory is the largest unit in fp32.
 Every file read is verified against the manifest first (sizes and xxh3-64).
+
+A checkpoint saved with `exclude_frozen_parameters=True` (ZeroTrainer's checkpoint-N of a PEFT model) lacks the
+frozen base, so no whole model can be exported from it: the export refuses it (ExcludedParametersError) and writes
+nothing, rather than a file missing the base that loaders fill with random initial values.
 """
 from __future__ import annotations
 
@@ -31,6 +35,9 @@ from ..checkpoint.st_format import ALIASES_KEY, SAFETENSORS, header_bytes
 from ..cli import add_common_flags
 from ..checkpoint.format import (
     AtomicFile,
+    CheckpointCorruptError,
+    CheckpointError,
+    MANIFEST,
     RecordReader,
     dtype_of,
     read_manifest,
@@ -38,6 +45,28 @@ from ..checkpoint.format import (
     verify_files,
     write_atomic,
 )
+
+SHOWN = 3
+"""Names an error lists of the parameters it is about (then a count of the rest)."""
+
+
+class ExcludedParametersError(CheckpointError, ValueError):
+    """The checkpoint was saved without its frozen parameters (`exclude_frozen_parameters=True`): exporting it would
+    give a model without its base. `excluded` names them."""
+
+    def __init__(self, path: str, excluded: list[str]):
+        self.path, self.excluded = path, list(excluded)
+        super().__init__(
+            f"checkpoint {path!r} was saved with exclude_frozen_parameters=True: {len(excluded)} frozen parameter(s) "
+            f"are not in it ({_listed(excluded)}), so it holds no whole model to export. Export a checkpoint saved "
+            "without exclude_frozen_parameters, or save the adapters alone with PEFT (model.save_pretrained, or "
+            "ZeroTrainer.save_model) and load them onto the base model")
+
+
+def _listed(names: list[str]) -> str:
+    more = len(names) - SHOWN
+    return ", ".join(names[:SHOWN]) + (f" and {more} more" if more > 0 else "")
+
 
 def export_plan(manifest: dict, reader: RecordReader) -> list[tuple[str, torch.dtype, list[int], tuple]]:
     """(name, dtype, shape, source) of every tensor written, in file order: unit slots (source ("unit", unit
@@ -59,8 +88,9 @@ def export_fp32(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, tag: st
     path. See the module docstring."""
     tag_dir = resolve(os.fspath(ckpt_dir), tag)
     manifest = read_manifest(tag_dir)
+    if manifest.get("excluded"):
+        raise ExcludedParametersError(tag_dir, manifest["excluded"])
     out_dir = os.fspath(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
     with RecordReader(tag_dir, manifest) as reader:
         if verify:
             ranks = {r for index, unit in enumerate(manifest["units"])
@@ -72,8 +102,15 @@ def export_fp32(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, tag: st
                 names.append(manifest["model_config"])
             verify_files(tag_dir, manifest, names)
         plan = export_plan(manifest, reader)
-        metadata = {"format": "pt", ALIASES_KEY: json.dumps(manifest.get("aliases", {}), sort_keys=True),
+        aliases = manifest.get("aliases", {})
+        written = {name for name, *_ in plan}
+        dangling = sorted(f"{alias} -> {name}" for alias, name in aliases.items() if name not in written)
+        if dangling:  # the header would name tensors the file does not hold
+            raise CheckpointCorruptError(os.path.join(tag_dir, MANIFEST), f"ties {len(dangling)} name(s) to tensors "
+                                         f"the checkpoint does not hold ({_listed(dangling)})")
+        metadata = {"format": "pt", ALIASES_KEY: json.dumps(aliases, sort_keys=True),
                     "zero_tiering_checkpoint": os.path.abspath(tag_dir)}
+        os.makedirs(out_dir, exist_ok=True)
         with AtomicFile(out_dir, SAFETENSORS) as f:
             f.write(header_bytes(plan, metadata))
             current, buffer = -1, None

@@ -80,6 +80,7 @@ from .engine_views import EngineOptimizer, EngineScheduler
 from ..initialize import initialize
 from ..optim.lr_schedules import WarmupSchedule
 from .loss_items import items_read
+from .peft_save import save_adapters
 from .save_on_signal import SaveOnSignal
 from .weights import save_safetensors
 
@@ -481,18 +482,10 @@ class ZeroTrainer(Trainer):
             self.push_to_hub(commit_message="Model save", revision=getattr(self.args, "hub_revision", None))
 
     def _save_adapters(self, output_dir: str, write: bool) -> None:
-        """A PEFT model's adapters alone, through PEFT's `save_pretrained` (adapter_model.safetensors and its
-        config), as the Trainer saves one: its trained units gathered (every rank), the frozen base left where it
-        rests."""
-        names = {id(p): name for name, p in self.model.named_parameters()}
-        state = {}
-        for unit in self.engine.units:
-            if not unit.frozen:
-                with self.engine.gathered_parameters([slot.param for slot in unit.flat.slots]):
-                    state.update((names[id(slot.param)], slot.param.detach().to("cpu", copy=True))
-                                 for slot in unit.flat.slots)
-        if write:
-            self.model.save_pretrained(output_dir, state_dict=state)
+        """A PEFT model's adapters alone, as PEFT's own `save_pretrained` writes them (every adapter, and the
+        embedding weights it saves beside them): what it saves gathered (every rank), the rest of the frozen base
+        left where it rests (peft_save.py)."""
+        save_adapters(self.engine, self.model, output_dir, write=write)
 
     # -- the end ----------------------------------------------------------------------------------------------
 
