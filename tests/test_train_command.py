@@ -12,6 +12,7 @@ import torch
 
 from zero.train.corpus import default_corpus, split_held_out
 from zero.train import main
+from zero.cli import run_command
 from zero.config import ConfigError, load_config
 from zero.train.run import config_dtype, load_ds_config, model_config, parse_args
 
@@ -169,3 +170,93 @@ def test_compact_state_moves_fewer_bytes_a_step_and_says_so(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "stored as moments int8, master fp32" in out and "B/param)" in out
     assert sum(r.bytes_per_param for r in compact.reports[1:]) < sum(r.bytes_per_param for r in exact.reports[1:])
+
+
+def command(argv: list[str], capsys) -> tuple[str, str]:
+    """The command run as `python -m zero.train` runs it (zero/train/__main__.py), ending on bad input: (stdout,
+    its one stderr line)."""
+    with pytest.raises(SystemExit) as info:
+        run_command("zero.train", main, argv, errors=(ValueError,))
+    out, err = capsys.readouterr()
+    assert info.value.code == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+    return out, err
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--nvme-path", "{file}"], "NotADirectoryError: --nvme-path '{file}' is not a directory"),
+    (["--save-dir", "{file}"], "NotADirectoryError: --save-dir '{file}' is not a directory"),
+    (["--save-dir", "{file}/ck", "--save-every", "1"], "NotADirectoryError: --save-dir '{file}/ck': '{file}' is not a "
+                                                       "directory"),
+    (["--summary-json", "{dir}"], "IsADirectoryError: --summary-json '{dir}' is a directory: name a file"),
+    (["--trace", "{dir}/no/t.json"], "FileNotFoundError: --trace '{dir}/no/t.json': its directory '{dir}/no' does not "
+                                     "exist"),
+    (["--resume", "{dir}", "--summary-json", "{dir}/s.json"], "CheckpointNotFoundError: --resume: no `latest` there to "
+                                                              "resume from: '{dir}'"),
+    (["--save-dir", "{run}"], "RunExistsError: --save-dir '{run}' already holds a run's checkpoints (latest: "
+                              "global_step7), which this run's saves would replace: pass --resume auto to continue it"),
+    (["--resume", "{dir}", "--save-dir", "{run}"], "RunExistsError: --save-dir '{run}' already holds a run's"),
+    (["--data", "{empty}"], "ValueError: the data files hold 0 bytes ('{empty}' 0 bytes): need at least 2"),
+    (["--config", "{fp16_yes}"], "ConfigError: fp16.enabled = 'yes': expected true or false"),
+    (["--config", "{bf16_false}", "--dtype", "fp32"], "ConfigError: bf16.enabled = 'false': expected true or false"),
+])
+def test_bad_paths_and_values_are_one_line_before_the_model_is_built(flags, line, tmp_path, capsys):
+    """A file where a directory belongs, an output that cannot be written, a --resume with nothing to resume, a
+    --save-dir holding another run, an empty data file, a precision section's wrong-typed `enabled` (which the
+    job's own dtype choice used to overwrite): each one line naming the flag or key, before any step runs."""
+    names = {"file": tmp_path / "file", "dir": tmp_path, "run": tmp_path / "run", "empty": tmp_path / "empty.txt",
+             "fp16_yes": tmp_path / "fp16.json", "bf16_false": tmp_path / "bf16.json"}
+    names["file"].write_text("not a directory")
+    names["run"].mkdir()
+    (names["run"] / "latest").write_text("global_step7")
+    names["empty"].write_bytes(b"")
+    names["fp16_yes"].write_text('{"train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": "yes"}}')
+    names["bf16_false"].write_text('{"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": "false"}}')
+    names = {key: str(path) for key, path in names.items()}
+    argv = ["--preset", "tiny", "--steps", "1", "--nvme-path", str(tmp_path / "nvme"), "--save-dir",
+            str(tmp_path / "ck"), *flags]
+    out, err = command([arg.format(**names) for arg in argv], capsys)
+    assert err.startswith("zero.train: " + line.format(**names)), err
+    assert "model: " not in out and "step 0" not in out
+    assert (tmp_path / "run" / "latest").read_text() == "global_step7" and os.listdir(tmp_path / "run") == ["latest"]
+
+
+def test_a_resume_with_nothing_to_resume_is_one_line_without_a_warning_before_it(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "zero.train", "--preset", "tiny", "--steps", "1", "--resume",
+                           str(tmp_path), "--nvme-path", str(tmp_path / "nvme")],
+                          env=child_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr  # (a UserWarning came first)
+    assert done.stderr == f"zero.train: CheckpointNotFoundError: --resume: no `latest` there to resume from: " \
+                          f"'{tmp_path}'\n"
+
+
+def test_a_second_run_into_a_save_dir_is_refused_and_the_first_runs_checkpoints_kept(tmp_path, capsys):
+    """Run again without --resume, a job saving into --save-dir would replace the first run's global_step1 and
+    move `latest` back, and a later --resume auto would continue the wrong run: it is refused before training,
+    nothing stored changes, and --resume auto continues the first run."""
+    data = tmp_path / "data.txt"
+    data.write_bytes(bytes(range(256)) * 8)
+    save_dir = tmp_path / "ck"
+    argv = ["--preset", "tiny", "--seq-len", "16", "--steps", "1", "--save-every", "1", "--save-dir", str(save_dir),
+            "--data", str(data), "--nvme-path", str(tmp_path / "nvme")]
+    main(argv)
+    stored = {path: path.read_bytes() for path in save_dir.rglob("*") if path.is_file()}
+    capsys.readouterr()
+    out, err = command(argv, capsys)
+    assert err == f"zero.train: RunExistsError: --save-dir '{save_dir}' already holds a run's checkpoints (latest: " \
+                  "global_step1), which this run's saves would replace: pass --resume auto to continue it, or choose " \
+                  "another --save-dir\n"
+    assert "model: " not in out
+    assert {path: path.read_bytes() for path in save_dir.rglob("*") if path.is_file()} == stored
+    main([*argv, "--steps", "2", "--resume", "auto"])
+    assert f"resumed from {save_dir}/global_step1 at step 1" in capsys.readouterr().out
+    assert (save_dir / "latest").read_text().strip() == "global_step2"
+
+
+def test_steps_are_zero_or_more(capsys):
+    """--steps -1 used to run no step and exit 0; 0 is the held-out loss alone (of a resumed model, say)."""
+    assert parse_args(["--steps", "0"]).steps == 0
+    for text in ("-1", "two"):
+        with pytest.raises(SystemExit) as info:
+            parse_args(["--steps", text])
+        assert info.value.code == 2
+        assert f"argument --steps: '{text}': expected a whole number of steps, 0 or more" in capsys.readouterr().err

@@ -34,7 +34,8 @@ def text_files(paths: list[str]) -> torch.Tensor:
             chunks.append(f.read())
     tokens = _tokens(chunks)
     if tokens.numel() < 2:
-        raise ValueError(f"the data files {paths} hold {tokens.numel()} bytes: need at least 2")
+        sizes = ", ".join(f"{path!r} {len(chunk)} bytes" for path, chunk in zip(paths, chunks))
+        raise ValueError(f"the data files hold {tokens.numel()} bytes ({sizes}): need at least 2")
     return tokens
 
 
@@ -50,7 +51,9 @@ def split_held_out(tokens: torch.Tensor, seq_len: int, fraction: float = 0.05) -
 
 
 def _tokens(chunks: list[bytes]) -> torch.Tensor:
-    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+    data = bytearray(b"".join(chunks))
+    # (frombuffer refuses an empty buffer: no data is an empty tensor, for the callers' checks to name)
+    return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
 class Batches:

@@ -33,8 +33,10 @@ from ..cli import add_common_flags
 from ..comm import local_device
 from ..services.compute_speed import NAMES, SlowComputeWarning, dtype_speed, fast_alternative, slow_dtype_line
 from ..config import ConfigError, read_json
+from ..config.precision import BF16Config, FP16Config
 from ..config.scheduler import SCHEDULES, WarmupLRParams
 from ..initialize import initialize
+from .checks import check_paths
 from .corpus import Batches, default_corpus, split_held_out, text_files
 from .gpt import GPT, PRESETS, GPTConfig
 
@@ -120,7 +122,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, help="override the preset's width")
     parser.add_argument("--heads", type=int, help="override the preset's head count")
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps")
+    parser.add_argument("--steps", type=steps_arg, default=30,
+                        help="optimizer steps (0: the held-out loss alone, of a fresh or a resumed model)")
     parser.add_argument("--data", nargs="*", help="text files (default: the Python standard library's sources)")
     parser.add_argument("--nvme-path", nargs="+", metavar="DIR",
                         help="override every nvme_path in the config; several directories (one per SSD) spread "
@@ -135,7 +138,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-dir", default="checkpoints",
                         help="where checkpoints go: on SIGTERM or SIGUSR1 (a scheduler's warning) one is saved at the "
-                             "next step boundary and the job exits 0; and every --save-every steps")
+                             "next step boundary and the job exits 0; and every --save-every steps. One that holds "
+                             "another run's (a `latest`) is refused unless --resume continues it")
     parser.add_argument("--save-every", type=steps_arg, default=0, metavar="N",
                         help="save a checkpoint every N steps (0: only on a signal)")
     parser.add_argument("--resume", metavar="auto|DIR",
@@ -166,10 +170,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def steps_arg(text: str) -> int:
-    """A count of steps, 0 or more (argparse names the flag and the value when this raises)."""
-    value = int(text)
+    """A count of steps, 0 or more (argparse prefixes the flag to the message)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
     if value < 0:
-        raise ValueError(text)
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of steps, 0 or more")
     return value
 
 
@@ -202,7 +209,7 @@ def load_ds_config(args: argparse.Namespace) -> dict:
                                   "directory on a local SSD (or give --nvme-path)")
             for path in [paths] if isinstance(paths, str) else paths if isinstance(paths, list) else []:
                 if isinstance(path, str) and path:  # (anything else load_config names)
-                    os.makedirs(path, exist_ok=True)
+                    make_dir("--nvme-path" if args.nvme_path else f"zero_optimization.{section}.nvme_path", path)
     if args.lr is not None:
         config.setdefault("optimizer", {"type": "AdamW"}).setdefault("params", {})["lr"] = args.lr
         scheduler = config.get("scheduler", {})
@@ -221,9 +228,22 @@ def load_ds_config(args: argparse.Namespace) -> dict:
     for flag in ("moments", "master", "accumulation"):
         if getattr(args, flag):
             tiering[flag] = getattr(args, flag)
+    for name, section in (("bf16", BF16Config), ("bfloat16", BF16Config), ("fp16", FP16Config)):
+        if name in config:  # checked as load_config checks it, before anything reads or sets `enabled`
+            section.from_json(config[name], name, [])
     if args.dtype:
         set_dtype(config, DTYPES[args.dtype])
     return config
+
+
+def make_dir(what: str, path: str) -> None:
+    """Make the directory `path` (`what` names where it was given), or say in one line why not."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(f"{what} {path!r} is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        raise type(err)(f"{what} {path!r}: cannot make the directory: {err.strerror or err}") from None
 
 
 def config_dtype(config: dict) -> torch.dtype:
@@ -276,6 +296,7 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
 
 def main(argv: list[str] | None = None) -> TrainRun:
     args = parse_args(argv)
+    check_paths(args)
     torch.manual_seed(args.seed)
     config = load_ds_config(args)
     gpt_config = model_config(args)
@@ -293,7 +314,7 @@ def main(argv: list[str] | None = None) -> TrainRun:
     held_batch = Batches(held, micro, gpt_config.seq_len, args.seed).next()
     main_rank = engine.dp.rank == 0  # under torchrun, rank 0 alone reports
     say = functools.partial(print, flush=True) if main_rank else (lambda *args, **kwargs: None)
-    reports, held_before, held_after = [], None, None
+    reports, held_before, held_after, swap = [], None, None, engine.swap
     try:  # whatever ends the run (the last step, a preemption's exit, an error) closes the engine
         first = resume(engine, batches, args)
 
@@ -301,7 +322,6 @@ def main(argv: list[str] | None = None) -> TrainRun:
             return {"batches": batches.generator.get_state()}  # where the data stream is, for a resume
 
         engine.save_on_signal(args.save_dir, client_state=data_state)
-        swap = engine.swap
         if compute_line:
             say(compute_line)
         say(f"model: {gpt_config.params / 1e6:.1f}M parameters, {gpt_config.n_layer} layers x {gpt_config.n_embd}; "
