@@ -10,10 +10,12 @@ import pytest
 
 import zero
 from zero.config import load_config
-from zero.plan.__main__ import main, parse_args
+from zero.plan.__main__ import disk_figures, main, nvme_place, nvme_space, parse_args
 from zero.plan.__main__ import plan as plan_with_base
 from zero.cli import run_command
+from zero.plan.machine import nvme_free
 from zero.plan.model_source import PlanInputError, from_preset
+from zero.report.bandwidth import DiskFigures, save_figures
 
 from conftest import child_env
 from models import one_thread  # noqa: F401  (autouse fixture)
@@ -127,6 +129,45 @@ def test_a_configs_free_disk_is_its_own_nvme_paths(tmp_path, capsys):
     (tmp_path / "b").mkdir()
     result = main(["--model", "tiny", "--config", str(path), *DISK, "--nvme-path", "/no/such/dir", "--json"])
     assert result["tier_bytes"]["nvme"] > 0
+
+
+def saved_figures(tmp_path, measured_in: str) -> str:
+    """Disk figures as `zero.report --bandwidth DIR` saves them, in a file of the test's (never the user's cache)."""
+    file = tmp_path / "machine.json"
+    save_figures(DiskFigures(nvme_path=measured_in, read_gbps=2.0, write_gbps=2.5, mixed_gbps=4.0, engine="threads",
+                             measured_at="2026-01-01T00:00:00+00:00", bytes=1 << 30), file)
+    return str(file)
+
+
+def test_saved_figures_whose_directory_is_gone_say_so(tmp_path, capsys):
+    """No --nvme-path given: the saved figures' directory is where the state goes (they price that disk); one a
+    reboot removed is named with the file it came from and how to refresh it, not as a --nvme-path never typed."""
+    gone = str(tmp_path / "cleared")
+    with pytest.raises(SystemExit):
+        cli(["--model", "tiny", "--disk", saved_figures(tmp_path, gone)])
+    err = capsys.readouterr().err
+    assert f"disk figures {str(tmp_path / 'machine.json')!r} were measured in nvme_path {gone!r}: no such directory" \
+        in err and "python -m zero.report --bandwidth DIR" in err and "--nvme-path '" not in err, err
+
+
+def test_saved_figures_directory_is_where_nvme_placements_keep_state(tmp_path):
+    args = parse_args(["--model", "tiny", "--disk", saved_figures(tmp_path, str(tmp_path))])
+    assert nvme_place(args, disk_figures(args))[0] == str(tmp_path)
+    args = parse_args(["--model", "tiny", "--disk", args.disk, "--nvme-path", "/elsewhere"])
+    assert nvme_place(args, disk_figures(args)) == ("/elsewhere", "--nvme-path")
+
+
+def test_a_file_as_nvme_path_is_not_a_directory(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(PlanInputError, match=f"--nvme-path '{tmp_path / 'file'}': not a directory"):
+        nvme_free([str(tmp_path / "file")], "--nvme-path")
+
+
+def test_a_config_with_nothing_on_nvme_asks_for_no_directory():
+    """--config keeping its state on cpu: no nvme directory is looked at (the default one may not exist)."""
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "offload_param": {
+        "device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}
+    assert nvme_space("/no/such/dir", "--nvme-path", config, 64) is None
 
 
 def test_a_hugging_face_config_missing_fields_is_named(tmp_path, capsys):

@@ -25,21 +25,26 @@ from ..comm import local_device
 from ..config import load_config, read_json
 from ..services.compute_speed import dtype_speed, fast_alternative, slow_dtype_line
 from ..optim.state_format import StateFormat
-from .machine import (Machine, adam_rate, checksum_rate, compact_adam_rate, gpu_memory, host_ram, matmul_rate,
-                      memory_rates, nvme_free, parse_memory)
-from .model_source import PlanInputError, load_model
+from .machine import (Machine, adam_rate, checksum_rate, compact_adam_rate, directory_problem, gpu_memory, host_ram,
+                      matmul_rate, memory_rates, nvme_free, parse_memory)
+from .model_source import SEQ_LEN, PlanInputError, load_model
 from .predict import (PRECISIONS, Prediction, compact_formats, ds_config, host_budget_for, placement_of, placements,
                       predict)
+
+
+NVME_DEFAULT = "/tmp/zero_tiering_nvme"
+"""The main job's nvme_path (zero/train/run.py), where the README's zero.report --bandwidth measures."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m zero.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a preset, a config.json, or package.module:function")
-    parser.add_argument("--layers", type=int, help="override the preset's layer count")
-    parser.add_argument("--hidden", type=int, help="override the preset's width")
-    parser.add_argument("--heads", type=int, help="override the preset's head count")
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens a sequence (the main job's default)")
+    parser.add_argument("--layers", type=int, help="override the layer count (of a preset or a config.json)")
+    parser.add_argument("--hidden", type=int, help="override the width (of a preset or a config.json)")
+    parser.add_argument("--heads", type=int, help="override the head count (of a preset or a config.json)")
+    parser.add_argument("--seq-len", type=int, help=f"tokens a sequence (default: the main job's {SEQ_LEN}, or a "
+                                                      "config.json's positions where fewer)")
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences a micro-batch")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), help="default: bf16 with CUDA, else fp32")
     parser.add_argument("--activation-checkpointing", action="store_true",
@@ -61,8 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="disk figures saved by `python -m zero.report --bandwidth` (default: %(default)s)")
     parser.add_argument("--disk-read", type=float, help="nvme read GB/s (instead of --disk)")
     parser.add_argument("--disk-write", type=float, help="nvme write GB/s (instead of --disk)")
-    parser.add_argument("--nvme-path", default="/tmp/zero_tiering_nvme",
-                        help="where nvme placements keep state (with --config, its own nvme_path counts)")
+    parser.add_argument("--nvme-path",
+                        help="where nvme placements keep state (default: the directory the saved disk figures were "
+                             f"measured in, else {NVME_DEFAULT}; with --config, its own nvme_path counts)")
     parser.add_argument("--out", help="write the chosen placement's ds_config.json here")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     add_common_flags(parser)
@@ -80,6 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
 def plan(args: argparse.Namespace, base_rss: int) -> dict:
     shape = load_model(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len)
     disk = disk_figures(args)
+    nvme_path, nvme_name = nvme_place(args, disk)
     precision = args.precision or ("bf16" if torch.cuda.is_available() else "fp32")
     if args.config:
         config = given_config(args)
@@ -106,7 +113,8 @@ def plan(args: argparse.Namespace, base_rss: int) -> dict:
         adam_elements=adam_rate(dtype), **dict(zip(("copy_bytes", "fresh_bytes"), memory_rates())),
         checksum_bytes=checksum_rate(),
         compact_adam={fmt: compact_adam_rate(fmt, dtype) for fmt in formats if not fmt.exact})
-    free = nvme_space(args, config if args.config else None, shape.hidden) if disk is not None else None
+    free = (nvme_space(nvme_path, nvme_name, config if args.config else None, shape.hidden) if disk is not None
+            else None)
     offload = args.activation_offload if args.activation_offload != "none" else None
     if offload == "nvme" and disk is None and not args.config:
         raise PlanInputError("--activation-offload nvme plans placements with a disk, and there are no disk figures: "
@@ -127,11 +135,11 @@ def plan(args: argparse.Namespace, base_rss: int) -> dict:
             for placement in placements(precision, nvme=disk is not None, state_format=fmt):
                 if offload == "nvme" and "nvme" not in (placement.offload_param, placement.offload_optimizer):
                     continue  # activations on nvme need the store a placement on nvme has
-                config = ds_config(placement, micro_batch=args.micro_batch, nvme_path=args.nvme_path,
+                config = ds_config(placement, micro_batch=args.micro_batch, nvme_path=nvme_path,
                                    activation_offload=offload)
                 budget = host_budget_for(shape, machine, config, base_rss, checkpointing)
                 if budget is not None:
-                    config = ds_config(placement, micro_batch=args.micro_batch, nvme_path=args.nvme_path,
+                    config = ds_config(placement, micro_batch=args.micro_batch, nvme_path=nvme_path,
                                        host_budget=budget, activation_offload=offload)
                 predictions.append(predict(shape, machine, config, base_rss, free, checkpointing))
     fitting = [p for p in predictions if p.fits]
@@ -171,9 +179,10 @@ def given_config(args: argparse.Namespace) -> dict:
     return config
 
 
-def nvme_space(args: argparse.Namespace, config: dict | None, hidden: int) -> int:
+def nvme_space(nvme_path: str, name: str, config: dict | None, hidden: int) -> int | None:
     """Free bytes where the state on nvme would go: the given config's nvme_path (each directory of a list) where
-    it puts state on nvme, else --nvme-path."""
+    it puts state on nvme (None where it puts none there: no directory is asked for), else `nvme_path`
+    (nvme_place's, called `name` in an error)."""
     if config is not None:
         zo = load_config(config, hidden_size=hidden).zero_optimization
         for section in ("offload_param", "offload_optimizer"):
@@ -181,7 +190,8 @@ def nvme_space(args: argparse.Namespace, config: dict | None, hidden: int) -> in
             if offload.device == "nvme":
                 paths = (offload.nvme_path,) if isinstance(offload.nvme_path, str) else offload.nvme_path
                 return nvme_free(paths, f"zero_optimization.{section}.nvme_path")
-    return nvme_free([args.nvme_path], "--nvme-path")
+        return None
+    return nvme_free([nvme_path], name)
 
 
 def disk_figures(args: argparse.Namespace) -> DiskFigures | None:
@@ -193,13 +203,29 @@ def disk_figures(args: argparse.Namespace) -> DiskFigures | None:
         for flag, value in (("--disk-read", args.disk_read), ("--disk-write", args.disk_write)):
             if not 0 < value < 1000:
                 raise PlanInputError(f"{flag} {value}: GB/s of a disk, between 0 and 1000")
-        return DiskFigures(nvme_path=os.path.abspath(args.nvme_path), read_gbps=args.disk_read,
+        return DiskFigures(nvme_path=os.path.abspath(args.nvme_path or NVME_DEFAULT), read_gbps=args.disk_read,
                            write_gbps=args.disk_write, mixed_gbps=args.disk_read + args.disk_write,
                            engine="given", measured_at="", bytes=0)
     try:
         return load_figures(args.disk)
     except ValueError as exc:
         raise PlanInputError(str(exc)) from exc
+
+
+def nvme_place(args: argparse.Namespace, disk: DiskFigures | None) -> tuple[str, str]:
+    """Where nvme placements keep state, and its name for an error: --nvme-path; else the directory saved figures
+    were measured in (they price that disk, and the user never typed it: a missing one says where it came from and
+    how to refresh the figures); else the main job's directory."""
+    if args.nvme_path is not None:
+        return args.nvme_path, "--nvme-path"
+    if disk is None or args.disk_read is not None:
+        return NVME_DEFAULT, "the default nvme path (no --nvme-path given)"
+    problem = directory_problem(disk.nvme_path)
+    if problem and not args.config:
+        raise PlanInputError(f"disk figures {args.disk!r} were measured in nvme_path {disk.nvme_path!r}: {problem} "
+                             "now; give --nvme-path DIR (a directory on the disk they measured), or measure again with "
+                             "python -m zero.report --bandwidth DIR (it saves new figures)")
+    return disk.nvme_path, f"the nvme_path of the disk figures {args.disk!r}"
 
 
 def explain(predictions: list[Prediction], chosen: Prediction | None) -> str:

@@ -160,8 +160,16 @@ def nvme_free(directories: Sequence[str], name: str) -> int:
     disk share its free space). `name`: what the user gave them as (a flag, a config key), for the error."""
     free = {}
     for path in directories:
-        if not os.path.isdir(path):
-            raise PlanInputError(f"{name} {path!r}: no such directory")
+        problem = directory_problem(path)
+        if problem:
+            raise PlanInputError(f"{name} {path!r}: {problem}")
         stat = os.statvfs(path)
         free[os.stat(path).st_dev] = stat.f_bavail * stat.f_frsize
     return sum(free.values())
+
+
+def directory_problem(path: str) -> str | None:
+    """Why `path` cannot hold nvme state ("no such directory", "not a directory"), None when it is a directory."""
+    if os.path.isdir(path):
+        return None
+    return "not a directory" if os.path.exists(path) else "no such directory"
