@@ -206,8 +206,9 @@ def host_minimum(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, head
     on nvme, the largest shard, which a gather (and a step updating it) holds in host memory whole; and the larger
     of what the backward holds there beside it (`heads`: each tied embedding's head gradient, tied_head_bytes; the
     gradients' staging on their way to the host, gradient_copies.py; with the state on nvme, the sub-groups'
-    gradients the staged parts are added to) and what a step of one sub-group holds (its state and gradient, read from nvme). `optimizer` False (inference): none of the last. (Offloaded activations
-    spill to nvme where the budget has no room for them.)"""
+    gradients the staged parts are added to) and what a step of one sub-group holds (its state and gradient, read
+    from nvme). `optimizer` False (inference): none of the last. (Offloaded activations spill to nvme where the
+    budget has no room for them.)"""
     zo = cfg.zero_optimization
     parts = {"optimizer state": 0, "parameter shards": 0, "largest parameter shard": 0}
     if optimizer and zo.offload_optimizer.device == "cpu":
