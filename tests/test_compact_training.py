@@ -212,6 +212,32 @@ def test_exact_and_compact_checkpoints_convert_both_ways(tmp_path):
     back.close()
 
 
+def test_a_vanished_gradient_moves_an_int8_moment_s_weight_by_at_most_a_few_lr(tmp_path):
+    """A dead input: step 1 its gradient is 1e-5 of its block's largest (the second moment 1e-10 of the block's,
+    under the first code's midpoint), step 2 exactly 0. Encoded as 0, that moment made the step lr * m / eps,
+    ~370 x lr. Adam's step is at most about lr (1 - beta1) / sqrt(1 - beta2) ~ 3.2 lr (Kingma & Ba, 2.1), and a
+    second moment rounded up to the smallest code only shrinks it: 10 x lr leaves room for quantization."""
+    lr = 0.01
+    cfg = stage3_config("cpu", "cpu", micro=1, lr=lr, zero_tiering={"moments": "int8"})
+    cfg["optimizer"]["params"]["weight_decay"] = 0.0
+    torch.manual_seed(0)
+    engine, *_ = zero.initialize(model=torch.nn.Sequential(torch.nn.Linear(128, 64, bias=False)), config=cfg)
+    try:
+        weight = dict(engine.module.named_parameters())["0.weight"]  # 8192 elements: int8 moments
+        x = torch.cat([torch.ones(64), torch.full((64,), 1e-5)])[None]  # d loss / d weight[i, j] = x[j]
+        engine.backward(engine(x).sum())
+        engine.step()
+        before = engine.full_state(weight, "master").clone()
+        x[:, 64:] = 0
+        engine.backward(engine(x).sum())
+        engine.step()
+        moved = (engine.full_state(weight, "master") - before).abs()
+    finally:
+        engine.close()
+    assert float(moved[:, :64].min()) > 0.5 * lr  # the premise: the live inputs' weights stepped
+    assert float(moved.max()) <= 10 * lr
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "resume":
         resume(sys.argv[2], sys.argv[3])
