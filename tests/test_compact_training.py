@@ -71,8 +71,14 @@ def config(fmt: str, tmp_path, *, tier: str = "nvme", stage: int = 3, speculate:
     return cfg
 
 
-def train(cfg: dict, steps: int = STEPS, *, accum: int = ACCUM, rows: slice = slice(None)) -> dict:
-    engine, *_ = zero.initialize(model=model(0), config=cfg)
+def train(cfg: dict, steps: int = STEPS, *, accum: int = ACCUM, rows: slice = slice(None),
+          frozen: bool = False) -> dict:
+    """`frozen`: the first layer's parameters do not train (an adapter's base)."""
+    net = model(0)
+    if frozen:
+        net.model.layers[0].requires_grad_(False)
+    trained = [p for p in net.parameters() if p.requires_grad]
+    engine, *_ = zero.initialize(model=net, config=cfg, model_parameters=trained)
     try:
         losses = engine_train(engine, [ids[rows] for ids in batches(steps * accum)])
         stats = None if engine.speculation is None else vars(engine.speculation.stats).copy()
@@ -113,6 +119,14 @@ def test_every_path_steps_a_format_to_the_same_bits(fmt, tmp_path, exact_run):
     losses, exact = torch.tensor(serial["losses"]), torch.tensor(exact_run["losses"])
     assert losses[-ACCUM:].mean() < losses[:ACCUM].mean()
     assert ((losses - exact).abs() / exact).max() < 0.03, ((losses - exact).abs() / exact).max()
+
+
+@pytest.mark.parametrize("fmt", ["int8-bf16-sr", "int8-bf16-kahan"])
+def test_a_frozen_layer_trains_alike_at_stage_2_and_stage_3(fmt, tmp_path):
+    """Stage 3 numbers frozen units among its units, stages 1 and 2 do not: stochastic rounding keyed by that
+    number rounded otherwise; it is keyed by the unit's ordinal among the trained ones, the same at every stage."""
+    stage3 = train(config(fmt, tmp_path / "stage3", tier="cpu"), steps=2, frozen=True)
+    assert_same_bits(train(config(fmt, tmp_path / "stage2", tier="cpu", stage=2), steps=2, frozen=True), stage3)
 
 
 def _rank(rank: int, port: int, root: str, fmt: str) -> None:
@@ -210,6 +224,32 @@ def test_exact_and_compact_checkpoints_convert_both_ways(tmp_path):
     bparam = layer_weight(back)
     assert torch.equal(back.full_state(bparam, "exp_avg"), quantized)
     back.close()
+
+
+def test_a_vanished_gradient_moves_an_int8_moment_s_weight_by_at_most_a_few_lr(tmp_path):
+    """A dead input: step 1 its gradient is 1e-5 of its block's largest (the second moment 1e-10 of the block's,
+    under the first code's midpoint), step 2 exactly 0. Encoded as 0, that moment made the step lr * m / eps,
+    ~370 x lr. Adam's step is at most about lr (1 - beta1) / sqrt(1 - beta2) ~ 3.2 lr (Kingma & Ba, 2.1), and a
+    second moment rounded up to the smallest code only shrinks it: 10 x lr leaves room for quantization."""
+    lr = 0.01
+    cfg = stage3_config("cpu", "cpu", micro=1, lr=lr, zero_tiering={"moments": "int8"})
+    cfg["optimizer"]["params"]["weight_decay"] = 0.0
+    torch.manual_seed(0)
+    engine, *_ = zero.initialize(model=torch.nn.Sequential(torch.nn.Linear(128, 64, bias=False)), config=cfg)
+    try:
+        weight = dict(engine.module.named_parameters())["0.weight"]  # 8192 elements: int8 moments
+        x = torch.cat([torch.ones(64), torch.full((64,), 1e-5)])[None]  # d loss / d weight[i, j] = x[j]
+        engine.backward(engine(x).sum())
+        engine.step()
+        before = engine.full_state(weight, "master").clone()
+        x[:, 64:] = 0
+        engine.backward(engine(x).sum())
+        engine.step()
+        moved = (engine.full_state(weight, "master") - before).abs()
+    finally:
+        engine.close()
+    assert float(moved[:, :64].min()) > 0.5 * lr  # the premise: the live inputs' weights stepped
+    assert float(moved.max()) <= 10 * lr
 
 
 if __name__ == "__main__":

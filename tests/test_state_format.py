@@ -46,7 +46,8 @@ def decoded(codec, stored: torch.Tensor, numel: int) -> torch.Tensor:
        seed=st.integers(0, 2**16))
 def test_int8_round_trip_within_the_map_s_bound(numel, signed, scale, seed):
     """Each element decodes to the code nearest its value / absmax: the error is at most half the gap between the
-    two codes around it, times the absmax (float64 arithmetic, a relative slack of 1e-6 for the fp32 steps)."""
+    two codes around it, times the absmax (float64 arithmetic, a relative slack of 1e-6 for the fp32 steps); an
+    unsigned value below the first non-zero code rounds up to it, within the whole gap."""
     gen = torch.Generator().manual_seed(seed)
     values = torch.randn(numel, generator=gen) * scale
     if not signed:
@@ -61,6 +62,7 @@ def test_int8_round_trip_within_the_map_s_bound(numel, signed, scale, seed):
         y = x / absmax
         upper = torch.searchsorted(table, y.clamp(table[0], table[-1])).clamp(1, 255)
         gap = table[upper] - table[upper - 1]
+        gap = torch.where(upper == 1, 2 * gap, gap) if not signed else gap  # below the first code: rounded up
         bound = gap / 2 * absmax * (1 + 1e-6) + 1e-45
         assert ((out[piece] - x).abs() <= bound).all(), (block, (out[piece] - x).abs().max().item())
 
@@ -233,6 +235,34 @@ def test_the_kernel_picks_the_nearest_code_at_and_beside_every_midpoint(path):
     assert torch.equal(torch_codes[1], encoded(codecs.exp_avg_sq, grad * grad))
     for theirs, ours in zip(torch_codes, kernel_codes):
         assert torch.equal(ours, theirs)
+
+
+TINY_SQUARES = torch.logspace(-38, -6, 16 * (QBLOCK - 1), dtype=torch.float64).float()
+"""Second moments of 1e-38 .. 1e-6 of their block's absmax: the nearest unsigned code of most of them is 0."""
+
+
+@pytest.mark.parametrize("path", int8_paths())
+def test_a_positive_second_moment_never_encodes_as_zero(path):
+    """Codes 0 for a second moment whose first moment is not 0 made a later step with a zero gradient move the
+    weight by lr * m / eps: a positive value takes the smallest non-zero code instead, in torch's encode and in the
+    kernel's (every path this CPU runs; the step with beta2 0 stores the gradient's square); zero stays 0."""
+    values = blocks_led_by_one(torch.cat([TINY_SQUARES, torch.zeros(20)]))  # int8 moments: >= SMALLEST_INT8
+    assert (TINY_SQUARES < dynamic_map(False)[1][0]).float().mean() > 0.9  # the premise: most are nearest to 0
+    torch_codes = INT8_UNSIGNED.split(encoded(INT8_UNSIGNED, values), values.numel())[1]
+    assert torch.equal(torch_codes == 0, values == 0)
+    if kernel is None:
+        return
+    grad, numel = values.sqrt(), values.numel()
+    assert torch.equal(grad * grad > 0, values > 0)  # the squares stay positive in fp32
+    codecs = StateFormat("int8", "fp32").codecs(numel)
+    state = [torch.zeros(numel), grad, encoded(codecs.exp_avg, torch.zeros(numel)),
+             encoded(codecs.exp_avg_sq, torch.zeros(numel))]
+    hyper = dict(HYPER, beta1=0.0, beta2=0.0, weight_decay=0.0, grad_scale=1.0)
+    with int8_path(path):
+        for piece in kernel_pieces(kernel, *state, None, codecs=codecs, numel=numel, key=0, index=0, hyper=hyper):
+            piece()
+    assert torch.equal(decoded(codecs.exp_avg_sq, state[3], numel) == 0, values == 0)
+    assert torch.equal(state[3], encoded(codecs.exp_avg_sq, grad * grad))
 
 
 def test_stochastic_rounding_is_unbiased():

@@ -48,6 +48,9 @@ class SubGroup:
     """No gradient accumulated since the last step: the next accumulation overwrites instead of adding."""
     norms: list[tuple[int, torch.Tensor]] | None = None
     """Norms of the accumulated gradient's pieces, taken when its last part was added (see `accumulate`)."""
+    trained: int = 0
+    """Its unit's ordinal among the trained units (as checkpoints number them): the stochastic-rounding key, the
+    same at every stage, where `unit` counts frozen units at stage 3 only."""
     master_in: tuple[str, int] | None = None
     """(segment, offset): the fp32 master is this slice of another segment rather than a segment of its own.
     Training in fp32, the engine's parameter shard holds the very values a master would: one copy, not two,
@@ -87,6 +90,7 @@ class AdamDriver:
         self.grad_dtype = grad_dtype
         self._grad_fp32: torch.Tensor | None = None  # where a 16-bit gradient is cast for the step (reused)
         self.sub_groups: list[SubGroup] = []
+        self._trained: dict[int, int] = {}  # unit index: its ordinal among the units added (SubGroup.trained)
         self.threads = AdamThreads()  # the step on as many threads as torch uses (see adam_step)
         self.timing = (0.0, 0.0)
         """The last `step_sub_group`'s seconds waiting for its state, and stepping it once there."""
@@ -96,17 +100,18 @@ class AdamDriver:
         """Register `master` (this rank's fp32 range of unit `unit`, flat, starting at element `start` of the
         unit's flat buffer, whose parameters lie at `extents`: FlatUnit.extents; None: each sub-group is one
         tensor) as sub-groups `<name>/<k>` of at most `chunk` elements (0: one), stepped with param group `group`;
-        moments and gradient start at zero.
+        moments and gradient start at zero. Units are added in order, trained ones only (SubGroup.trained).
         With `master_in`, the segment that already holds the master in the master's format (see
         SubGroup.master_in)."""
         chunk = chunk or master.numel()
+        trained = self._trained.setdefault(unit, len(self._trained))
         sub_groups = []
         for k, offset in enumerate(range(0, master.numel(), chunk)):
             numel = min(chunk, master.numel() - offset)
             sg = SubGroup(f"{name}/{k}", numel, group, unit, offset,
                           self.state_format.codecs(numel, start + offset, extents), index=start + offset,
                           tails=None if extents is None else param_tails(extents, start + offset, numel),
-                          master_in=None if master_in is None else (master_in, offset))
+                          master_in=None if master_in is None else (master_in, offset), trained=trained)
             sub_groups.append(self._add(sg, master.narrow(0, offset, numel)))
         return sub_groups
 
@@ -274,7 +279,7 @@ class AdamDriver:
                 low_precision = out is not None and out.dtype in (torch.bfloat16, torch.float16)
                 low = out if low_precision and not out.is_cuda else None
                 if not sg.codecs.exact:
-                    compact_step(*tensors, codecs=sg.codecs, numel=sg.numel, out=low, key=sr_key(step, sg.unit),
+                    compact_step(*tensors, codecs=sg.codecs, numel=sg.numel, out=low, key=sr_key(step, sg.trained),
                                  compensation=compensation[0] if compensation else None,
                                  index=sg.index, threads=self.threads, hyper=dict(
                                      step=step, decoupled=hyper["decoupled"], grad_scale=grad_scale, **options))

@@ -75,7 +75,11 @@ class Bf16(Codec):
 
 
 class Int8Blocks(Codec):
-    """Block-wise int8: the segment (uint8) holds each block's fp32 absmax first, then one code per element."""
+    """Block-wise int8: the segment (uint8) holds each block's fp32 absmax first, then one code per element.
+    Unsigned (the second moment), the threshold between codes 0 and 1 is 0, not their midpoint: a positive value
+    below ~1e-7 of its block's absmax rounds up to the smallest code, never to 0, or a later step with a zero
+    gradient would move the weight by lr * m / eps (hundreds of times lr). The C kernel's bucket table is built
+    from these thresholds, so both implementations round alike."""
 
     dtype = torch.uint8
 
@@ -84,6 +88,8 @@ class Int8Blocks(Codec):
         self.name = "int8"
         self.kind = 2 if signed else 3
         self.values, self.midpoints = dynamic_map(signed)
+        if not signed:  # a positive second moment never encodes as 0: Adam would divide a first moment by eps alone
+            self.midpoints = torch.cat([torch.zeros(1), self.midpoints[1:]])
         self.planes = self.values.view(torch.uint8).view(256, 4).t().contiguous()  # the C kernel's decode (VBMI)
         self.buckets = buckets(self.midpoints)
         self.zero = int(torch.nonzero(self.values == 0)[0])
@@ -118,7 +124,7 @@ class Int8Blocks(Codec):
         absmax = torch.where(empty, torch.zeros_like(absmax), absmax)
         inverse = torch.reciprocal(torch.where(absmax > 0, absmax, torch.ones_like(absmax)))
         scaled = (blocks * inverse[:, None]).view(-1)[:n]
-        codes = torch.searchsorted(self.midpoints, scaled)  # how many midpoints lie below: the nearest code
+        codes = torch.searchsorted(self.midpoints, scaled)  # how many thresholds lie below: the nearest code
         codes = torch.where(torch.isnan(scaled), self.zero, codes)
         codes = torch.where(empty.repeat_interleave(QBLOCK)[:n], 0, codes)
         absmax_all.narrow(0, start // QBLOCK, nblocks).copy_(absmax)
