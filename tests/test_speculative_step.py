@@ -93,7 +93,7 @@ def test_bitwise_equal_to_torch_whatever_the_bet(clipping, tier, accum, tmp_path
     # A committed round has stepped every sub-group early; of a lost one, whatever the worker had stepped by the
     # validation (a matter of timing) is rolled back and stepped again.
     assert stats.rolled_back == stats.re_stepped
-    assert stats.rollback_bytes > 0 if stats.rolled_back else True
+    assert (stats.rollback_bytes > 0) == (stats.rolled_back > 0), "bytes restored where a step was undone"
     if clipping == "never":
         assert stats.rolled_back == 0
         assert stats.stepped_early > 0 and stats.stepped_early % steps == 0, "every step bets and wins"

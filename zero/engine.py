@@ -413,6 +413,10 @@ class ZeroEngine(FullValues, nn.Module):
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)
         if self.lr_scheduler is not None:
+            if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+                # torch warns of a scheduler stepped before its optimizer where the optimizer's own step() never
+                # ran; the engine's step ran just now (in the driver): say so with torch's flag for it
+                self.lr_scheduler.optimizer._opt_called = True
             self.lr_scheduler.step()
 
     def _finish_step(self) -> None:

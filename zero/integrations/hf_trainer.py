@@ -261,7 +261,6 @@ class ZeroTrainer(Trainer):
             engine.close()
             raise ValueError(f"the engine computes on {engine.device} but the Trainer puts batches on "
                              f"{self.args.device} (use_cpu=True on a machine with CUDA): make them agree")
-        _steps_after_the_optimizer(engine.lr_scheduler)
         self.engine = engine
         self.optimizer = EngineOptimizer(engine)
         self.lr_scheduler = EngineScheduler(engine)
@@ -279,7 +278,6 @@ class ZeroTrainer(Trainer):
                 engine.optimizer, load_config(config, world_size=max(1, self.args.world_size)).scheduler)
         else:
             engine.lr_scheduler = self._trainer_scheduler(num_training_steps, engine.optimizer)
-        _steps_after_the_optimizer(engine.lr_scheduler)
         self._created_lr_scheduler = True
 
     def _param_groups(self, model: nn.Module) -> list[dict]:
@@ -505,13 +503,6 @@ class ZeroTrainer(Trainer):
     def end(self) -> None:
         self.close()
         super().end()
-
-
-def _steps_after_the_optimizer(scheduler: Any) -> None:
-    """torch warns that a scheduler stepped before its optimizer when the optimizer's own step() never ran; the
-    engine's step always runs first (in the driver), so say so (torch's flag for it)."""
-    if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
-        scheduler.optimizer._opt_called = True
 
 
 def hidden_size(model: nn.Module | None) -> int | None:

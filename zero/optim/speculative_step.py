@@ -45,7 +45,7 @@ class SpeculationStats:
     re_stepped: int = 0
     """Rolled-back sub-groups stepped again at the boundary (with the clipped gradient)."""
     rollback_bytes: int = 0
-    """Bytes of kept state restored by roll backs: read again by the re-step."""
+    """Bytes of kept state a roll back restores after an early step changed it: read again by the re-step."""
 
 
 @dataclass(eq=False)
@@ -188,8 +188,7 @@ class SpeculativeStep:
     def _keep(self, rnd: _Round, sub_groups: list[SubGroup]) -> bool:
         """Keep every segment stepping `sub_groups` writes that this round has not kept yet; False (none kept)
         where one finds no room."""
-        names = [sg.place(part)[0] for sg in sub_groups for part in sg.stored_parts]
-        names += [name for name in map(self.shard_of, sub_groups) if name is not None]
+        names = [name for sg in sub_groups for name in self._writes(sg)]
         kept = []
 
         def undo() -> None:
@@ -210,6 +209,11 @@ class SpeculativeStep:
             kept.append(name)
         rnd.kept.extend(kept)
         return True
+
+    def _writes(self, sg: SubGroup) -> list[str]:
+        """The segments a step of `sg` writes: its stored state, and the parameter shard it writes to."""
+        shard = self.shard_of(sg)
+        return [sg.place(part)[0] for part in sg.stored_parts] + ([] if shard is None else [shard])
 
     def _finish(self, rnd: _Round, valid: bool) -> bool:
         """Stop the worker (when the bet failed), wait for it, then commit or roll back (also where the worker
@@ -233,8 +237,9 @@ class SpeculativeStep:
                 self.driver.spent(sg)
         else:
             self.stats.rolled_back += len(rnd.stepped)
+            written = {name for sg in rnd.stepped for name in self._writes(sg)}  # the rest kept, still unchanged
             for name in rnd.kept:
-                self.stats.rollback_bytes += self.swap.segments[name].nbytes
+                self.stats.rollback_bytes += self.swap.segments[name].nbytes if name in written else 0
                 self.swap.restore(name)
         if error is not None:
             raise error
