@@ -93,6 +93,13 @@ def cli(args: list[str]) -> dict:
     return run_command("zero.plan", main, args, errors=(PlanInputError,))
 
 
+def test_given_disk_rates_share_the_disks_time_when_mixed(tmp_path):
+    """--disk-read / --disk-write: reading and writing at once, the disk's time is shared (their harmonic mean in
+    all, as zero.report's mixed rate measures it within tens of percent), not the sum of both."""
+    disk = plan(tmp_path)["machine"]["disk"]
+    assert disk["mixed_gbps"] == pytest.approx(2 / (1 / 2.0 + 1 / 2.5))
+
+
 def test_a_config_key_given_twice_is_named(tmp_path, capsys):
     path = tmp_path / "c.json"
     path.write_text('{"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, '
