@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -248,7 +249,9 @@ def test_a_second_run_into_a_save_dir_is_refused_and_the_first_runs_checkpoints_
     assert "model: " not in out
     assert {path: path.read_bytes() for path in save_dir.rglob("*") if path.is_file()} == stored
     main([*argv, "--steps", "2", "--resume", "auto"])
-    assert f"resumed from {save_dir}/global_step1 at step 1" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"resumed from {save_dir}/global_step1 at step 1" in out
+    assert re.search(r"held-out loss: \d+\.\d+ at step 1 \(resumed\), \d+\.\d+ after 2 steps", out), out
     assert (save_dir / "latest").read_text().strip() == "global_step2"
 
 

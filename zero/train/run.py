@@ -358,7 +358,8 @@ def main(argv: list[str] | None = None) -> TrainRun:
             if args.save_every and (step + 1) % args.save_every == 0:
                 say(f"checkpoint: {engine.save_checkpoint(args.save_dir, client_state=data_state())}")
         held_after = held_out_loss(engine, held_batch)
-        say(f"held-out loss: {held_before:.4f} before training, {held_after:.4f} after {args.steps} steps")
+        since = "before training" if first == 0 else f"at step {first} (resumed)"
+        say(f"held-out loss: {held_before:.4f} {since}, {held_after:.4f} after {args.steps} steps")
     finally:
         if args.summary_json and main_rank:
             with open(args.summary_json, "w") as f:
