@@ -208,6 +208,28 @@ def test_reading_the_state_between_backward_and_step_rolls_the_bet_back(tmp_path
     assert_state_equal(seen[0], before)  # the first read saw the initial weights, not a speculative step
 
 
+def test_a_worker_that_finds_no_room_to_step_restores_nothing_changed(monkeypatch, tmp_path):
+    """The worker keeps a unit's state, then finds no room to step it: the round steps nothing early, its kept
+    state is restored unchanged (no bytes counted as restored, nothing rolled back), the boundary steps serially."""
+    from tiering import BudgetExceededError
+    from zero.optim.driver import AdamDriver
+
+    step_sub_group = AdamDriver.step_sub_group
+
+    def no_room_on_the_worker(self, *args, **kwargs):
+        if threading.current_thread().name.startswith("zero-speculate"):
+            raise BudgetExceededError("host", 1, 1, 1, "a sub-group's state")
+        return step_sub_group(self, *args, **kwargs)
+
+    monkeypatch.setattr(AdamDriver, "step_sub_group", no_room_on_the_worker)
+    clip, steps = CLIPS["never"], 3
+    losses, state, stats, ref_losses, ref_state = train_both(
+        lambda: own_gpt(0), batches(steps), config("nvme", tmp_path, clip=clip), accum=1, clip=clip)
+    assert losses == ref_losses
+    assert_state_equal(state, ref_state)
+    assert stats.stepped_early == stats.rolled_back == stats.rollback_bytes == 0
+
+
 def test_off_restores_the_serial_step_and_on_is_refused_where_it_cannot_serve(tmp_path):
     model = own_gpt(0)
     engine, *_ = zero.initialize(model=model, config=config("nvme", tmp_path, clip=1.0, speculative_step=False))
