@@ -122,3 +122,35 @@ def test_size_flags_override_a_config_json(tmp_path):
     assert "--layers 0" in refused(write(tmp_path, GPT2), layers=0)
     assert "not a multiple of the number of attention heads (3)" in refused(write(tmp_path, LLAMA), heads=3)
     assert "--layers 2: model factory" in refused("stage3_models:own_gpt", layers=2)
+
+
+TEXT = {k: v for k, v in LLAMA.items() if k != "model_type"}
+VISION_LANGUAGE = {
+    "llava": {"model_type": "llava", "text_config": {"model_type": "llama", **TEXT},
+              "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                                "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 32, "patch_size": 8,
+                                "projection_dim": 32}},
+    "gemma3": {"model_type": "gemma3", "mm_tokens_per_image": 16,
+               "text_config": {"model_type": "gemma3_text", "head_dim": 16, **TEXT},
+               "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                                 "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 32, "patch_size": 8}},
+}
+
+
+@pytest.mark.parametrize("kind", VISION_LANGUAGE)
+def test_a_vision_language_model_is_planned_whole_with_its_language_models_sizes(tmp_path, kind):
+    """A vision-language config.json states its sizes under text_config (llava is no causal LM to transformers,
+    gemma3 is, with no sizes at its top): the whole model is planned (the image encoder's parameters too), with
+    the language model's layers, width and vocabulary, and --layers applied there."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    path = write(tmp_path, VISION_LANGUAGE[kind])
+    shape = load_model(path, seq_len=16)
+    with torch.device("meta"):
+        whole = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(path))
+    assert shape.params == sum(p.numel() for p in whole.parameters())
+    assert (shape.layers, shape.hidden, shape.vocab) == (2, 64, 256)
+    deeper = load_model(path, seq_len=16, layers=3)
+    assert deeper.layers == 3 and deeper.params > shape.params
+    assert "max_position_embeddings = 128" in refused(path, seq_len=129)

@@ -70,8 +70,9 @@ FLAGS = {"num_hidden_layers": "--layers", "hidden_size": "--hidden", "num_attent
 
 def from_hf_config(path: str, seq_len: int | None = None, *, layers: int | None = None, hidden: int | None = None,
                    heads: int | None = None) -> ModelShape:
-    """A transformers causal LM from its config.json (or the directory holding one), built from the config (no
-    weights read). Sizes are read through the config class's attribute_map, so each model's own spellings count
+    """A transformers causal LM, or a vision-language model built on one (its sizes those of its text_config, its
+    image encoder's parameters counted, their compute priced per text token as the rest), from its config.json (or
+    the directory holding one), built from the config (no weights read). Sizes are read through the config class's attribute_map, so each model's own spellings count
     (GPT-2's n_embd, n_layer, n_head); --layers, --hidden and --heads replace them under the same spelling."""
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
@@ -85,38 +86,63 @@ def from_hf_config(path: str, seq_len: int | None = None, *, layers: int | None 
         raise PlanInputError(f"{where} has no 'model_type': a Hugging Face config.json is a JSON object naming its "
                              "model type (gpt2, llama, ...)")
     try:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                            MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
     except ImportError as exc:
         raise PlanInputError(f"{where}: planning a Hugging Face model needs transformers "
                              f"(pip install transformers): {exc}") from exc
     kind = raw["model_type"]
     if kind not in CONFIG_MAPPING:
         raise PlanInputError(f"{where}: model_type {kind!r} is not one this transformers knows")
-    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        auto = AutoModelForCausalLM
+    elif kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        auto = AutoModelForImageTextToText  # a vision-language model: an image encoder beside a causal LM
+    else:
         raise PlanInputError(f"{where}: model_type {kind!r} is not a causal LM (transformers' AutoModelForCausalLM "
                              "builds none for it: an encoder-decoder, encoder-only or vision model); the planner plans "
-                             "causal LMs (gpt2, llama, ...)")
+                             "causal LMs (gpt2, llama, ...) and vision-language models built on one")
     config_class = CONFIG_MAPPING[kind]
-    raw = _with_overrides(where, raw, config_class, {"num_hidden_layers": layers, "hidden_size": hidden,
-                                                     "num_attention_heads": heads})
+    flags = {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads}
+    if isinstance(raw.get("text_config"), dict):  # the sizes are the language model's
+        text_class = _text_config_class(where, raw["text_config"], config_class, CONFIG_MAPPING)
+        raw = {**raw, "text_config": _with_overrides(f"{where} (its text_config)", raw["text_config"], text_class,
+                                                     flags, kind=kind)}
+    else:
+        raw = _with_overrides(where, raw, config_class, flags)
     try:
         config = config_class.from_dict(raw)
     except Exception as exc:  # noqa: BLE001  transformers' own validation errors vary by model and version
         raise PlanInputError(f"{where}: transformers cannot read it: {_one_line(exc)}") from exc
-    sizes = {key: getattr(config, key, None) for key in ("num_hidden_layers", "hidden_size", "vocab_size")}
+    text = getattr(config, "text_config", None) if isinstance(raw.get("text_config"), dict) else config
+    sizes = {key: getattr(text, key, None) for key in ("num_hidden_layers", "hidden_size", "vocab_size")}
     for key, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlanInputError(f"{where}: {key} = {value!r}: the planner needs the width, the layer count and the "
                                  "vocabulary size, each a positive integer")
-    seq_len = _seq_len(seq_len, where, config, _spelling(raw, config_class, "max_position_embeddings"))
+    stated = raw["text_config"] if text is not config else raw
+    seq_len = _seq_len(seq_len, where, text, _spelling(stated, type(text), "max_position_embeddings"))
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = auto.from_config(config)
     except Exception as exc:  # noqa: BLE001  a size transformers accepted but a layer refuses (a negative width)
         raise PlanInputError(f"{where}: transformers cannot build a causal LM from it: {_one_line(exc)}") from exc
     return _shape(model, sizes["num_hidden_layers"], sizes["hidden_size"], sizes["vocab_size"], seq_len)
+
+
+def _text_config_class(where: str, text_raw: dict, config_class: type, mapping) -> type:
+    """The config class of a vision-language model's text_config: its own model_type's, else the one the model's
+    config builds by default."""
+    kind = text_raw.get("model_type")
+    if isinstance(kind, str) and kind in mapping:
+        return mapping[kind]
+    try:
+        return type(config_class().text_config)
+    except Exception as exc:  # noqa: BLE001  a class that needs arguments to say its text model
+        raise PlanInputError(f"{where}: its text_config names no model_type this transformers knows ({kind!r})") \
+            from exc
 
 
 def _spelling(raw: dict, config_class: type, key: str) -> str | None:
@@ -125,9 +151,11 @@ def _spelling(raw: dict, config_class: type, key: str) -> str | None:
     return next((name for name in (key, alias) if name is not None and name in raw), None)
 
 
-def _with_overrides(where: str, raw: dict, config_class: type, overrides: dict) -> dict:
+def _with_overrides(where: str, raw: dict, config_class: type, overrides: dict, *, kind: str | None = None) -> dict:
     """`raw` checked for the NEEDED sizes (those its class has), with the flags' values put under its own
-    spellings: a head width that was hidden / heads stays so."""
+    spellings: a head width that was hidden / heads stays so. `kind`: the model's type where `raw` is a part of
+    its config (a text_config)."""
+    kind = kind or raw["model_type"]
     try:
         defaults = config_class()
     except Exception:  # noqa: BLE001  a class that needs arguments: every size is asked for
@@ -140,13 +168,13 @@ def _with_overrides(where: str, raw: dict, config_class: type, overrides: dict) 
         if name is None and (defaults is None or getattr(defaults, key, None) is not None):
             also = f" (or {alias!r})" if alias else ""
             other = [spelled for spelled in OTHER_SPELLINGS.get(key, ()) if spelled in raw and spelled != alias]
-            other = f"; it states {other[0]!r}, which {raw['model_type']} does not read" if other else ""
+            other = f"; it states {other[0]!r}, which {kind} does not read" if other else ""
             default = f"; transformers would take its default, {getattr(defaults, key)}" if defaults else ""
             raise PlanInputError(f"{where} has no {key!r}{also}{other}{default}: the planner needs the layer "
                                  "count, the width, the head count and the vocabulary size as the file states them")
         if name is None:
             if overrides.get(key) is not None:
-                raise PlanInputError(f"{FLAGS[key]} {overrides[key]}: model_type {raw['model_type']!r} has no "
+                raise PlanInputError(f"{FLAGS[key]} {overrides[key]}: model_type {kind!r} has no "
                                      f"{key!r} to override")
             continue
         old[key] = raw[name]
