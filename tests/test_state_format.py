@@ -133,9 +133,12 @@ FORMATS = [StateFormat(moments, master) for moments, master in itertools.product
 @needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.moments}-{f.master}")
 @pytest.mark.parametrize("numel", [SMALLEST_INT8 + 3 * QBLOCK + 5, 70001])
-def test_kernel_equals_torch_bit_for_bit(fmt, numel):
+@pytest.mark.parametrize("ends", [False, True], ids=["one-tensor", "parameter-ends"])
+def test_kernel_equals_torch_bit_for_bit(fmt, numel, ends):
     """Every part, the scaled gradient and the copy-out; sizes with a partial last block and a scalar tail, and
-    more than one kernel piece and torch chunk; int8 moments with both ways of reading the tables."""
+    more than one kernel piece and torch chunk; int8 moments with both ways of reading the tables; `ends`: the
+    sub-group holds several parameters, whose last numel % 8 elements (`tails`) round as torch's scalar loop."""
+    tails = ((13, 17), (1001, 1004), (numel - 5, numel)) if ends else None
     codecs = fmt.codecs(numel)
     for path, out_dtype, hyper in itertools.product(int8_paths() if fmt.moments == "int8" else [None],
                                                    (None, torch.bfloat16, torch.float16),
@@ -145,10 +148,10 @@ def test_kernel_equals_torch_bit_for_bit(fmt, numel):
         theirs, their_out, their_comp = sub_group(codecs, numel, 7, out_dtype)
         ours, our_out, our_comp = sub_group(codecs, numel, 7, out_dtype)
         torch_compact_step(*theirs, codecs=codecs, numel=numel, out=their_out, compensation=their_comp,
-                           key=sr_key(5, 2), index=1000, hyper=hyper)
+                           key=sr_key(5, 2), index=1000, hyper=hyper, tails=tails)
         with int8_path(path):
-            for piece in kernel_pieces(kernel, *ours, codecs=codecs, numel=numel, out=our_out,
-                                       compensation=our_comp, key=sr_key(5, 2), index=1000, hyper=hyper):
+            for piece in kernel_pieces(kernel, *ours, codecs=codecs, numel=numel, out=our_out, compensation=our_comp,
+                                       key=sr_key(5, 2), index=1000, hyper=hyper, tails=tails):
                 piece()
         for name, a, b in zip(("master", "grad", "exp_avg", "exp_avg_sq", "out", "compensation"),
                               ours + [our_out, our_comp], theirs + [their_out, their_comp]):

@@ -142,32 +142,9 @@ PyObject *int8_paths(PyObject *self, PyObject *args);
 PyObject *int8_path(PyObject *self, PyObject *args);
 void compact_init(void);
 
-/* Elements [lo, hi) rounded as torch's vector loop rounds: the vector loop, then the scalar loop for the rest. */
-static void body_span(const Step *s, int64_t lo, int64_t hi, VectorSpan vector_span) {
-    Step part = *s;
-    part.p += lo, part.g += lo, part.m += lo, part.v += lo;
-    if (part.o) part.o += lo;
-    int64_t done = vector_span ? vector_span(&part, hi - lo) : 0;
-    scalar_span(&part, done, hi - lo, 0);
-}
-
-/* Elements [lo, hi): the parts of the `count` tail spans ((start, stop) pairs, sorted and disjoint) among them
- * rounded as torch's scalar tail rounds, the rest as its vector loop does. */
-static void step_range(const Step *s, int64_t lo, int64_t hi, const int64_t *tails, int64_t count,
-                       VectorSpan vector_span) {
-    for (int64_t k = 0; k < count && lo < hi; k++) {
-        int64_t start = tails[2 * k] > lo ? tails[2 * k] : lo, stop = tails[2 * k + 1] < hi ? tails[2 * k + 1] : hi;
-        if (stop <= start) continue;
-        body_span(s, lo, start, vector_span);
-        scalar_span(s, start, stop, 1);
-        lo = stop;
-    }
-    body_span(s, lo, hi, vector_span);
-}
-
 /* `tails` (None: the call is one tensor, its tail its last numel % 8 elements) into `spans` (2 int64 a span,
  * `one` if it holds them, else allocated with PyMem_Malloc); the count of spans, or -1 with an exception set. */
-static Py_ssize_t parse_tails(PyObject *tails, int64_t numel, int64_t one[2], int64_t **spans) {
+Py_ssize_t parse_tails(PyObject *tails, int64_t numel, int64_t one[2], int64_t **spans) {
     *spans = one;
     if (tails == NULL || tails == Py_None) {
         one[0] = numel - numel % 8, one[1] = numel;
@@ -228,7 +205,7 @@ static void team_member(void *data) {
     /* rounded up twice (to a count-th of the elements, then to 64): count shares cover all of them */
     int64_t share = ((t->n + count - 1) / count + 63) / 64 * 64, lo = k * share < t->n ? k * share : t->n;
     int64_t hi = lo + share < t->n ? lo + share : t->n;
-    step_range(t->s, lo, hi, t->tails, t->tail_count, t->vector_span);
+    step_range(t->s, lo, hi, t->tails, t->tail_count, 0, t->vector_span);
 }
 
 static PyObject *step(PyObject *self, PyObject *args, PyObject *kwargs) {
@@ -276,7 +253,7 @@ static PyObject *step(PyObject *self, PyObject *args, PyObject *kwargs) {
     Team team = {&s, numel, spans, tail_count, vector_span};
     Py_BEGIN_ALLOW_THREADS
     if (threads > 1 && gomp_parallel && numel >= 64 * threads) gomp_parallel(team_member, &team, (unsigned)threads, 0);
-    else step_range(&s, 0, numel, spans, tail_count, vector_span);
+    else step_range(&s, 0, numel, spans, tail_count, 0, vector_span);
     Py_END_ALLOW_THREADS
     if (spans != one) PyMem_Free(spans);
     Py_RETURN_NONE;

@@ -1,6 +1,6 @@
 /* What zero.optim._adam_kernel's two steps share, the exact one (adam_kernel.c) and the compact formats'
- * (compact_kernel.c): a call's Step, its hyperparameters derived as torch derives them, the bf16/fp16 conversions and
- * the scalar loop. The vector loops live in adam_kernel.c, which picks one at import (`adam_best_span`). See
+ * (compact_kernel.c): a call's Step, its hyperparameters derived as torch derives them, the bf16/fp16 conversions,
+ * the scalar loop, and the split of a range into torch's vector and tail rounding (`step_range`). The vector loops live in adam_kernel.c, which picks one at import (`adam_best_span`). See
  * adam_kernel.c for why the arithmetic is written this way. */
 #ifndef ZERO_ADAM_SPANS_H
 #define ZERO_ADAM_SPANS_H
@@ -107,5 +107,31 @@ static inline Step derive_step(long long step_count, double lr, double beta1, do
 
 /* The best vector loop this CPU runs (adam_kernel.c picks it at import; NULL: the scalar loop alone). */
 VectorSpan adam_best_span(void);
+
+/* Elements [lo, hi) rounded as torch's vector loop rounds: the vector loop, then the scalar loop for the rest. */
+static void body_span(const Step *s, int64_t lo, int64_t hi, VectorSpan vector_span) {
+    Step part = *s;
+    part.p += lo, part.g += lo, part.m += lo, part.v += lo;
+    if (part.o) part.o += lo;
+    int64_t done = vector_span ? vector_span(&part, hi - lo) : 0;
+    scalar_span(&part, done, hi - lo, 0);
+}
+
+/* Elements [lo, hi): the parts of the `count` tail spans ((start, stop) pairs, sorted and disjoint, counted from
+ * `origin`: the element s's arrays start at is element `origin` of the spans' count) among them rounded as torch's
+ * scalar tail rounds, the rest as its vector loop does. */
+static void step_range(const Step *s, int64_t lo, int64_t hi, const int64_t *tails, int64_t count, int64_t origin,
+                       VectorSpan vector_span) {
+    for (int64_t k = 0; k < count && lo < hi; k++) {
+        int64_t start = tails[2 * k] - origin, stop = tails[2 * k + 1] - origin;
+        if (start >= hi) break; /* sorted: the rest lie beyond [lo, hi) too */
+        start = start > lo ? start : lo, stop = stop < hi ? stop : hi;
+        if (stop <= start) continue;
+        body_span(s, lo, start, vector_span);
+        scalar_span(s, start, stop, 1);
+        lo = stop;
+    }
+    body_span(s, lo, hi, vector_span);
+}
 
 #endif

@@ -1,7 +1,7 @@
 /* The Adam step of a sub-group stored in a compact state format (zero/optim/state_format.py), one pass: for each
  * block of 256 elements, decode the master and moments into one block's buffers on the stack, run the exact
- * kernel's Adam arithmetic (adam_spans.h: torch's fused kernel bit for bit, its scalar tail for the sub-group's
- * last numel % 8 elements), encode them back and write the compute-dtype copy. zero/optim/compact_step.py's
+ * kernel's Adam arithmetic (adam_spans.h: torch's fused kernel bit for bit, its scalar tail for each parameter's
+ * last numel % 8 elements: `tails`, as the exact kernel's), encode them back and write the compute-dtype copy. zero/optim/compact_step.py's
  * torch version computes the same bits; the tests compare the two.
  *
  * Storage kinds: 0 fp32 (stepped in place), 1 bf16 (rounded to nearest even; a master with `stochastic`:
@@ -242,23 +242,26 @@ void compact_init(void) {
 #endif
 }
 
+Py_ssize_t parse_tails(PyObject *tails, int64_t numel, int64_t one[2], int64_t **spans); /* adam_kernel.c's */
+
 PyObject *compact_step(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"master", "master_kind", "grad", "exp_avg", "exp_avg_kind", "exp_avg_sq",
                                "exp_avg_sq_kind", "out", "out_kind", "numel", "stochastic", "key", "index",
                                "signed_values", "signed_planes", "signed_buckets", "unsigned_values",
                                "unsigned_planes", "unsigned_buckets", "lo", "hi",
                                "step", "lr", "beta1", "beta2", "eps", "weight_decay", "decoupled", "grad_scale",
-                               "compensation", "grad_kind", NULL};
+                               "compensation", "grad_kind", "tails", NULL};
     unsigned long long p, g, m, v, o, sv, sp, sb, uv, up, ub, c = 0;
     int p_kind, m_kind, v_kind, out_kind, stochastic, decoupled, g_kind = STORE_FP32;
+    PyObject *tails = NULL;
     unsigned long key;
     long long numel, index, lo, hi, step_count;
     double lr, beta1, beta2, eps, weight_decay, grad_scale;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KiKKiKiKiLpkLKKKKKKLL$LdddddpdKi", keywords, &p, &p_kind,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KiKKiKiKiLpkLKKKKKKLL$LdddddpdKiO", keywords, &p, &p_kind,
                                      &g, &m, &m_kind, &v, &v_kind, &o, &out_kind, &numel, &stochastic, &key, &index,
                                      &sv, &sp, &sb, &uv, &up, &ub, &lo, &hi, &step_count, &lr, &beta1, &beta2, &eps,
-                                     &weight_decay, &decoupled, &grad_scale, &c, &g_kind))
+                                     &weight_decay, &decoupled, &grad_scale, &c, &g_kind, &tails))
         return NULL;
     if (c && (p_kind != STORE_BF16 || stochastic))
         return PyErr_Format(PyExc_ValueError, "compact_step: a compensation is a bf16 master's rounded to nearest "
@@ -286,7 +289,9 @@ PyObject *compact_step(PyObject *self, PyObject *args, PyObject *kwargs) {
     float *grad = (float *)(uintptr_t)g;
     const uint16_t *grad16 = (const uint16_t *)(uintptr_t)g;
     uint16_t *out = (uint16_t *)(uintptr_t)o, *compensation = (uint16_t *)(uintptr_t)c;
-    int64_t body_end = numel - numel % 8; /* torch's vector loop's end: its scalar tail rounds v its own way */
+    int64_t one[2], *spans, first = 0; /* the elements torch's scalar tail rounds (adam_kernel.c's `step`) */
+    Py_ssize_t tail_count = parse_tails(tails, numel, one, &spans);
+    if (tail_count < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
     uint8_t zeros[2];
     for (int u = 0; u < 2; u++) { /* the index of code 0.0 in each map */
@@ -308,10 +313,8 @@ PyObject *compact_step(PyObject *self, PyObject *args, PyObject *kwargs) {
         s.m = decode(m_kind, mv, numel, b, n, tm, &maps);
         s.v = decode(v_kind, vv, numel, b, n, tv, &maps);
         s.g = g_kind == STORE_BF16 ? decode(STORE_BF16, (void *)grad16, numel, b, n, tg, &maps) : grad + b;
-        int64_t vec = body_end - b < n ? (body_end - b > 0 ? body_end - b : 0) : n;
-        int64_t done = vector_span ? vector_span(&s, vec) : 0;
-        scalar_span(&s, done, vec, 0);
-        scalar_span(&s, vec, n, 1);
+        while (first < tail_count && spans[2 * first + 1] <= b) first++;
+        step_range(&s, 0, n, spans + 2 * first, tail_count - first, b, vector_span);
         encode(m_kind, mv, numel, b, n, s.m, &maps, zeros);
         encode(v_kind, vv, numel, b, n, s.v, &maps, zeros);
         if (p_kind == STORE_BF16) {
@@ -328,5 +331,6 @@ PyObject *compact_step(PyObject *self, PyObject *args, PyObject *kwargs) {
         }
     }
     Py_END_ALLOW_THREADS
+    if (spans != one) PyMem_Free(spans);
     Py_RETURN_NONE;
 }

@@ -18,11 +18,11 @@ from collections.abc import Callable
 
 import torch
 
-from .adam_math import AdamThreads, _kernel, torch_fused_step
+from .adam_math import AdamThreads, _kernel, _torch_tails, _within
 from .state_format import FP32, Kahan, SubGroupCodecs
 
 CHUNK = 1 << 16
-"""Elements per torch piece: a multiple of QBLOCK and of 8, so the fused kernel's scalar tail is the sub-group's."""
+"""Elements per torch piece (a multiple of QBLOCK)."""
 PIECE = 1 << 20
 """Elements per C kernel call handed to a thread (a multiple of QBLOCK)."""
 
@@ -61,25 +61,30 @@ def round_stochastic(values: torch.Tensor, out: torch.Tensor, key: int, index: i
 
 def compact_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                  codecs: SubGroupCodecs, numel: int, out: torch.Tensor | None, key: int, index: int,
-                 threads: AdamThreads | None, hyper: dict, compensation: torch.Tensor | None = None) -> None:
+                 threads: AdamThreads | None, hyper: dict, compensation: torch.Tensor | None = None,
+                 tails: tuple[tuple[int, int], ...] | None = None) -> None:
     """One Adam(W) step of a sub-group of `numel` elements whose parts are stored as `codecs` says (`master`,
     `exp_avg`, `exp_avg_sq`: its segments' views; `grad` fp32, or bf16 where hyper's grad_scale is 1: read as
     fp32, with no fp32 copy made; `compensation`: a bf16-kahan master's), with
     `hyper` as `adam_step` takes it. `out` (a bf16/fp16 tensor, or None) receives the stored weights in the compute
-    dtype. `key` and `index` (the first element's index in its unit): the stochastic rounding's bits. On the C
-    kernel where it is built, on `threads` (None: the calling thread); else `torch_compact_step`."""
+    dtype. `key` and `index` (the first element's index in its unit): the stochastic rounding's bits. `tails`: as
+    `adam_step`'s (each parameter's last numel % 8 elements; None: the sub-group's), so that the bits do not depend
+    on where sub-groups cut the unit. On the C kernel where it is built, on `threads` (None: the calling thread);
+    else `torch_compact_step`."""
     if grad.dtype not in (torch.float32, torch.bfloat16) or (grad.dtype == torch.bfloat16 and hyper["grad_scale"] != 1):
         raise ValueError(f"compact_step: a {grad.dtype} gradient with grad_scale {hyper['grad_scale']} (fp32, or bf16 "
                          "at grad_scale 1: a scaled gradient is stored back in fp32)")
     kernel = _kernel()[0]
     parts = runs(master, grad, exp_avg, exp_avg_sq, out, compensation, codecs, numel)
+    tails = ((numel - numel % 8, numel),) if tails is None else tails
     if kernel is None or not hasattr(kernel, "compact_step"):
         for args, run_codecs, n, at in parts:
-            torch_compact_step(*args, codecs=run_codecs, numel=n, key=key, index=index + at, hyper=hyper)
+            torch_compact_step(*args, codecs=run_codecs, numel=n, key=key, index=index + at, hyper=hyper,
+                               tails=_within(tails, at, n))
         return
     pieces = [piece for args, run_codecs, n, at in parts
               for piece in kernel_pieces(kernel, *args, codecs=run_codecs, numel=n, key=key, index=index + at,
-                                         hyper=hyper)]
+                                         hyper=hyper, tails=_within(tails, at, n))]
     if threads is None:
         for piece in pieces:
             piece()
@@ -125,15 +130,16 @@ def runs(master, grad, exp_avg, exp_avg_sq, out, compensation, codecs: SubGroupC
 
 def kernel_pieces(kernel, master, grad, exp_avg, exp_avg_sq, out: torch.Tensor | None,
                   compensation: torch.Tensor | None = None, *, codecs: SubGroupCodecs, numel: int, key: int, index: int,
-                  hyper: dict) -> list[Callable[[], None]]:
-    """The C kernel's calls for the step, one per PIECE elements, to run on any threads in any order."""
+                  hyper: dict, tails: tuple[tuple[int, int], ...] | None = None) -> list[Callable[[], None]]:
+    """The C kernel's calls for the step, one per PIECE elements, to run on any threads in any order (`tails`
+    None: the run's last numel % 8 elements)."""
     maps = _maps()
     call = functools.partial(
         kernel.compact_step, master.data_ptr(), codecs.master.kind, grad.data_ptr(), exp_avg.data_ptr(),
         codecs.exp_avg.kind, exp_avg_sq.data_ptr(), codecs.exp_avg_sq.kind, 0 if out is None else out.data_ptr(),
         0 if out is None else (1 if out.dtype == torch.bfloat16 else 2), numel, int(codecs.stochastic), key, index,
         *(t.data_ptr() for t in maps), compensation=0 if compensation is None else compensation.data_ptr(),
-        grad_kind=int(grad.dtype == torch.bfloat16), **hyper)
+        grad_kind=int(grad.dtype == torch.bfloat16), tails=tails, **hyper)
     return [functools.partial(call, lo, min(lo + PIECE, numel)) for lo in range(0, numel, PIECE)]
 
 
@@ -146,9 +152,10 @@ def _maps() -> tuple[torch.Tensor, ...]:
 
 def torch_compact_step(master, grad, exp_avg, exp_avg_sq, out: torch.Tensor | None,
                        compensation: torch.Tensor | None = None, *, codecs: SubGroupCodecs, numel: int, key: int,
-                       index: int, hyper: dict) -> None:
+                       index: int, hyper: dict, tails: tuple[tuple[int, int], ...] | None = None) -> None:
     """`compact_step` of one run (one codec per part) with torch ops, CHUNK elements at a time (scratch of three
-    chunks, fp32)."""
+    chunks, fp32); `tails` None: the run's last numel % 8 elements."""
+    tails = ((numel - numel % 8, numel),) if tails is None else tails
     scratch = torch.empty(3, min(CHUNK, numel), dtype=torch.float32)
     for lo in range(0, numel, CHUNK):
         n = min(CHUNK, numel - lo)
@@ -164,7 +171,8 @@ def torch_compact_step(master, grad, exp_avg, exp_avg_sq, out: torch.Tensor | No
                 fp32.append(scratch[k, :n])
                 codec.decode(stored, numel, fp32[-1], lo)
         p, m, v = fp32
-        torch_fused_step(p, grad.narrow(0, lo, n).float(), m, v, **hyper)  # a bf16 grad read as fp32
+        # a bf16 grad read as fp32; torch's tail rounding where a parameter ends
+        _torch_tails(p, grad.narrow(0, lo, n).float(), m, v, hyper, _within(tails, lo, n))
         for stored, codec, values in ((exp_avg, codecs.exp_avg, m), (exp_avg_sq, codecs.exp_avg_sq, v)):
             if codec is not FP32:
                 codec.encode(values, stored, numel, lo)

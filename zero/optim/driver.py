@@ -280,7 +280,7 @@ class AdamDriver:
                 low = out if low_precision and not out.is_cuda else None
                 if not sg.codecs.exact:
                     compact_step(*tensors, codecs=sg.codecs, numel=sg.numel, out=low, key=sr_key(step, sg.trained),
-                                 compensation=compensation[0] if compensation else None,
+                                 compensation=compensation[0] if compensation else None, tails=sg.tails,
                                  index=sg.index, threads=self.threads, hyper=dict(
                                      step=step, decoupled=hyper["decoupled"], grad_scale=grad_scale, **options))
                 elif master.is_cuda:  # optimizer state kept on the GPU (offload_optimizer none)
