@@ -154,3 +154,16 @@ def test_a_vision_language_model_is_planned_whole_with_its_language_models_sizes
     deeper = load_model(path, seq_len=16, layers=3)
     assert deeper.layers == 3 and deeper.params > shape.params
     assert "max_position_embeddings = 128" in refused(path, seq_len=129)
+
+
+def test_a_mixture_of_experts_prices_the_experts_a_token_runs_through(tmp_path):
+    """Mixtral's experts are two stacked 3-D weights (experts x out x in), not Linear layers: every expert's
+    parameters are stored and stepped, a token's matmuls run through num_experts_per_tok of them."""
+    config = {**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+    shape = load_model(write(tmp_path, config), seq_len=16)
+    hidden, inner, experts, layers = 64, 128, 4, 2
+    attention = 4 * hidden * hidden  # q, k, v, o (as many key/value heads as query heads)
+    experts_stored = experts * 3 * hidden * inner  # gate and up stacked, then down
+    assert shape.params == layers * (attention + experts_stored + experts * hidden + 2 * hidden) + 2 * 256 * hidden \
+        + hidden
+    assert shape.matmul_params == layers * (attention + experts_stored * 2 // experts) + 256 * hidden

@@ -31,7 +31,8 @@ class ModelShape:
     params: int
     """Trainable parameters."""
     matmul_params: int
-    """Parameters of the Linear and Conv1D layers (and a tied LM head), what the FLOP count multiplies by tokens."""
+    """Parameters of the Linear and Conv1D layers (and a tied LM head), what the FLOP count multiplies by tokens;
+    of a mixture of experts' stacked expert weights, the share a token uses (num_experts_per_tok of them)."""
     layers: int
     hidden: int
     vocab: int
@@ -270,7 +271,20 @@ def _shape(model: nn.Module, layers: int, hidden: int, vocab: int, seq_len: int)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     kinds = _matmul_modules()
     linear = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, kinds)}
-    return ModelShape(model, params, sum(linear.values()) or params, layers, hidden, vocab, seq_len)
+    return ModelShape(model, params, sum(linear.values()) + _active_expert_params(model) or params, layers, hidden,
+                      vocab, seq_len)
+
+
+def _active_expert_params(model: nn.Module) -> int:
+    """A mixture of experts' weights stacked one matrix an expert (transformers' MoE layers: 3-D parameters of
+    shape (experts, ., .)), counted at the share a token runs through: num_experts_per_tok of the experts."""
+    per_token = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+    total = 0
+    for p in model.parameters():
+        if p.dim() == 3:
+            experts = p.shape[0]
+            total += p.numel() * min(per_token or experts, experts) // experts
+    return total
 
 
 def _matmul_modules() -> tuple[type, ...]:
