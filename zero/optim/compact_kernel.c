@@ -1,8 +1,8 @@
 /* The Adam step of a sub-group stored in a compact state format (zero/optim/state_format.py), one pass: for each
  * block of 256 elements, decode the master and moments into one block's buffers on the stack, run the exact
  * kernel's Adam arithmetic (adam_spans.h: torch's fused kernel bit for bit, its scalar tail for each parameter's
- * last numel % 8 elements: `tails`, as the exact kernel's), encode them back and write the compute-dtype copy. zero/optim/compact_step.py's
- * torch version computes the same bits; the tests compare the two.
+ * last numel % 8 elements: `tails`, as the exact kernel's), encode them back and write the compute-dtype copy.
+ * zero/optim/compact_step.py's torch version computes the same bits; the tests compare the two.
  *
  * Storage kinds: 0 fp32 (stepped in place), 1 bf16 (rounded to nearest even; a master with `stochastic`:
  * 16 random bits added below its bf16 part, then truncated), 2 and 3 block-wise int8, signed and unsigned: the
