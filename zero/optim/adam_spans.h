@@ -1,7 +1,8 @@
 /* What zero.optim._adam_kernel's two steps share, the exact one (adam_kernel.c) and the compact formats'
  * (compact_kernel.c): a call's Step, its hyperparameters derived as torch derives them, the bf16/fp16 conversions,
- * the scalar loop, and the split of a range into torch's vector and tail rounding (`step_range`). The vector loops live in adam_kernel.c, which picks one at import (`adam_best_span`). See
- * adam_kernel.c for why the arithmetic is written this way. */
+ * the scalar loop, and the split of a range into torch's vector and tail rounding (`step_range`). The vector loops
+ * live in adam_kernel.c, which picks one at import (`adam_best_span`). See adam_kernel.c for why the arithmetic is
+ * written this way. */
 #ifndef ZERO_ADAM_SPANS_H
 #define ZERO_ADAM_SPANS_H
 #include <math.h>

@@ -73,8 +73,9 @@ def from_hf_config(path: str, seq_len: int | None = None, *, layers: int | None 
                    heads: int | None = None) -> ModelShape:
     """A transformers causal LM, or a vision-language model built on one (its sizes those of its text_config, its
     image encoder's parameters counted, their compute priced per text token as the rest), from its config.json (or
-    the directory holding one), built from the config (no weights read). Sizes are read through the config class's attribute_map, so each model's own spellings count
-    (GPT-2's n_embd, n_layer, n_head); --layers, --hidden and --heads replace them under the same spelling."""
+    the directory holding one), built from the config (no weights read). Sizes are read through the config
+    class's attribute_map, so each model's own spellings count (GPT-2's n_embd, n_layer, n_head); --layers, --hidden
+    and --heads replace them under the same spelling."""
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     try:
