@@ -252,11 +252,6 @@ def test_a_vanished_gradient_moves_an_int8_moment_s_weight_by_at_most_a_few_lr(t
     assert float(moved.max()) <= 10 * lr
 
 
-if __name__ == "__main__":
-    if sys.argv[1] == "resume":
-        resume(sys.argv[2], sys.argv[3])
-
-
 @pytest.mark.parametrize("fmt", ["bf16-moments", "bf16-bf16"])
 def test_where_sub_groups_cut_the_parameters_changes_no_bit(fmt, tmp_path):
     """torch's fused Adam rounds each tensor's last numel % 8 elements with its scalar loop: the compact step does
@@ -284,3 +279,8 @@ def test_where_sub_groups_cut_the_parameters_changes_no_bit(fmt, tmp_path):
     for size in (100, 333):
         cut = run(size)
         assert all(torch.equal(whole[name], cut[name]) for name in whole), size
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "resume":
+        resume(sys.argv[2], sys.argv[3])

@@ -2,8 +2,9 @@
 the block-wise int8 round trip within its bound per block against a float64 reference, decoding and encoding again
 the identity (what a checkpoint relies on), the C kernel and the torch version equal bit for bit for every format
 (the same random bits for stochastic rounding), stochastic rounding unbiased, the keys of its bits, and the config's
-errors; the tiled layout (a codec per tensor) and its step; a Kahan master's compensation carrying what bf16 drops.
-Compared in bits."""
+errors; the tiled layout (a codec per tensor) and its step; a unit's bits the same however sub-groups, kernel pieces
+and torch chunks cut it, and torch's fused AdamW stepping each parameter; a Kahan master's compensation carrying
+what bf16 drops. Compared in bits."""
 from __future__ import annotations
 
 import contextlib
@@ -18,9 +19,12 @@ from zero.config import ConfigError, load_config
 from zero.optim.adam_math import _kernel
 from zero.optim import compact_step as compact_step_module
 from zero.optim.compact_step import compact_step, kernel_pieces, round_stochastic, sr_key, torch_compact_step
+from zero.optim.driver import AdamDriver
 from zero.optim.state_format import (
     BF16, FP32, INT8_SIGNED, INT8_UNSIGNED, QBLOCK, SMALLEST_INT8, Kahan, StateFormat, Tiled, dynamic_map, int8_runs,
 )
+
+from conftest import PAGE
 
 HYPER = dict(step=3, lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True, grad_scale=0.37)
 
@@ -371,6 +375,102 @@ def test_a_tiled_sub_group_steps_alike_on_the_kernel_and_torch(master, monkeypat
             continue
         assert torch.equal(bits(a), bits(b)), name
         assert c is None or torch.equal(bits(a), bits(c)), name
+
+
+UNIT = [(0, 4101), *((4101 + 7 * k, 7) for k in range(150)), (5151, 13), (5164, 45), (5376, 5003), (10379, 5)]
+"""A unit's parameters (offset, numel), none a multiple of 8 elements: two large ones (int8 moments), each starting
+on a multiple of QBLOCK (padding before the second), small ones between them, 150 of them tails only. torch's two
+loops round apart in few elements (v in about 1 in 6, the weights 1 in 400): enough tails for bf16 moments to show
+it."""
+GROUP = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, decoupled=True)
+
+
+def unit_values(steps: int = 3) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """UNIT's initial weights and a gradient a step: zero in the padding, as a flat unit's."""
+    gen = torch.Generator().manual_seed(3)
+    numel = sum(UNIT[-1])
+    inside = torch.zeros(numel)
+    for offset, size in UNIT:
+        inside[offset:offset + size] = 1
+    grads = [torch.randn(numel, generator=gen) * 10.0 ** torch.randint(-6, 3, (numel,), generator=gen) * inside
+             for _ in range(steps)]
+    return torch.randn(numel, generator=gen) * inside, grads
+
+
+def driven(fmt: StateFormat, chunk: int, make_manager) -> dict[str, torch.Tensor]:
+    """UNIT stepped by an AdamDriver in sub-groups of `chunk` elements (0: one): its master and moments
+    (decoded, fp32) and its bf16 weights, over the whole unit."""
+    master, grads = unit_values()
+    weights = torch.zeros(master.numel(), dtype=torch.bfloat16)
+    driver = AdamDriver(make_manager(host_budget=1024 * PAGE), state_home="host", grad_home="host",
+                        work_tier="host", state_format=fmt)
+    try:
+        sub_groups = driver.add_unit(0, "u", master, group=0, chunk=chunk, extents=UNIT)
+        for step, grad in enumerate(grads, 1):
+            for sg in sub_groups:
+                driver.accumulate(sg, grad.narrow(0, sg.offset, sg.numel))
+            driver.step([GROUP], step, 1.0, None,
+                        lambda sg: contextlib.nullcontext(weights.narrow(0, sg.offset, sg.numel)))
+        parts = {"weights": weights}
+        for part in ("master", "exp_avg", "exp_avg_sq"):
+            pieces = []
+            for sg in sub_groups:
+                with driver.held(sg, part) as values:
+                    pieces.append(values.clone())
+            parts[part] = torch.cat(pieces)
+        return parts
+    finally:
+        driver.close()
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if not f.exact], ids=lambda f: f"{f.moments}-{f.master}")
+def test_where_sub_groups_pieces_and_chunks_cut_a_unit_changes_no_bit(fmt, make_manager, monkeypatch):
+    """torch's fused Adam rounds each parameter's last numel % 8 elements with its scalar loop; the compact step
+    does so where each parameter ends (SubGroup.tails), so a unit's bits are the same stepped as one sub-group or
+    cut mid-parameter and mid-tail, in kernel pieces or torch chunks (int8 moments: cut on multiples of QBLOCK from a
+    large parameter's start, where its blocks start)."""
+    whole = driven(fmt, 0, make_manager)
+    monkeypatch.setattr(compact_step_module, "PIECE", 2 * QBLOCK)
+    monkeypatch.setattr(compact_step_module, "CHUNK", 3 * QBLOCK)
+    for on_kernel in (True, False):
+        if not on_kernel:
+            monkeypatch.setattr(compact_step_module, "_kernel", lambda: (None,))
+        for chunk in (3 * QBLOCK, 10 * QBLOCK) if fmt.moments == "int8" else (100, 333, 2560):
+            cut = driven(fmt, chunk, make_manager)
+            for name in whole:
+                assert torch.equal(bits(whole[name]), bits(cut[name])), (name, chunk, on_kernel)
+
+
+@pytest.mark.parametrize("fmt", [StateFormat(m, master) for m in ("fp32", "bf16", "int8") for master in ("fp32", "bf16")
+                                 if (m, master) != ("fp32", "fp32")], ids=lambda f: f"{f.moments}-{f.master}")
+def test_a_unit_steps_as_torch_s_fused_adamw_steps_each_parameter(fmt, make_manager):
+    """torch.optim.AdamW(fused=True) stepping each of UNIT's parameters, the state decoded before each step and
+    encoded after it, gives the compact step's bits."""
+    master, grads = unit_values()
+    codecs = fmt.codecs(master.numel(), 0, UNIT)
+    parts = ("master", "exp_avg", "exp_avg_sq")
+    stored = [encoded(codecs.of(part), x) for part, x in zip(parts, (master, torch.zeros_like(master),
+                                                                     torch.zeros_like(master)))]
+    spans = [slice(offset, offset + size) for offset, size in UNIT]
+    params = [torch.nn.Parameter(torch.empty(size)) for _, size in UNIT]
+    opt = torch.optim.AdamW(params, lr=GROUP["lr"], betas=GROUP["betas"], eps=GROUP["eps"],
+                            weight_decay=GROUP["weight_decay"], fused=True)
+    for step, grad in enumerate(grads, 1):
+        values = [decoded(codecs.of(part), x, master.numel()) for part, x in zip(parts, stored)]
+        for p, at in zip(params, spans):
+            p.data.copy_(values[0][at])
+            p.grad = grad[at].clone()
+            opt.state[p] = {"step": torch.tensor(step - 1.0), "exp_avg": values[1][at].clone(),
+                            "exp_avg_sq": values[2][at].clone()}
+        opt.step()
+        for p, at in zip(params, spans):
+            for x, stepped in zip(values, (p.data, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])):
+                x[at] = stepped
+        stored = [encoded(codecs.of(part), x) for part, x in zip(parts, values)]
+    ours = driven(fmt, 0, make_manager)
+    for part, x in zip(parts, stored):
+        assert torch.equal(bits(ours[part]), bits(decoded(codecs.of(part), x, master.numel()))), part
 
 
 def test_a_kahan_master_decodes_and_encodes_to_the_same_bytes():
