@@ -206,6 +206,20 @@ def test_a_hugging_face_config_and_a_factory_plan(tmp_path):
     assert factory["fits"] and factory["config"]["train_micro_batch_size_per_gpu"] == 4
 
 
+def test_a_vision_language_model_plans_and_says_what_it_leaves_out(tmp_path, capsys):
+    """Its image encoder's compute (per image) is not priced: the model line says so."""
+    config = {"model_type": "llava", "text_config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                                     "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                     "vocab_size": 256},
+              "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                                "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 32, "patch_size": 8}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    main(["--model", str(tmp_path), *DISK, "--nvme-path", str(tmp_path), "--seq-len", "16"])
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("model: "))
+    assert line.endswith("16 tokens a sequence; its image encoder (0.0M parameters) is stored and stepped, its "
+                         "compute (per image) not priced")
+
+
 def test_the_command_runs(tmp_path):
     done = subprocess.run([sys.executable, "-m", "zero.plan", "--model", "tiny", *DISK, "--nvme-path",
                            str(tmp_path)], env=child_env(), capture_output=True, text=True, timeout=120)

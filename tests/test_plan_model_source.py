@@ -1,12 +1,14 @@
 """zero.plan's model source (zero/plan/model_source.py): a Hugging Face config.json priced as the model it states
-(its own spellings, no silent defaults, GPT-2's Conv1D blocks counted), --layers/--hidden/--heads applied to it,
---seq-len within its positions, and a model it cannot plan named in one line. The functions are called directly:
+(its own spellings, no silent defaults, GPT-2's Conv1D blocks counted), as the class a user trains (an encoder's
+masked LM, a vision-language model whole, a mixture of experts' top_k priced), --layers/--hidden/--heads applied to
+it, --seq-len within its positions, and a model it cannot plan named in one line. The functions are called directly:
 the command's machine probe takes seconds a run."""
 from __future__ import annotations
 
 import json
 
 import pytest
+from torch import nn
 
 from zero.plan.model_source import PlanInputError, load_model
 
@@ -167,3 +169,147 @@ def test_a_mixture_of_experts_prices_the_experts_a_token_runs_through(tmp_path):
     assert shape.params == layers * (attention + experts_stored + experts * hidden + 2 * hidden) + 2 * 256 * hidden \
         + hidden
     assert shape.matmul_params == layers * (attention + experts_stored * 2 // experts) + 256 * hidden
+
+
+def language_matmuls(layers: int, hidden: int, inner: int, vocab: int, experts: int = 1, active: int = 1) -> int:
+    """A llama-like block's q, k, v, o (as many key/value heads as query heads) and gated MLP (gate, up, down) of
+    `active` of its `experts`, and an untied head; the embedding is a lookup."""
+    return layers * (4 * hidden * hidden + 3 * hidden * inner * active) + vocab * hidden
+
+
+def meta_params(auto, path: str) -> int:
+    """The parameters of the model transformers builds from the config.json, on meta."""
+    import torch
+    from transformers import AutoConfig
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in auto.from_config(AutoConfig.from_pretrained(path)).parameters())
+
+
+def test_a_vision_language_models_image_encoder_is_stored_not_priced(tmp_path):
+    """Its image encoder runs per image, a count no config states: its parameters are planned (bytes), its
+    matmuls are not priced per text token as the language model's are, and the plan says so."""
+    from transformers import AutoModelForImageTextToText
+
+    path = write(tmp_path, VISION_LANGUAGE["llava"])
+    shape = load_model(path, seq_len=16)
+    whole = meta_params(AutoModelForImageTextToText, path)
+    assert shape.params == whole
+    assert shape.matmul_params == language_matmuls(2, 64, 128, 256)
+    language = 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 2 * 256 * 64 + 64  # blocks with norms, embedding, head
+    assert shape.note == (f"its image encoder ({(whole - language) / 1e6:.1f}M parameters) is stored and stepped, "
+                          "its compute (per image) not priced")
+
+
+def test_a_vision_language_config_as_transformers_saves_it_is_read(tmp_path):
+    """transformers saves a text_config as its difference from the defaults (llava-1.5-7b's states no width and
+    no layer count) and Qwen2-VL's config.json states its language model's sizes at its top: both are planned as
+    transformers builds them. mllama is planned whole, not as the causal LM of its language model alone."""
+    from transformers import AutoModelForImageTextToText
+
+    text = {"model_type": "llama", "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 128}
+    llava = write(tmp_path, {**VISION_LANGUAGE["llava"], "text_config": text})
+    shape = load_model(llava, seq_len=16)
+    assert (shape.layers, shape.hidden) == (2, 4096)  # llama's default width, as transformers builds it
+    assert shape.params == meta_params(AutoModelForImageTextToText, llava)
+    assert load_model(llava, seq_len=16, hidden=128, heads=4).model.config.text_config.hidden_size == 128
+    qwen2_vl = {"model_type": "qwen2_vl", **TEXT, "num_key_value_heads": 2,
+                "vision_config": {"depth": 1, "embed_dim": 32, "num_heads": 2, "hidden_size": 64, "patch_size": 8}}
+    path = write(tmp_path, qwen2_vl)
+    shape = load_model(path, seq_len=16)
+    assert (shape.layers, shape.hidden, shape.vocab) == (2, 64, 256)
+    assert shape.params == meta_params(AutoModelForImageTextToText, path)
+    assert load_model(path, seq_len=16, layers=3).layers == 3
+    mllama = {"model_type": "mllama", "text_config": {"model_type": "mllama_text_model", **TEXT,
+                                                      "cross_attention_layers": [1], "pad_token_id": 0},
+              "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                "num_global_layers": 1, "num_attention_heads": 2, "image_size": 32, "patch_size": 8,
+                                "max_num_tiles": 4, "intermediate_layers_indices": [0], "vision_output_dim": 64}}
+    path = write(tmp_path, mllama)
+    shape = load_model(path, seq_len=16)
+    assert type(shape.model).__name__ == "MllamaForConditionalGeneration"
+    assert shape.params == meta_params(AutoModelForImageTextToText, path)
+
+
+MIXTRAL_TEXT = {**TEXT, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+
+
+def test_a_vision_language_mixture_of_experts_prices_its_top_k(tmp_path):
+    """The experts a token runs through are the language model's (its text_config's num_experts_per_tok, none at
+    the config's top): all 4 experts are stored, 2 priced."""
+    path = write(tmp_path, {**VISION_LANGUAGE["llava"], "text_config": MIXTRAL_TEXT})
+    shape = load_model(path, seq_len=16)
+    assert shape.matmul_params == language_matmuls(2, 64, 128, 256, experts=4, active=2)
+
+
+class ListedExperts(nn.Module):
+    """transformers 4's Mixtral block (and DeepSeek's own code): a router, one module an expert in a ModuleList,
+    the block stating top_k. Its class name ends in Experts as transformers 5's stacked experts' do, but holding
+    Linear layers it is no such module."""
+
+    def __init__(self, hidden: int = 16, inner: int = 32, experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(hidden, inner), nn.Linear(inner, hidden))
+                                     for _ in range(experts))
+
+
+def listed_experts_moe() -> nn.Module:
+    return nn.Sequential(nn.Embedding(64, 16), ListedExperts(), ListedExperts(), nn.Linear(16, 64, bias=False))
+
+
+def test_experts_in_a_module_list_price_the_experts_a_token_runs_through():
+    """Each expert's Linear layers are stored and stepped; a token runs through top_k of them."""
+    shape = load_model("test_plan_model_source:listed_experts_moe")
+    router, expert = 16 * 4, 2 * 16 * 32
+    assert shape.params == 64 * 16 + 2 * (router + 4 * (expert + 32 + 16)) + 16 * 64
+    assert shape.matmul_params == 2 * (router + 2 * expert) + 16 * 64
+
+
+def test_a_convolution_beside_the_experts_is_no_expert(tmp_path):
+    """Jamba's mamba layers hold a 3-D Conv1d weight (channels, 1, kernel): no stacked experts, priced as before
+    (not a matmul), while its experts are priced at num_experts_per_tok of num_experts."""
+    config = {**TEXT, "model_type": "jamba", "num_experts": 4, "num_experts_per_tok": 2, "expert_layer_period": 1,
+              "expert_layer_offset": 0, "attn_layer_period": 2, "attn_layer_offset": 1, "use_mamba_kernels": False}
+    shape = load_model(write(tmp_path, config), seq_len=16)
+    linear = sum(m.weight.numel() for m in shape.model.modules() if isinstance(m, nn.Linear))
+    experts = sum(p.numel() for name, p in shape.model.named_parameters() if ".experts." in name)
+    assert experts == 2 * 4 * 3 * 64 * 128
+    assert shape.matmul_params == linear + experts * 2 // 4
+
+
+BERT = {key: value for key, value in TEXT.items() if key != "num_key_value_heads"}
+ENCODERS = {
+    "bert": {"model_type": "bert", **BERT},
+    "roberta": {"model_type": "roberta", **BERT},
+    "distilbert": {"model_type": "distilbert", "dim": 64, "hidden_dim": 128, "n_layers": 2, "n_heads": 4,
+                   "vocab_size": 256, "max_position_embeddings": 128},
+}
+
+
+@pytest.mark.parametrize("kind", ENCODERS)
+def test_an_encoder_is_planned_as_the_masked_lm_it_is_trained_as(tmp_path, kind):
+    """BERT, RoBERTa and DistilBERT are encoders trained as masked LMs; transformers also lists BERT's and RoBERTa's
+    decoder variant (is_decoder) as a causal LM, which is what a config.json stating is_decoder plans."""
+    from transformers import AutoModelForMaskedLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    path = write(tmp_path, ENCODERS[kind])
+    shape = load_model(path, seq_len=16)
+    assert type(shape.model).__name__.endswith("ForMaskedLM")
+    assert shape.params == meta_params(AutoModelForMaskedLM, path)
+    # q, k, v, o and the two MLP layers a block, the head's transform (h x h) and its decoder tied to the embedding
+    assert shape.matmul_params == 2 * (4 * 64 * 64 + 2 * 64 * 128) + 64 * 64 + 256 * 64
+    if kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        decoder = load_model(write(tmp_path, {**ENCODERS[kind], "is_decoder": True}), seq_len=16)
+        assert type(decoder.model).__name__ == MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind]  # BertLMHeadModel
+
+
+def test_an_encoder_decoder_is_refused_not_planned_as_its_decoder(tmp_path):
+    """transformers lists BART's decoder alone as its causal LM: planning it would leave out the encoder."""
+    config = {"model_type": "bart", "d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "num_hidden_layers": 2,
+              "encoder_attention_heads": 4, "decoder_attention_heads": 4, "num_attention_heads": 4,
+              "vocab_size": 256}
+    assert "model_type 'bart' is an encoder-decoder (transformers' causal LM for it is its decoder alone)" in \
+        refused(write(tmp_path, config))

@@ -158,7 +158,8 @@ def plan(args: argparse.Namespace, base_rss: int) -> dict:
     rates = {key: getattr(machine, key) for key in ("ram_bytes", "gpu_bytes", "matmul_flops", "adam_elements",
                                                      "copy_bytes", "fresh_bytes", "checksum_bytes")}
     return {**best.to_json(), "fits": chosen is not None, "explanation": explain(predictions, chosen),
-            "model": {"params": shape.params, "layers": shape.layers, "hidden": shape.hidden, "vocab": shape.vocab},
+            "model": {"params": shape.params, "layers": shape.layers, "hidden": shape.hidden, "vocab": shape.vocab,
+                      "note": shape.note},
             "slow_compute": slow_line,
             "machine": {**rates, "disk": machine.disk and vars(machine.disk)},
             "placements": [p.to_json() for p in predictions]}
@@ -264,7 +265,7 @@ def explain(predictions: list[Prediction], chosen: Prediction | None) -> str:
 
 def report(shape, machine: Machine, predictions: list[Prediction], chosen: Prediction | None) -> None:
     print(f"model: {shape.params / 1e6:.1f}M trainable parameters, {shape.layers} layers x {shape.hidden}, "
-          f"{shape.seq_len} tokens a sequence")
+          f"{shape.seq_len} tokens a sequence" + (f"; {shape.note}" if shape.note else ""))
     disk = (f"disk {machine.disk.read_gbps:.2f} GB/s read, {machine.disk.write_gbps:.2f} write"
             if machine.disk else "no disk figures (run python -m zero.report --bandwidth PATH): no nvme placement")
     compact = ", ".join(f"{fmt.moments}/{fmt.master} {rate / 1e6:.0f}" for fmt, rate in machine.compact_adam.items())

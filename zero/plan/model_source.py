@@ -32,13 +32,16 @@ class ModelShape:
     """Trainable parameters."""
     matmul_params: int
     """Parameters of the Linear and Conv1D layers (and a tied LM head), what the FLOP count multiplies by tokens;
-    of a mixture of experts' stacked expert weights, the share a token uses (num_experts_per_tok of them)."""
+    of a mixture of experts' experts, the share a token runs through (top_k of them); of a vision-language model,
+    its language model's only."""
     layers: int
     hidden: int
     vocab: int
     seq_len: int
     loss_rows: int | None = None
     """Tokens whose logits the loss makes at once (the main job's chunked head); None: all of a micro-batch's."""
+    note: str | None = None
+    """What the plan leaves out, said beside the model (a vision-language model's image encoder: its compute)."""
 
 
 def from_preset(name: str, *, layers: int | None = None, hidden: int | None = None, heads: int | None = None,
@@ -67,15 +70,19 @@ OTHER_SPELLINGS = {"num_hidden_layers": ("n_layer", "num_layers", "n_layers"), "
                    "num_attention_heads": ("n_head", "num_heads", "n_heads")}
 """Other models' names for the NEEDED sizes, named when a config.json uses one its own class does not read."""
 FLAGS = {"num_hidden_layers": "--layers", "hidden_size": "--hidden", "num_attention_heads": "--heads"}
+PLANNED = "causal LMs (gpt2, llama, ...), encoders as masked LMs (bert, ...) and vision-language models"
+"""What a config.json may state, named where one is refused."""
 
 
 def from_hf_config(path: str, seq_len: int | None = None, *, layers: int | None = None, hidden: int | None = None,
                    heads: int | None = None) -> ModelShape:
-    """A transformers causal LM, or a vision-language model built on one (its sizes those of its text_config, its
-    image encoder's parameters counted, their compute priced per text token as the rest), from its config.json (or
-    the directory holding one), built from the config (no weights read). Sizes are read through the config
-    class's attribute_map, so each model's own spellings count (GPT-2's n_embd, n_layer, n_head); --layers, --hidden
-    and --heads replace them under the same spelling."""
+    """A transformers model from its config.json (or the directory holding one), built from the config (no weights
+    read) as the class a user trains from it: a causal LM; an encoder's masked LM (BERT, RoBERTa, DistilBERT: not
+    the decoder variant transformers also lists as a causal LM); or a vision-language model, sized by its language
+    model (its text_config, or the top of a flat config: Qwen2-VL's), its image encoder stored and stepped but its
+    compute (per image) not priced. Sizes are read through the config class's attribute_map, so each model's own
+    spellings count (GPT-2's n_embd, n_layer, n_head); --layers, --hidden and --heads replace them under the same
+    spelling."""
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     try:
@@ -88,60 +95,75 @@ def from_hf_config(path: str, seq_len: int | None = None, *, layers: int | None 
         raise PlanInputError(f"{where} has no 'model_type': a Hugging Face config.json is a JSON object naming its "
                              "model type (gpt2, llama, ...)")
     try:
-        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForMaskedLM
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
         from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                            MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+                                                            MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+                                                            MODEL_FOR_MASKED_LM_MAPPING_NAMES)
     except ImportError as exc:
         raise PlanInputError(f"{where}: planning a Hugging Face model needs transformers "
                              f"(pip install transformers): {exc}") from exc
     kind = raw["model_type"]
     if kind not in CONFIG_MAPPING:
         raise PlanInputError(f"{where}: model_type {kind!r} is not one this transformers knows")
-    if kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        auto = AutoModelForCausalLM
-    elif kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
-        auto = AutoModelForImageTextToText  # a vision-language model: an image encoder beside a causal LM
-    else:
-        raise PlanInputError(f"{where}: model_type {kind!r} is not a causal LM (transformers' AutoModelForCausalLM "
-                             "builds none for it: an encoder-decoder, encoder-only or vision model); the planner plans "
-                             "causal LMs (gpt2, llama, ...) and vision-language models built on one")
+    # A vision-language model whole, unless transformers also lists a causal LM for it that is its language model
+    # alone (mllama's, llama4's) and the file states no image encoder.
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind)
+    vision = kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and (
+        causal in (None, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[kind]) or "vision_config" in raw)
+    if not vision and causal is None and kind not in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        raise PlanInputError(f"{where}: model_type {kind!r} is not a causal LM (transformers builds no causal LM, "
+                             "masked LM or vision-language model for it: an encoder-decoder or a vision model); the "
+                             f"planner plans {PLANNED}")
     config_class = CONFIG_MAPPING[kind]
     flags = {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads}
     if isinstance(raw.get("text_config"), dict):  # the sizes are the language model's
-        text_class = _text_config_class(where, raw["text_config"], config_class, CONFIG_MAPPING)
+        text_class = _text_config_class(where, raw, config_class, CONFIG_MAPPING)
         raw = {**raw, "text_config": _with_overrides(f"{where} (its text_config)", raw["text_config"], text_class,
-                                                     flags, kind=kind)}
-    else:
-        raw = _with_overrides(where, raw, config_class, flags)
+                                                     flags, kind=kind, stated=False)}
+    else:  # the sizes at the top: a language model's, or a flat vision-language config's (Qwen2-VL's)
+        text_class = _text_config_class(where, raw, config_class, CONFIG_MAPPING) if vision else config_class
+        raw = _with_overrides(where, raw, text_class, flags, kind=kind)
     try:
         config = config_class.from_dict(raw)
     except Exception as exc:  # noqa: BLE001  transformers' own validation errors vary by model and version
         raise PlanInputError(f"{where}: transformers cannot read it: {_one_line(exc)}") from exc
-    text = getattr(config, "text_config", None) if isinstance(raw.get("text_config"), dict) else config
+    if vision:
+        auto, what = AutoModelForImageTextToText, "a vision-language model"
+    elif getattr(config, "is_encoder_decoder", False):
+        raise PlanInputError(f"{where}: model_type {kind!r} is an encoder-decoder (transformers' causal LM for it is "
+                             f"its decoder alone); the planner plans {PLANNED}")
+    elif kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+        auto, what = AutoModelForMaskedLM, "a masked LM"  # an encoder: BERT's causal LM is a decoder made of it
+    else:
+        auto, what = AutoModelForCausalLM, "a causal LM"
+    text = config.get_text_config()
     sizes = {key: getattr(text, key, None) for key in ("num_hidden_layers", "hidden_size", "vocab_size")}
     for key, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlanInputError(f"{where}: {key} = {value!r}: the planner needs the width, the layer count and the "
                                  "vocabulary size, each a positive integer")
-    stated = raw["text_config"] if text is not config else raw
+    stated = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
     seq_len = _seq_len(seq_len, where, text, _spelling(stated, type(text), "max_position_embeddings"))
     try:
         with torch.device("meta"):
             model = auto.from_config(config)
     except Exception as exc:  # noqa: BLE001  a size transformers accepted but a layer refuses (a negative width)
-        raise PlanInputError(f"{where}: transformers cannot build a causal LM from it: {_one_line(exc)}") from exc
-    return _shape(model, sizes["num_hidden_layers"], sizes["hidden_size"], sizes["vocab_size"], seq_len)
+        raise PlanInputError(f"{where}: transformers cannot build {what} from it: {_one_line(exc)}") from exc
+    language = [part for part in (model.get_decoder(), model.get_output_embeddings()) if part is not None] \
+        if vision else None
+    return _shape(model, sizes["num_hidden_layers"], sizes["hidden_size"], sizes["vocab_size"], seq_len,
+                  language=language)
 
 
-def _text_config_class(where: str, text_raw: dict, config_class: type, mapping) -> type:
-    """The config class of a vision-language model's text_config: its own model_type's, else the one the model's
-    config builds by default."""
-    kind = text_raw.get("model_type")
+def _text_config_class(where: str, raw: dict, config_class: type, mapping) -> type:
+    """The config class of a vision-language model's language model: its text_config's own model_type's, else the
+    one the model's config builds by default (the config's own class where it has no text_config: git, fuyu)."""
+    kind = raw.get("text_config", {}).get("model_type")
     if isinstance(kind, str) and kind in mapping:
         return mapping[kind]
     try:
-        return type(config_class().text_config)
+        return type(config_class().get_text_config())
     except Exception as exc:  # noqa: BLE001  a class that needs arguments to say its text model
         raise PlanInputError(f"{where}: its text_config names no model_type this transformers knows ({kind!r})") \
             from exc
@@ -153,16 +175,21 @@ def _spelling(raw: dict, config_class: type, key: str) -> str | None:
     return next((name for name in (key, alias) if name is not None and name in raw), None)
 
 
-def _with_overrides(where: str, raw: dict, config_class: type, overrides: dict, *, kind: str | None = None) -> dict:
+def _with_overrides(where: str, raw: dict, config_class: type, overrides: dict, *, kind: str,
+                    stated: bool = True) -> dict:
     """`raw` checked for the NEEDED sizes (those its class has), with the flags' values put under its own
-    spellings: a head width that was hidden / heads stays so. `kind`: the model's type where `raw` is a part of
-    its config (a text_config)."""
-    kind = kind or raw["model_type"]
+    spellings: a head width that was hidden / heads stays so. `kind`: the model's type, named in errors.
+    `stated` False: `raw` is a sub-config (a text_config), which transformers saves as its difference from the
+    class's defaults (llava-1.5-7b's states no width), so a size it leaves out is the default, filled in."""
     try:
         defaults = config_class()
     except Exception:  # noqa: BLE001  a class that needs arguments: every size is asked for
         defaults = None
     raw = dict(raw)
+    if not stated and defaults is not None:
+        for key in NEEDED:
+            if _spelling(raw, config_class, key) is None and getattr(defaults, key, None) is not None:
+                raw[key] = getattr(defaults, key)
     old = {}
     for key in NEEDED:
         name = _spelling(raw, config_class, key)
@@ -268,24 +295,67 @@ def load_model(spec: str, *, layers: int | None = None, hidden: int | None = Non
     return from_preset(spec, seq_len=SEQ_LEN if seq_len is None else seq_len, **sizes)
 
 
-def _shape(model: nn.Module, layers: int, hidden: int, vocab: int, seq_len: int) -> ModelShape:
+def _shape(model: nn.Module, layers: int, hidden: int, vocab: int, seq_len: int, *,
+           language: list[nn.Module] | None = None) -> ModelShape:
+    """`language`: of a vision-language model, the parts a text token runs through (its language model and head),
+    whose matmuls are priced; the rest (the image encoder, its projector) runs per image, a count no config states."""
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    text = {id(p) for part in language or [model] for p in part.parameters()}
+    images = sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in text)
+    note = (f"its image encoder ({images / 1e6:.1f}M parameters) is stored and stepped, its compute (per image) not "
+            "priced") if images else None
+    return ModelShape(model, params, _matmul_params(language or [model]) or params, layers, hidden, vocab, seq_len,
+                      note=note)
+
+
+def _matmul_params(parts: list[nn.Module]) -> int:
+    """The weights a token is multiplied by, each once (a tied head is its embedding): every Linear and Conv1D
+    weight, and of a mixture of experts' experts the share a token runs through."""
     kinds = _matmul_modules()
-    linear = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, kinds)}
-    return ModelShape(model, params, sum(linear.values()) + _active_expert_params(model) or params, layers, hidden,
-                      vocab, seq_len)
+    weights = {id(m.weight): m.weight.numel() for part in parts for m in part.modules() if isinstance(m, kinds)}
+    for part in parts:
+        for weight, active, experts in _expert_weights(part):
+            weights[id(weight)] = weight.numel() * active // experts
+    return sum(weights.values())
 
 
-def _active_expert_params(model: nn.Module) -> int:
-    """A mixture of experts' weights stacked one matrix an expert (transformers' MoE layers: 3-D parameters of
-    shape (experts, ., .)), counted at the share a token runs through: num_experts_per_tok of the experts."""
-    per_token = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
-    total = 0
-    for p in model.parameters():
-        if p.dim() == 3:
-            experts = p.shape[0]
-            total += p.numel() * min(per_token or experts, experts) // experts
-    return total
+TOP_K = ("top_k", "num_experts_per_tok", "moe_top_k")
+"""The attributes a mixture of experts' block, or its router, states the experts a token runs through under."""
+EXPERTS = ("num_experts", "moe_num_experts")
+"""The attributes a module of stacked experts states their count under (else a 3-D weight's first size)."""
+
+
+def _expert_weights(root: nn.Module):
+    """A mixture of experts' expert weights, each with the experts a token runs through and the experts there are.
+    Both layouts transformers has used: a block's `experts`, a ModuleList (or ModuleDict) of one module an expert
+    (transformers 4, DeepSeek's own code); or a module of class *Experts holding them stacked, no Linear layer in
+    it (transformers 5: 3-D weights (experts, out, in), DBRX's 2-D (experts x inner, hidden)). Shared experts (a
+    child named shared_*) and those of a block that states no top_k run for every token."""
+    kinds = _matmul_modules()
+    for block in root.modules():
+        for name, child in block.named_children():
+            listed = name == "experts" and isinstance(child, (nn.ModuleList, nn.ModuleDict))
+            stacked = type(child).__name__.endswith("Experts") and not any(isinstance(m, kinds)
+                                                                            for m in child.modules())
+            if not (listed or stacked):
+                continue
+            count = len(child) if listed else next((getattr(child, attr) for attr in EXPERTS if hasattr(child, attr)),
+                                                   None)
+            top_k = None if "shared" in name else _top_k(block)
+            for weight_name, weight in child.named_parameters():
+                if weight.dim() >= 2 and not weight_name.endswith("bias"):  # gpt-oss's biases are (experts, out)
+                    experts = count or weight.shape[0]
+                    yield weight, min(top_k or experts, experts), experts
+
+
+def _top_k(block: nn.Module) -> int | None:
+    """The experts a token runs through, as the block or one of its children (the router) states it."""
+    for module in (block, *block.children()):
+        for attr in TOP_K:
+            value = getattr(module, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
 
 
 def _matmul_modules() -> tuple[type, ...]:
