@@ -138,3 +138,55 @@ def test_zero_trainer_saves_a_peft_models_adapters_alone_and_resumes_from_its_ch
             assert len(after) == 3 and after == {k: v for k, v in losses(first).items() if k > 3}
         finally:
             resumed.close()
+
+
+TWO_RANKS = """
+import os, sys, json, pathlib, torch, torch.distributed as dist, peft
+sys.path.insert(0, {tests!r})
+from transformers import TrainingArguments
+from safetensors.torch import load_file
+from test_hf_trainer import dataset, hf_docs_zero3, training_args
+from test_frozen import lora_on
+from stage3_models import tiny_llama
+from zero.integrations import ZeroTrainer
+root = pathlib.Path({root!r})
+model = lora_on(tiny_llama(0, vocab_size=256))
+args = training_args(TrainingArguments, root / "out", max_steps=3, ddp_backend="gloo")
+trainer = ZeroTrainer(model=model, train_dataset=dataset(48), args=args,
+                      zero_config=hf_docs_zero3(root / f"nvme{{os.environ['RANK']}}"))
+trainer.train()
+trainer.save_model(str(root / "ours"))
+model.save_pretrained(root / "peft")  # PEFT's own call, on every rank (its state_dict gathers)
+ids = dataset(1)[0]["input_ids"][None]
+trainer.engine.eval()
+with torch.no_grad():
+    loss = trainer.engine(input_ids=ids, labels=ids).loss.item()
+trainer.close()
+if dist.get_rank() == 0:
+    ours, theirs = (load_file(root / d / "adapter_model.safetensors") for d in ("ours", "peft"))
+    reloaded = peft.PeftModel.from_pretrained(tiny_llama(0, vocab_size=256), root / "ours").eval()
+    with torch.no_grad():
+        again = reloaded(input_ids=ids, labels=ids).loss.item()
+    print(json.dumps(dict(keys=sorted(ours), same=sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k])
+                                                                                     for k in ours),
+                          trained=all(bool(v.any()) for k, v in ours.items() if "lora_B" in k),
+                          files=sorted(os.listdir(root / "ours")), loss=loss, again=again)))
+"""
+
+
+def test_two_ranks_save_the_adapters_peft_saves_and_they_reload_onto_a_fresh_base(tmp_path):
+    """ZeroTrainer on two ranks (gloo): save_model writes the adapters alone, the same as PEFT's own save_pretrained
+    called on every rank, and a fresh base with them computes the engine's loss."""
+    from conftest import child_env
+    from stage3_models import free_port
+
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS.format(tests=os.path.dirname(os.path.abspath(__file__)), root=str(tmp_path)))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(script)], cwd=tmp_path, env=child_env() | {"OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["keys"] and all("lora_" in k for k in result["keys"]) and result["same"] and result["trained"]
+    assert "model.safetensors" not in result["files"] and "adapter_config.json" in result["files"]
+    assert abs(result["again"] - result["loss"]) <= 1e-6
