@@ -128,8 +128,9 @@ def cuda_tests(plan: Plan) -> dict:
     if not plan.cuda:
         return skipped("cuda-marked tests", "no CUDA")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    # `-o addopts=-ra`: one process (the device machine has no pytest-xdist; the tests share its one GPU)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=-ra", "-m", "cuda", "tests/"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
     summary = (done.stdout.strip().splitlines() or [""])[-1]
     result = {f"tests_{word}": int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary)}
     result["status"] = "failed" if done.returncode else "passed"
