@@ -23,8 +23,7 @@ The cases (tests/deepspeed_examples/harness.py):
   (DeepSpeedCPUAdam, optimizer state on the CPU) and at ZeRO-3 with --offload (parameters too; the model built
   under transformers' HfDeepSpeedConfig, which is zero's HfZeroConfig under the launcher, and by its rewritten
   import in the zero_imports run).
-A case's `zero_launch_limit` skips its zero_launch run (a documented limit, with the reason); a case's `zero_gap`
-marks its runs as expected to fail (strict: an unexpected pass fails) until zero closes the gap it names.
+A case's `zero_launch_limit` skips its zero_launch run (a documented limit, with the reason).
 """
 from __future__ import annotations
 
@@ -72,15 +71,12 @@ RUNS = [(name, "zero_launch") for name in harness.CASES] + [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, mode", RUNS)
-def test_losses_equal_deepspeeds(name, mode, tmp_path, request):
+def test_losses_equal_deepspeeds(name, mode, tmp_path):
     if name in HF_CASES:
         pytest.importorskip("transformers")
     case = harness.CASES[name]
     if mode == "zero_launch" and "zero_launch_limit" in case:
         pytest.skip(case["zero_launch_limit"])
-    if "zero_gap" in case:
-        raises, reason = case["zero_gap"]
-        request.applymarker(pytest.mark.xfail(raises=raises, reason=reason, strict=True))
     assert name in FIXTURE, f"{name}: no DeepSpeed losses recorded (tests/deepspeed_examples/record.py)"
     recorded = FIXTURE[name]
     assert recorded["script"] == case["script"] and recorded["args"] == case["args"] and \

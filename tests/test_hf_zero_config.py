@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     import json, sys, torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -62,34 +64,43 @@ RESIZE = textwrap.dedent("""
     import zero
     from zero.integrations.hf_config import HfZeroConfig
 
-    path = sys.argv[1]
+    path, mean_resizing = sys.argv[1], sys.argv[2] == "mean"
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
     LlamaForCausalLM(config).save_pretrained(path)
-    pretrained = LlamaForCausalLM.from_pretrained(path).model.embed_tokens.weight.detach().clone()
+
+    def resized():
+        torch.manual_seed(1)  # the rows added are drawn: from the old rows' mean and covariance, or _init_weights'
+        model = LlamaForCausalLM.from_pretrained(path)
+        model.resize_token_embeddings(80, mean_resizing=mean_resizing)
+        return model, torch.rand(4)  # where the random stream is after
+
+    plain, plain_next = resized()
     ds = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
           "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}
     dschf = HfZeroConfig(ds)
-    model = LlamaForCausalLM.from_pretrained(path)
-    model.resize_token_embeddings(80)  # a new embedding, built on the partitioned one's device, its old rows copied
+    model, next_draws = resized()  # built on the partitioned old weights' device, its old rows copied in
     engine, *_ = zero.initialize(model=model, config=ds)
-    with zero.zero.GatheredParameters([model.model.embed_tokens.weight]):
-        weight = model.model.embed_tokens.weight.detach().clone()
-    assert weight.shape == (80, 32)
-    assert torch.equal(weight[:64], pretrained), (weight[:64] - pretrained).abs().max()
-    # The added rows: transformers samples them into the new embedding before any GatheredParameters names it, while
-    # it is still on meta here (on the CPU under DeepSpeed): they are the zeros it got when first named.
-    assert torch.equal(weight[64:], torch.zeros(16, 32))
+    assert torch.equal(next_draws, plain_next)  # from_pretrained under zero.Init drew nothing, as the plain load
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        param = model.get_parameter(name)
+        with zero.zero.GatheredParameters([param]):
+            weight = param.detach().clone()
+        expected = plain.get_parameter(name).detach()
+        assert weight.shape == (80, 32) and torch.equal(weight, expected), (name, (weight - expected).abs().max())
+        assert weight[64:].abs().max() > 0  # the added rows, as the plain resize drew them
     engine.close()
     print("OK")
 """)
 
 
-def test_resized_embeddings_keep_their_pretrained_rows(tmp_path):
-    """transformers' resize_token_embeddings under ZeRO-3 builds the new embedding on the old weight's device (meta
-    under our zero.Init) and copies the old rows inside GatheredParameters(modifier_rank=0): the copy is kept (before,
-    it went to meta and the engine initialized the whole embedding afresh); the added rows are zeros."""
-    done = subprocess.run([sys.executable, "-c", RESIZE, str(tmp_path / "model")], capture_output=True, text=True,
-                          timeout=300)
+@pytest.mark.parametrize("rows", ["mean", "init_weights"])
+def test_resized_embeddings_equal_the_plain_resize(tmp_path, rows):
+    """transformers' resize_token_embeddings under ZeRO-3 builds the new embedding and head on the old weight's
+    device and writes the rows it adds before any GatheredParameters names them: with the old weight gathered for
+    the resize (hf_resize.py) they are real, so the pretrained rows and the added ones (drawn from the old rows'
+    mean and covariance, or by _init_weights) are the plain resize's, bit for bit (before: zeros)."""
+    done = subprocess.run([sys.executable, "-c", RESIZE, str(tmp_path / "model"), rows], capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]

@@ -9,7 +9,8 @@ never the whole model in memory.
 
 It registers itself where transformers looks (`transformers.integrations.deepspeed`'s weak reference), lets the
 `import deepspeed` transformers does there resolve to `zero` (deepspeed_alias.py), and joins a process group of one
-where no launcher made one (transformers' ZeRO-3 loading asks torch.distributed for the rank).
+where no launcher made one (transformers' ZeRO-3 loading asks torch.distributed for the rank); its
+`resize_token_embeddings` keeps the rows it adds (hf_resize.py).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Any
 
 from ..comm import DataParallel, init_distributed
 from ..config import load_config
-from . import deepspeed_alias
+from . import deepspeed_alias, hf_resize
 
 
 class HfZeroConfig:
@@ -40,6 +41,7 @@ class HfZeroConfig:
         deepspeed_alias.install()
         if self.is_zero3():
             init_distributed()
+            hf_resize.install()
         hf_deepspeed.set_hf_deepspeed_config(self)
 
     def is_zero3(self) -> bool:

@@ -45,7 +45,7 @@ def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor] | None, mod
             # embedding on the old weight's, meta under zero.Init): what the block writes must not vanish into
             # meta. It gets host memory (zeros) and keeps it, a whole parameter `initialize` takes as it is, as
             # under DeepSpeed, whose partitioned stand-ins live on the CPU. What was written into it before, on
-            # meta, is lost: resize's added rows stay zeros (DeepSpeed's are sampled from the old rows).
+            # meta, is lost (transformers' resize runs with the old weight gathered: integrations/hf_resize.py).
             swap_keeping_attributes(p, nn.Parameter(torch.zeros(p.shape, dtype=p.dtype), p.requires_grad))
     with contextlib.ExitStack() as stack:
         for owner, owned in owners.values():

@@ -15,13 +15,15 @@ nothing: the child is partitioned by then. Hugging Face models are the exception
 DeepSpeed): their `post_init` weight initialization ran on meta parameters, so it runs again when the model's
 construction is over (when it is assigned to its parent, or at the block's end), each module's parameters
 gathered while its `_init_weights` runs: the same draws at the same point of the construction as outside
-zero.Init, so the same weights.
+zero.Init, so the same weights. Not where transformers has switched initialization off (`from_pretrained` loads
+the weights next, and initializes only the keys the checkpoint lacks): nothing is drawn there, as outside zero.Init.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import os
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -284,6 +286,8 @@ class Init:
         """Run a Hugging Face model's weight initialization again (its post_init ran it on meta parameters) for
         the modules no earlier run covered (a sub-model's ran when it was assigned), each module's
         `_init_weights` with the module's own parameters gathered and what it draws kept."""
+        if _initialization_off():
+            return
         for item in (*model.modules(), *model.parameters()):  # a tied weight is once among the parameters
             if id(item) not in self._initialized and getattr(item, "_is_hf_initialized", False):
                 del item._is_hf_initialized  # set by the pass on meta, which initialized nothing
@@ -305,6 +309,16 @@ class Init:
             if self.dtype is not None and p.is_floating_point() and p.dtype != self.dtype:
                 p.data = p.data.to(self.dtype)
             self.store.put(p)
+
+
+def _initialization_off() -> bool:
+    """Inside transformers' `no_init_weights` (`from_pretrained`'s construction): it swaps torch's init functions
+    for no-ops (transformers 5) or clears `modeling_utils._init_weights` (transformers 4)."""
+    hf_init = sys.modules.get("transformers.initialization")
+    originals = getattr(hf_init, "TORCH_INIT_FUNCTIONS", None)
+    if originals and "normal_" in originals:
+        return torch.nn.init.normal_ is not originals["normal_"]
+    return getattr(sys.modules.get("transformers.modeling_utils"), "_init_weights", True) is False
 
 
 def _gathering(init_weights: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
