@@ -176,6 +176,23 @@ def test_smallest_cached_buffer_that_fits_is_reused_if_at_most_twice_the_request
     assert p.allocations == 4 and p.in_use == 64 * KiB + 1 * MiB + 4 * KiB
 
 
+def test_cached_buffers_lend_their_excess_only_within_the_spare():
+    """`spare` (the engine's budget less its least host budget) bounds what lent cached buffers hold beyond their
+    requests: past it a request gets a new buffer of its own size."""
+    p = pool(1 * MiB)
+    p.spare = 16 * KiB
+    a, b = p.acquire(128 * KiB), p.acquire(128 * KiB)
+    a.release()
+    b.release()
+    c = p.acquire(112 * KiB)  # a cached 128 KiB buffer, 16 KiB over: within the spare
+    assert c.capacity == 128 * KiB and p.allocations == 2
+    d = p.acquire(120 * KiB)  # the other one would be 8 KiB more over: a new buffer of 120 KiB
+    assert d.capacity == 120 * KiB and p.allocations == 3 and p.in_use == 248 * KiB
+    c.release()
+    e = p.acquire(120 * KiB)  # c's 16 KiB given back: the cached buffer, 8 KiB over
+    assert e.capacity == 128 * KiB and p.allocations == 3
+
+
 def test_cached_buffers_are_dropped_to_make_room():
     p = pool(1 * MiB)
     for _ in range(4):
@@ -235,10 +252,12 @@ def test_view_is_a_no_copy_typed_window():
 
 
 @settings(max_examples=30, deadline=None)
-@given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 300 * KiB)), max_size=40))
-def test_accounting_invariants(ops):
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 300 * KiB)), max_size=40),
+       spare=st.none() | st.integers(0, 256 * KiB))
+def test_accounting_invariants(ops, spare):
     budget = 1 * MiB
     p = pool(budget)
+    p.spare = spare
     live = []
     for acquire, n in ops:
         if acquire or not live:
@@ -254,6 +273,8 @@ def test_accounting_invariants(ops):
             live.pop(n % len(live)).release()
         assert p.in_use == sum(b.capacity for b in live)
         assert p.in_use <= p.held <= budget
+        if spare is not None:  # what cached buffers lend beyond the requests
+            assert sum(b.capacity - align_up(max(b.nbytes, 1)) for b in live) <= spare
     starts = sorted((b.storage.data_ptr(), b.capacity) for b in live)
     for (a, alen), (b, _) in zip(starts, starts[1:]):
         assert a + alen <= b, "two live buffers share memory"

@@ -95,7 +95,8 @@ class HostBufferPool:
 
     A request of 2 MiB or more is lent from a HostArena where the config asks for one: its freed frames serve
     requests of any size. Another is served from the smallest cached buffer that fits, if that is at most twice
-    its size (a larger one would count against the budget for bytes nobody uses); otherwise a new buffer is
+    its size (a larger one would count against the budget for bytes nobody uses) and its excess, with that of the
+    buffers in use, within `spare` (the budget's slack over what its user needs at least); otherwise a new buffer is
     allocated (and touched once), first dropping cached buffers, the smallest first, then the arena's free frames,
     if the budget needs the room. If buffers in use leave no room, `acquire` raises BudgetExceededError with the
     budget, the bytes in use and the bytes requested.
@@ -112,6 +113,10 @@ class HostBufferPool:
         self.fresh_bytes = 0
         """Bytes of new pages so far: whole buffers allocated and arena spans to fault in (a pinned buffer's are
         page-locked too): the pool's churn, where a step's buffers change size."""
+        self.spare: int | None = None
+        """Bytes the cached buffers lent may hold beyond their requests, together (None: no limit). The engine sets
+        it to the budget less its least host budget, so that a run at that least budget is lent what it asks."""
+        self._excess = 0
         self.arena = self._make_arena()
         self._lock = threading.Lock()
 
@@ -153,6 +158,8 @@ class HostBufferPool:
                 self._room(size)
                 self.allocations += 1
                 self.fresh_bytes += size
+            if storage is not None and lent is None:
+                self._excess += storage.numel() - size
             self._in_use += size if storage is None else storage.numel()
             self.peak_in_use = max(self.peak_in_use, self._in_use)
         if lent is not None:
@@ -191,7 +198,9 @@ class HostBufferPool:
     def _take_cached(self, size: int) -> torch.Tensor | None:
         for i, storage in enumerate(self._cached):  # sorted by size: the first fit is the best fit
             if storage.numel() >= size:
-                return self._cached.pop(i) if storage.numel() <= 2 * size else None
+                excess = storage.numel() - size
+                fits = excess <= size and (self.spare is None or self._excess + excess <= self.spare)
+                return self._cached.pop(i) if fits else None
         return None
 
     def release(self, buffer: HostBuffer) -> None:
@@ -210,6 +219,7 @@ class HostBufferPool:
             if self.arena is not None and self.arena.owns(storage):
                 self.arena.give_back(storage, untouched=buffer.spans)
             else:
+                self._excess -= storage.numel() - align_up(max(buffer.nbytes, 1))
                 bisect.insort(self._cached, storage, key=torch.Tensor.numel)
         buffer.spans = None
 

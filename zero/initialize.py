@@ -99,7 +99,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
     driver = overlap = speculation = None
     try:
         device_need, park_root = check_device_budget(cfg, plan, model, dtype, swap)  # before any byte is written
-        check_host_budget(cfg, [flat for flat, _ in plan], dtype, swap.config.host_budget,
+        check_host_budget(cfg, [flat for flat, _ in plan], dtype, swap,
                           heads=tied_head_bytes(plan, model, dtype) if zo.stage == 3 else [])
         if swap.store is not None:  # a disk too small is one error now, before any byte is written
             check_room(swap.store, nvme_segments(cfg, [flat for flat, _ in plan], dtype))
@@ -219,18 +219,20 @@ def check_device_budget(cfg: Config, plan: list[tuple[FlatUnit, nn.Module]], mod
     return parts, parks
 
 
-def check_host_budget(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, budget: int, *,
+def check_host_budget(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, swap: SwapManager, *,
                       heads: list[int] = (), optimizer: bool = True) -> None:
     """A host budget below what no step can run without (budgets.host_minimum) is refused here, naming its parts,
-    rather than met in the first step."""
+    rather than met in the first step. The rest is the host pool's `spare`: a budget of exactly the minimum is
+    lent buffers of the sizes asked, not larger cached ones."""
     parts = host_minimum(cfg, units, dtype, heads=heads, optimizer=optimizer)
-    need = sum(parts.values())
+    need, budget = sum(parts.values()), swap.config.host_budget
     if budget < need:
         held = ", ".join(f"{part} {fmt_bytes(n)}" for part, n in parts.items() if n)
         largest = max(units, key=lambda u: u.shard_numel).name or "root"
         raise ConfigError("zero_tiering.host_budget", f"{fmt_bytes(budget)} is below the {fmt_bytes(need)} this model "
                           f"and config need in host memory at least ({held}; the largest shard: unit {largest!r}): "
                           f"raise it to at least {need} bytes", value=fmt_bytes(budget))
+    swap.pool.spare = budget - need
 
 
 def build_placement(model: nn.Module, plan: list[tuple[FlatUnit, nn.Module]], cfg: Config, *,

@@ -47,7 +47,7 @@ def init_inference(model: nn.Module, config: str | os.PathLike | Mapping | None 
     device = local_device()
     swap = SwapManager(swap_config(cfg, [flat for flat, _ in plan], dtype, optimizer=False))
     try:
-        check_host_budget(cfg, [flat for flat, _ in plan], dtype, swap.config.host_budget, optimizer=False)  # before any write
+        check_host_budget(cfg, [flat for flat, _ in plan], dtype, swap, optimizer=False)  # before any write
         if swap.store is not None:
             check_room(swap.store, nvme_segments(cfg, [flat for flat, _ in plan], dtype, optimizer=False))
         placement = PartitionedPlacement.build(
