@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -263,3 +264,22 @@ def test_steps_are_zero_or_more(capsys):
             parse_args(["--steps", text])
         assert info.value.code == 2
         assert f"argument --steps: '{text}': expected a whole number of steps, 0 or more" in capsys.readouterr().err
+
+
+def test_a_resume_on_another_number_of_ranks_gives_each_rank_its_own_data(tmp_path):
+    """Saved by one rank, resumed on two: each rank's state file was rank 0's, so both ranks drew rank 0's batches
+    (the run trained as one rank, silently); now each starts a stream of its own, and the resume says so."""
+    nvme, one, two = tmp_path / "nvme", tmp_path / "one", tmp_path / "two"
+    nvme.mkdir()
+    common = ["--preset", "tiny", "--nvme-path", str(nvme)]
+    main([*common, "--steps", "3", "--save-every", "1", "--save-dir", str(one)])
+    shutil.copytree(one, two)
+    alone = main([*common, "--steps", "5", "--save-dir", str(one), "--resume", "auto"])
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         "-m", "zero.train", *common, "--steps", "5", "--save-dir", str(two), "--resume", "auto"],
+        env=child_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "saved by 1 ranks, resumed on 2: each rank's data stream starts afresh" in done.stdout
+    held = [line for line in done.stdout.splitlines() if line.startswith("held-out loss: ")]
+    assert len(held) == 1 and f"{alone.held_out_after:.4f} after 5 steps" not in held[0], (held, alone.held_out_after)

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from tiering.errors import fmt_bytes
 
-from ..checkpoint.format import CheckpointNotFoundError
+from ..checkpoint.format import CheckpointMismatchError, CheckpointNotFoundError, read_manifest
 from ..cli import add_common_flags
 from ..comm import local_device
 from ..services.compute_speed import NAMES, SlowComputeWarning, dtype_speed, fast_alternative, slow_dtype_line
@@ -383,10 +383,25 @@ def resume(engine, batches: Batches, args: argparse.Namespace) -> int:
     path, state = engine.load_checkpoint(load_dir, load_rng_states=True)  # a resume draws as the run would have
     if path is None:
         raise CheckpointNotFoundError(load_dir, "no `latest` there to resume from")
-    batches.generator.set_state(state["batches"])
+    if not isinstance(state, dict) or "batches" not in state:
+        raise CheckpointMismatchError(f"checkpoint {path!r} holds no data position (not saved by zero.train): load "
+                                      "it with engine.load_checkpoint in a script of your own")
+    saved_world = read_manifest(path)["world_size"]
+    note = ""
+    if saved_world == engine.dp.world_size:
+        batches.generator.set_state(state["batches"])
+    else:  # each rank saved its own stream; a rank of another world would repeat rank 0's: a stream of its own
+        batches.generator.manual_seed(stream_seed(args.seed, engine.dp.rank, engine.global_steps))
+        note = (f" (saved by {saved_world} ranks, resumed on {engine.dp.world_size}: each rank's data stream starts "
+                "afresh from the seed, its rank and the step)")
     if engine.dp.rank == 0:
-        print(f"resumed from {path} at step {engine.global_steps}", flush=True)
+        print(f"resumed from {path} at step {engine.global_steps}{note}", flush=True)
     return engine.global_steps
+
+
+def stream_seed(seed: int, rank: int, step: int) -> int:
+    """A data stream's seed for `rank` resuming at `step` in another world size: one of its own for each rank."""
+    return ((seed * 1_000_003 + rank) * 1_000_003 + step) % 2**63
 
 
 def held_out_loss(engine, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
