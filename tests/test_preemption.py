@@ -167,3 +167,34 @@ def test_a_signal_after_the_last_boundary_is_delivered_at_close(tmp_path):
                           str(tmp_path / "ckpt")], env=child_env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == -signal.SIGTERM, (run.returncode, run.stdout, run.stderr[-2000:])
     assert run.stdout.split() == ["closing"]
+
+
+A_SAVE_THAT_FAILS = """
+import os, signal, sys, torch
+sys.path.insert(0, sys.argv[1])
+import zero
+from stage3_models import batches, stage3_config, tiny_gpt2
+engine, *_ = zero.initialize(model=tiny_gpt2(), config=stage3_config("cpu", "cpu"))
+open(sys.argv[2], "w").close()
+engine.save_on_signal(os.path.join(sys.argv[2], "ckpt"))  # under a file: the save will fail
+ids = batches(1)[0]
+os.kill(os.getpid(), signal.SIGTERM)  # noted: the boundary below saves
+engine.backward(engine(input_ids=ids, labels=ids).loss)
+try:
+    engine.step()
+except Exception as exc:
+    print("failed:", type(exc).__name__, flush=True)
+engine.close()
+print("survived", flush=True)
+"""
+
+
+def test_a_save_on_a_signal_that_fails_is_its_error_and_the_signal_is_not_delivered_again(tmp_path):
+    """The save the signal asked for raised (a directory under a file here; a full or read-only disk alike): that
+    error is what the caller meets; close does not deliver the signal again, which would end the process before
+    anything could say why there is no checkpoint (zero.train exited 143 without a line)."""
+    run = subprocess.run([sys.executable, "-c", A_SAVE_THAT_FAILS, os.path.join(REPO_ROOT, "tests"),
+                          str(tmp_path / "a_file")], env=child_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.returncode, run.stdout, run.stderr[-2000:])
+    lines = run.stdout.split("\n")
+    assert lines[0].startswith("failed: ") and lines[1] == "survived", run.stdout

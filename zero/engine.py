@@ -484,7 +484,11 @@ class ZeroEngine(FullValues, nn.Module):
     def _save_for_exit(self) -> None:
         received = self.preemption.received
         state = self._preemption_state() if self._preemption_state is not None else None
-        self.preemption.saved = self.save_checkpoint(self.preemption.save_dir, client_state=state)
+        try:
+            self.preemption.saved = self.save_checkpoint(self.preemption.save_dir, client_state=state)
+        except BaseException:
+            self.preemption.failed = True
+            raise
         if self.dp.rank == 0:
             why = signal.Signals(received).name if received is not None else "a signal to another rank"
             print(f"zero: {why}: saved a checkpoint at step {self.global_steps} to {self.preemption.saved}; "

@@ -31,6 +31,8 @@ class Preemption:
         """The signal noted on this rank, if any."""
         self.saved: str | None = None
         """The checkpoint saved on it: the engine exits at its next forward."""
+        self.failed = False
+        """The save on it raised: that error, not the signal delivered again at close, says why there is none."""
         self._previous = {sig: signal.signal(sig, self._note) for sig in signals}
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
@@ -42,7 +44,7 @@ class Preemption:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous = {}
-        return self.received if self.saved is None else None
+        return self.received if self.saved is None and not self.failed else None
 
 
 class UnevenWatchError(RuntimeError):
