@@ -30,6 +30,7 @@ from zero.checkpoint.format import (
     RecordReader,
     data_file,
     manifest_bytes,
+    read_latest,
     read_manifest,
     verify_files,
     write_atomic,
@@ -159,3 +160,16 @@ def test_an_edited_manifest_is_refused(tmp_path):
     manifest_path.write_text("{not json")
     with pytest.raises(CheckpointCorruptError, match="not valid JSON"):
         read_manifest(str(tmp_path))
+
+
+@pytest.mark.parametrize("latest", ["bytes", "directory"])
+def test_a_latest_that_holds_no_text_is_a_corrupt_checkpoint_naming_it(tmp_path, latest):
+    """Binary bytes in `latest`, or a directory by that name: the typed error naming the file (it was a
+    UnicodeDecodeError traceback from zero.export, an IsADirectoryError naming nothing of ours)."""
+    path = tmp_path / "latest"
+    if latest == "bytes":
+        path.write_bytes(b"\xff\xfe")
+    else:
+        path.mkdir()
+    with pytest.raises(CheckpointCorruptError, match=r"latest.*(not text|is a directory)"):
+        read_latest(str(tmp_path))

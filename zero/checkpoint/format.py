@@ -339,10 +339,14 @@ class Record:
 def read_latest(save_dir: str) -> str | None:
     path = os.path.join(save_dir, LATEST)
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             tag = f.read().strip()
     except FileNotFoundError:
         return None
+    except IsADirectoryError:
+        raise CheckpointCorruptError(path, "is a directory (it should be a file holding a tag)") from None
+    except UnicodeDecodeError:
+        raise CheckpointCorruptError(path, "is not text (it should hold a tag)") from None
     if not tag:
         raise CheckpointCorruptError(path, "is empty (it should hold a tag)")
     return tag
