@@ -169,3 +169,28 @@ def test_missing_model_or_config():
         zero.initialize(config=make_config())
     with pytest.raises(ConfigError, match="config"):
         zero.initialize(model=tied_blocks(0))
+
+
+def test_step_hands_lr_kwargs_to_the_scheduler_at_the_boundary():
+    """DeepSpeed's `engine.step(lr_kwargs=...)`: the scheduler's `step(**lr_kwargs)` runs once an accumulation
+    boundary's optimizer step has (a Megatron-style scheduler counts tokens so); not between boundaries."""
+
+    class Tokens:
+        def __init__(self):
+            self.calls = []
+
+        def step(self, **kwargs):
+            self.calls.append(kwargs)
+
+        def state_dict(self):
+            return {}
+
+    scheduler = Tokens()
+    engine, *_ = zero.initialize(model=tiny_gpt2(), config=make_config(2, "cpu", accum=2), lr_scheduler=scheduler)
+    try:
+        for index, ids in enumerate(batches(4)):
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step(lr_kwargs={"increment": 10 * index})
+        assert scheduler.calls == [{"increment": 10}, {"increment": 30}]
+    finally:
+        engine.close()

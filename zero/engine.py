@@ -328,8 +328,9 @@ class ZeroEngine(FullValues, nn.Module):
             return self(*batch)
         return self(batch)
 
-    def step(self) -> None:
-        """Called every micro-batch; the optimizer runs at the accumulation boundary."""
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Called every micro-batch; the optimizer runs at the accumulation boundary, then the LR scheduler's
+        `step(**lr_kwargs)` (DeepSpeed's: a Megatron-style scheduler takes e.g. the tokens seen)."""
         stray = [] if self._backward_ran else [  # a micro-batch no engine backward saw: its gradients came around
             name for name, p, _ in self._trainable if p.grad is not None and id(p) in self._trained]
         self._backward_ran = False
@@ -345,7 +346,7 @@ class ZeroEngine(FullValues, nn.Module):
             return
         start = time.perf_counter()
         try:
-            self._optimizer_step()
+            self._optimizer_step(lr_kwargs or {})
         finally:
             self.swap.end_step()  # the trace of this step drives prefetch and eviction in the next
             self.optimizer_seconds = time.perf_counter() - start
@@ -354,7 +355,7 @@ class ZeroEngine(FullValues, nn.Module):
                     self.dp):  # every rank asks, whether or not it watches: see save_due
             self._save_for_exit()
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self, lr_kwargs: dict) -> None:
         if self.overlap is not None:
             self.overlap.wait_all()
         grad_norm = self.gradients.norm(self.units)
@@ -417,7 +418,7 @@ class ZeroEngine(FullValues, nn.Module):
                 # torch warns of a scheduler stepped before its optimizer where the optimizer's own step() never
                 # ran; the engine's step ran just now (in the driver): say so with torch's flag for it
                 self.lr_scheduler.optimizer._opt_called = True
-            self.lr_scheduler.step()
+            self.lr_scheduler.step(**lr_kwargs)
 
     def _finish_step(self) -> None:
         """Before anything reads the training state: wait for an optimizer step still running on its thread
