@@ -492,3 +492,22 @@ def test_offload_param_below_stage_3_is_ignored_with_a_warning_as_deepspeed_igno
     assert loaded.zero_optimization.offload_param.device == "none"
     assert loaded.zero_optimization.offload_optimizer.device == "cpu"
     assert "zero_optimization.offload_param" in loaded.ignored
+
+
+EFFICIENCY = {"enabled": True, "seed": 1234,
+              "data_routing": {"enabled": True, "random_ltd": {"enabled": False}},
+              "data_sampling": {"enabled": True, "num_workers": 0, "curriculum_learning": {"enabled": False}}}
+
+
+@pytest.mark.parametrize("turn_on", [None, "data_routing.random_ltd", "data_sampling.curriculum_learning"])
+def test_data_efficiency_is_refused_only_where_it_asks_for_something(turn_on):
+    """DeepSpeed's engine acts on `data_efficiency` only through random-LTD or curriculum learning (DeepSpeed's
+    data_efficiency templates carry "enabled": true with both off): that config loads; either one on is refused."""
+    section = copy.deepcopy(EFFICIENCY)
+    if turn_on is None:
+        load_config({**MINIMAL, "data_efficiency": section})
+        return
+    parent, feature = turn_on.split(".")
+    section[parent][feature]["enabled"] = True
+    with pytest.raises(UnsupportedKeyError, match="data_efficiency.*random-LTD, curriculum learning"):
+        load_config({**MINIMAL, "data_efficiency": section})

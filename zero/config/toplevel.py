@@ -24,6 +24,21 @@ def _fp32_accumulation(value: object) -> bool:
     return value is None or (isinstance(value, Mapping) and value.get("grad_accum_dtype") in (None, "fp32"))
 
 
+def _data_efficiency_off(value: object) -> bool:
+    """Off as DeepSpeed's engine reads it: nothing to do unless random-LTD or curriculum learning is on (each
+    within its enabled parent section); `enabled` alone changes nothing."""
+    if value is None or (isinstance(value, Mapping) and value.get("enabled", False) is False):
+        return True
+    if not isinstance(value, Mapping):
+        return False
+
+    def on(section: str, feature: str) -> bool:
+        parent = value.get(section) or {}
+        return bool(parent.get("enabled", False) and (parent.get(feature) or {}).get("enabled", False))
+
+    return not on("data_routing", "random_ltd") and not on("data_sampling", "curriculum_learning")
+
+
 MONITORING = "logging or monitoring output only"
 
 DEEPSPEED_STATE_KEYS = {"moments": "bf16_optimizer_states", "master": "bf16_master_weights_and_grads"}
@@ -107,8 +122,10 @@ class Config(Section):
         "fp32_allreduce": Unsupported("fp32 all-reduce of low-precision gradients", off=False),
         "sparse_gradients": Unsupported("sparse gradients", off=False),
         "disable_allgather": Unsupported("broadcast instead of all-gather", off=False),
+        "data_efficiency": Unsupported("DeepSpeed Data Efficiency: random-LTD, curriculum learning",
+                                       off=_data_efficiency_off, fix='remove it, set "enabled": false, or leave '
+                                       "random_ltd and curriculum_learning off"),
         **{name: Unsupported(what, off=DISABLED) for name, what in (
-            ("data_efficiency", "DeepSpeed Data Efficiency"),
             ("curriculum_learning", "curriculum learning"),
             ("elasticity", "elastic training"),
             ("autotuning", "the autotuner"),
