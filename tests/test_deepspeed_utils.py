@@ -165,3 +165,20 @@ def test_deepspeed_config_reads_through_our_loader():
         zero.DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "sparse_attention": {"mode": "fixed"}})
     with pytest.raises(UnsupportedFeatureError, match=r"^deepspeed.DeepSpeedConfig\(mpu=...\)"):
         zero.DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1}, mpu=object())
+
+
+def test_save_without_random_ltd_is_the_engine_s_whole_weights_under_plain_names(tmp_path):
+    """DeepSpeed's data-efficiency example saves through it: an engine's weights gathered whole (stage 3 here,
+    where module.state_dict() would hold placeholders), names free of random-LTD's `.random_ltd_layer`."""
+    from stage3_models import full_state, stage3_config, tiny_gpt2
+    from zero.runtime.data_pipeline.data_routing.helper import remove_random_ltd_state_dict, save_without_random_ltd
+
+    engine, *_ = zero.initialize(model=tiny_gpt2(), config=stage3_config("cpu", "cpu"))
+    try:
+        saved, whole = save_without_random_ltd(engine), full_state(engine)
+        assert saved.keys() == whole.keys() and all(torch.equal(saved[k], v) for k, v in whole.items())
+    finally:
+        engine.close()
+    value = torch.ones(1)
+    assert remove_random_ltd_state_dict({"h.0.random_ltd_layer.attn.weight": value, "wte.weight": value}) == {
+        "h.0.attn.weight": value, "wte.weight": value}
