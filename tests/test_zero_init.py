@@ -311,3 +311,39 @@ def test_a_registered_external_parameter_of_the_same_block_trains_as_the_plain_m
         engine.close()
         losses.append(run)
     assert losses[0] == losses[1]
+
+
+FULL_DISK_16BIT = textwrap.dedent("""
+    import json, os, resource, signal, sys
+    sys.path.insert(0, sys.argv[2])
+    import zero
+    from stage3_models import stage3_config, tiny_gpt2
+    out = sys.argv[1]
+    config = stage3_config("cpu", "cpu")
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    engine, *_ = zero.initialize(model=tiny_gpt2(), config=config)
+    os.makedirs(out)
+    with open(os.path.join(out, "pytorch_model.bin"), "wb") as f:
+        f.write(b"the last save")
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, resource.RLIM_INFINITY))
+    try:
+        engine.save_16bit_model(out)
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    print(json.dumps({"error": error, "files": sorted(os.listdir(out)),
+                      "kept": open(os.path.join(out, "pytorch_model.bin"), "rb").read().decode()}))
+    """)
+
+
+def test_save_16bit_model_on_a_full_disk_is_one_error_and_the_last_file_stays(tmp_path):
+    """torch.save past a file size limit says only "unexpected pos": the error names the file and the room, the
+    temporary file goes, the file saved before is as it was (and with several ranks every rank raises it)."""
+    done = subprocess.run([sys.executable, "-c", FULL_DISK_16BIT, str(tmp_path / "out"),
+                           os.path.dirname(os.path.abspath(__file__))], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["error"].startswith("CheckpointError: writing the 16-bit weights to "), result["error"]
+    assert "bytes free on its filesystem" in result["error"]
+    assert result["files"] == ["pytorch_model.bin"] and result["kept"] == "the last save"

@@ -2,11 +2,16 @@
 PyTorch loads (zero.export writes fp32 safetensors from a checkpoint instead)."""
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import warnings
 from typing import Any
 
 import torch
+
+from .format import CheckpointError
+from .ranks import agree
 
 
 def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
@@ -37,17 +42,35 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: st
                     state.update((name, value) for name in names[id(slot.param)])
         finally:
             engine.placement.release(unit)
+    error = None
     if keep:
-        for name, p in engine.module.named_parameters(remove_duplicate=False):  # those in no unit: frozen
-            if name not in state and id(p) in names:
-                state[name] = p.detach().cpu()
-        for prefix, owner in engine.module.named_modules():
-            for name, buffer in owner.named_buffers(recurse=False):
-                if name not in owner._non_persistent_buffers_set:
-                    state[f"{prefix}.{name}" if prefix else name] = buffer.detach().cpu()
-        os.makedirs(save_dir, exist_ok=True)
-        path = os.path.join(save_dir, save_filename)
+        try:
+            write(engine, state, names, save_dir, save_filename)
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it before raising
+            error = exc
+    agree(engine.dp, error, f"save_16bit_model to {os.fspath(save_dir)!r}")
+    return True
+
+
+def write(engine: Any, state: dict[str, torch.Tensor], names: dict[int, list[str]], save_dir: str | os.PathLike,
+          save_filename: str) -> None:
+    """Rank 0: add what no unit holds and write the file through a temporary one; a failed write (a full disk:
+    torch reports only a position) removes the temporary file and says where and how much room there was."""
+    for name, p in engine.module.named_parameters(remove_duplicate=False):  # those in no unit: frozen
+        if name not in state and id(p) in names:
+            state[name] = p.detach().cpu()
+    for prefix, owner in engine.module.named_modules():
+        for name, buffer in owner.named_buffers(recurse=False):
+            if name not in owner._non_persistent_buffers_set:
+                state[f"{prefix}.{name}" if prefix else name] = buffer.detach().cpu()
+    os.makedirs(save_dir, exist_ok=True)
+    path = os.path.join(save_dir, save_filename)
+    try:
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
-    engine.dp.barrier()
-    return True
+    except Exception as exc:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        free = shutil.disk_usage(save_dir).free
+        raise CheckpointError(f"writing the 16-bit weights to {path!r} failed with {free} bytes free on its "
+                              f"filesystem ({type(exc).__name__}: {exc}); {path!r} is as it was") from exc
