@@ -419,6 +419,9 @@ def test_invalid_json_names_the_file(tmp_path: Path):
     path.write_text('{"train_batch_size": 8,}')
     with pytest.raises(ConfigError, match="broken.json: not valid JSON"):
         load_config(path)
+    path.write_bytes(b"\x7fELF\x02\x01\xff")  # a binary given as --config
+    with pytest.raises(ConfigError, match=r"broken.json: not UTF-8 text \(byte 6\)"):
+        load_config(path)
 
 
 def test_nvme_path_may_list_several_directories():

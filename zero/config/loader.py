@@ -70,6 +70,8 @@ def read_json(source: str | os.PathLike[str]) -> dict[str, Any]:
             data = json.load(fh, object_pairs_hook=_no_duplicates)
         except json.JSONDecodeError as err:
             raise ConfigError(path, f"not valid JSON: {err}") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(path, f"not UTF-8 text (byte {err.start}): not a JSON config") from None
     if not isinstance(data, dict):
         raise ConfigError(path, "expected a JSON object ({...}) at the top level")
     return data
