@@ -135,6 +135,13 @@ def test_a_checkpoint_saved_without_its_frozen_parameters_is_refused_and_nothing
     # The whole checkpoint exports; one whose aliases name a tensor it does not hold is refused as corrupt.
     assert "transformer.wte.weight" in zero.export.load_state_dict(export_fp32(tmp_path / "ckpt", tmp_path / "out",
                                                                                tag="whole"))
+    # An OUT_DIR that is a file (DeepSpeed's zero_to_fp32.py took an output file) is one line, the file untouched.
+    (tmp_path / "model.bin").write_bytes(b"kept")
+    proc = subprocess.run([sys.executable, "-m", "zero.export", str(tmp_path / "ckpt"), str(tmp_path / "model.bin")],
+                          capture_output=True, text=True, timeout=120, env=child_env(), cwd=REPO_ROOT)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("zero.export: NotADirectoryError: OUT_DIR ") and "is a file" in proc.stderr
+    assert (tmp_path / "model.bin").read_bytes() == b"kept"
     tag_dir = tmp_path / "ckpt" / "whole"
     manifest = json.loads((tag_dir / MANIFEST).read_bytes())
     manifest.pop("manifest_xxh3_64")

@@ -86,11 +86,14 @@ def export_fp32(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, tag: st
                 verify: bool = True) -> str:
     """Write OUT_DIR/model.safetensors (and config.json for a transformers model); returns the safetensors
     path. See the module docstring."""
+    out_dir = os.fspath(out_dir)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):  # refused before any checkpoint byte is read
+        raise NotADirectoryError(f"OUT_DIR {out_dir!r} is a file: give a directory, where model.safetensors (and "
+                                 "config.json) will be written; the file is left as it is")
     tag_dir = resolve(os.fspath(ckpt_dir), tag)
     manifest = read_manifest(tag_dir)
     if manifest.get("excluded"):
         raise ExcludedParametersError(tag_dir, manifest["excluded"])
-    out_dir = os.fspath(out_dir)
     with RecordReader(tag_dir, manifest) as reader:
         if verify:
             ranks = {r for index, unit in enumerate(manifest["units"])
