@@ -22,6 +22,7 @@ from zero.config import (
     format_size,
     load_config,
     parse_size,
+    read_json,
 )
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -414,9 +415,28 @@ def test_duplicate_keys_in_a_file_fail(tmp_path: Path):
         load_config(path)
 
 
+def test_a_config_with_comments_and_trailing_commas_loads_as_deepspeed_reads_it(tmp_path: Path):
+    """DeepSpeed reads its config files as hjson: the same file here gives the same config as its strict JSON,
+    and a key twice is still an error."""
+    strict = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 3e-5, "betas": [0.9, 0.95]}},
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    path = tmp_path / "ds_config.json"
+    path.write_text("""{
+      // ZeRO-3 with the parameters on the CPU
+      "train_batch_size": 8,  # the global batch
+      "optimizer": {"type": "AdamW", "params": {"lr": 3e-5, "betas": [0.9, 0.95,],},},
+      /* offload */ "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
+    }""")
+    assert read_json(path) == strict
+    assert load_config(path) == load_config(strict)
+    path.write_text('{"train_batch_size": 8, // once\n "train_batch_size": 16,}')
+    with pytest.raises(ConfigError, match="train_batch_size: appears twice"):
+        load_config(path)
+
+
 def test_invalid_json_names_the_file(tmp_path: Path):
     path = tmp_path / "broken.json"
-    path.write_text('{"train_batch_size": 8,}')
+    path.write_text('{"train_batch_size": [8}')
     with pytest.raises(ConfigError, match="broken.json: not valid JSON"):
         load_config(path)
     path.write_bytes(b"\x7fELF\x02\x01\xff")  # a binary given as --config

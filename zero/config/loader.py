@@ -12,6 +12,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import hjson
+
 from tiering.errors import TieringConfigError
 
 from .aio import AioSection
@@ -61,17 +63,24 @@ def _read(source: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
 
 
 def read_json(source: str | os.PathLike[str]) -> dict[str, Any]:
-    """A ds_config.json file as a dict, read as `load_config` reads it: a key twice in one object, invalid JSON or
-    a top level that is not an object is a ConfigError (DeepSpeed refuses duplicate keys too; `json.load` would
-    keep the last one silently). For tools that adjust a user's config before loading it."""
+    """A ds_config.json file as a dict, read as `load_config` reads it: JSON, or else hjson as DeepSpeed reads its
+    config files (comments, trailing commas: a config that DeepSpeed loads loads here too; strict JSON is parsed
+    by `json` first, so it reads exactly as before); a key twice in one object, text neither reads, or a top level
+    that is not an object is a ConfigError (DeepSpeed refuses duplicate keys too; `json.load` would keep the last
+    one silently). For tools that adjust a user's config before loading it."""
     path = os.fspath(source)
     with open(path, encoding="utf-8") as fh:
         try:
-            data = json.load(fh, object_pairs_hook=_no_duplicates)
-        except json.JSONDecodeError as err:
-            raise ConfigError(path, f"not valid JSON: {err}") from None
+            text = fh.read()
         except UnicodeDecodeError as err:
             raise ConfigError(path, f"not UTF-8 text (byte {err.start}): not a JSON config") from None
+    try:
+        data = json.loads(text, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError:
+        try:
+            data = hjson.loads(text, object_pairs_hook=_no_duplicates)
+        except hjson.HjsonDecodeError as err:
+            raise ConfigError(path, f"not valid JSON (nor hjson, which DeepSpeed also reads): {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(path, "expected a JSON object ({...}) at the top level")
     return data

@@ -15,13 +15,12 @@ where no launcher made one (transformers' ZeRO-3 loading asks torch.distributed 
 from __future__ import annotations
 
 import copy
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from ..comm import DataParallel, init_distributed
-from ..config import load_config
+from ..config import load_config, read_json
 from . import deepspeed_alias, hf_resize
 
 
@@ -30,8 +29,7 @@ class HfZeroConfig:
         if isinstance(config_file_or_dict, Mapping):
             config = copy.deepcopy(dict(config_file_or_dict))
         else:
-            with open(config_file_or_dict) as f:
-                config = json.load(f)
+            config = read_json(config_file_or_dict)
         self.config = config
         """The DeepSpeed-format dict, as transformers' `deepspeed_config()` returns it to `zero.Init`."""
         validated = load_config(config, world_size=DataParallel.world_size_to_join())  # bad keys are named now

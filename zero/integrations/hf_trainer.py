@@ -73,7 +73,7 @@ from transformers.utils import logging
 
 from ..accumulation.probe import StackedLossRefused
 from ..checkpoint.format import LATEST
-from ..config import ConfigError, TrainingArgs, load_config
+from ..config import ConfigError, TrainingArgs, load_config, read_json
 from ..config.auto import resolve_auto
 from ..engine import ZeroEngine
 from .engine_views import EngineOptimizer, EngineScheduler
@@ -538,10 +538,7 @@ def preserved_rng() -> Iterator[None]:
 
 
 def _read_json(source: str | os.PathLike | Mapping) -> dict:
-    if isinstance(source, Mapping):
-        return copy.deepcopy(dict(source))
-    with open(os.fspath(source), encoding="utf-8") as fh:
-        return json.load(fh)
+    return copy.deepcopy(dict(source)) if isinstance(source, Mapping) else read_json(source)
 
 
 def _is_peft(model: nn.Module) -> bool:
