@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import signal
 import subprocess
 import sys
 import warnings
@@ -142,6 +144,14 @@ def test_a_checkpoint_saved_without_its_frozen_parameters_is_refused_and_nothing
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("zero.export: NotADirectoryError: OUT_DIR ") and "is a file" in proc.stderr
     assert (tmp_path / "model.bin").read_bytes() == b"kept"
+    # Out of room (a file size limit): one line naming the export's file, its temporary file gone.
+    proc = subprocess.run([sys.executable, "-m", "zero.export", str(tmp_path / "ckpt"), str(tmp_path / "small")],
+                          capture_output=True, text=True, timeout=120, env=child_env(), cwd=REPO_ROOT,
+                          preexec_fn=lambda: (signal.signal(signal.SIGXFSZ, signal.SIG_IGN),
+                                              resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))))
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("zero.export: CheckpointIOError: write of ") and "model.safetensors" in proc.stderr
+    assert "checkpoint file" not in proc.stderr and os.listdir(tmp_path / "small") == []
     tag_dir = tmp_path / "ckpt" / "whole"
     manifest = json.loads((tag_dir / MANIFEST).read_bytes())
     manifest.pop("manifest_xxh3_64")

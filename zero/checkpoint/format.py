@@ -153,13 +153,13 @@ class CheckpointBoundaryError(CheckpointError, RuntimeError):
 
 
 class CheckpointIOError(CheckpointError, OSError):
-    """Writing or reading a checkpoint file failed (a full disk, a file size limit, an I/O error). Names the
-    file and the bytes; the checkpoint is not marked complete and the engine's state is untouched."""
+    """Writing or reading a checkpoint's file (or an export's) failed (a full disk, a file size limit, an I/O
+    error). Names the file and the bytes; the checkpoint is not marked complete and the engine's state is untouched."""
 
     def __init__(self, path: str, op: str, offset: int, nbytes: int, err: OSError, temp_path: str = ""):
         self.path, self.op, self.offset, self.nbytes, self.temp_path = path, op, offset, nbytes, temp_path
         via = f" (temporary file {temp_path!r})" if temp_path else ""
-        OSError.__init__(self, err.errno, f"{op} of {nbytes} bytes at offset {offset} of checkpoint file {path!r}"
+        OSError.__init__(self, err.errno, f"{op} of {nbytes} bytes at offset {offset} of {path!r}"
                                           f"{via} failed: {err.strerror or err}")
         self.filename = path
 
