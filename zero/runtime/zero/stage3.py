@@ -57,7 +57,8 @@ def _print(sizes: list[int], total_params, largest_layer_params, num_gpus_per_no
     for param, optimizer in ROWS:
         for zero_init in (1, 0):
             cpu_mem, gpu_mem, _ = _needs(sizes, num_gpus_per_node, num_nodes, param, optimizer, zero_init, factor)
-            rows.append((cpu_mem, gpu_mem, f"offload_param={'cpu' if param else 'none':4}, "
-                                           f"offload_optimizer={'cpu' if optimizer else 'none':4}, zero_init={zero_init}"))
+            options = (f"offload_param={'cpu' if param else 'none':4}, "
+                       f"offload_optimizer={'cpu' if optimizer else 'none':4}, zero_init={zero_init}")
+            rows.append((cpu_mem, gpu_mem, options))
     print_table(rows, total_params=total_params, num_gpus_per_node=num_gpus_per_node, num_nodes=num_nodes,
                 largest_layer_params=largest_layer_params)
