@@ -12,8 +12,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import hjson
-
 from tiering.errors import TieringConfigError
 
 from .aio import AioSection
@@ -77,6 +75,8 @@ def read_json(source: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         data = json.loads(text, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError:
+        import hjson  # only for what strict JSON refuses (a machine without it still reads JSON configs)
+
         try:
             data = hjson.loads(text, object_pairs_hook=_no_duplicates)
         except hjson.HjsonDecodeError as err:
