@@ -329,6 +329,25 @@ def test_on_a_cpu_device_the_speculated_step_counts_the_checksums_beside_the_com
     assert on.step_s >= on.bytes_per_step / 1e6 > off.step_s
 
 
+def test_below_stage_3_autograds_gradients_are_where_the_device_is():
+    """Below stage 3 the resident parameters' gradients, as autograd leaves them, are in the device's memory: in
+    the host's RSS where the device is the CPU, in the device peak (not the RSS) with a GPU."""
+    from zero.plan.machine import Machine
+    from zero.plan.predict import ALLOCATOR_SLACK, predict
+
+    shape = from_preset("tiny")
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    figures = dict(ram_bytes=64 << 30, disk=None, matmul_flops=1e11, adam_elements=1e8, copy_bytes=1e10,
+                   fresh_bytes=1e10, checksum_bytes=1e10, compact_adam={})
+    cpu = predict(shape, Machine(gpu_bytes=0, **figures), config, 0, None)
+    gpu = predict(shape, Machine(gpu_bytes=80 << 30, **figures), config, 0, None)
+    grads = cpu.tier_bytes["device"]  # bf16 parameters on the device; their gradients the same bytes
+    assert grads > 0 and gpu.device_peak_bytes - cpu.device_peak_bytes >= grads - (16 << 10)  # pages round the CPU's
+    # The CPU device's RSS holds its device tier and the gradients; the GPU machine's holds neither.
+    assert abs(cpu.peak_rss_bytes - gpu.peak_rss_bytes - ALLOCATOR_SLACK * (cpu.device_peak_bytes + grads)) <= 1
+
+
 @pytest.mark.parametrize("gpu_bytes", [0, 80 << 30])
 def test_the_unit_the_forward_uses_first_steps_after_the_backward(tmp_path, gpu_bytes):
     """Speculated, the root unit (the embedding's) has its gradient final only when the backward ends: its

@@ -8,7 +8,7 @@ today's engine, with its terms measured on this machine or counted from the mode
 - peak RSS = this process's RSS before planning (python, torch, zero) + the host tier's peak (its homed
   bytes, plus nvme-homed bytes cached up to the host budget) + the device tier's peak where the device is
   host memory (no CUDA; it holds the activations and logits) + what no budget holds: below stage 3, the
-  resident parameters' gradients as autograd leaves them; activations offloaded to cpu (or to nvme, up to
+  resident parameters' gradients as autograd leaves them (with a GPU, in the device peak instead); activations offloaded to cpu (or to nvme, up to
   activation_host_bytes) are in the host tier;
 - step time = forward/backward compute (FLOPs / the measured matmul rate, times COMPUTE_OVERHEAD for what is
   not a matmul, plus the bytes the gathers and the gradient path copy / the measured copy rate, plus fresh
@@ -259,7 +259,9 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
     # Offloaded to nvme, what the host's room for activations cannot hold goes through the disk.
     spilled = max(0, offloaded - cfg.zero_tiering.activation_host_bytes) if cfg.activation_offload == "nvme" else 0
     host_peak += offloaded - spilled
-    unbudgeted = autograd
+    resident_grads = autograd if machine.gpu_bytes else 0  # on a GPU autograd leaves them in its memory
+    device_peak += resident_grads
+    unbudgeted = autograd - resident_grads
     on_host = host_peak + (device_peak if machine.gpu_bytes == 0 else 0)
     peak_rss = int(base_rss + ALLOCATOR_SLACK * (on_host + unbudgeted))
 
@@ -318,7 +320,7 @@ def predict(shape: ModelShape, machine: Machine, config: dict, base_rss: int, nv
         prediction.why_not.append(f"device peak {device_peak / 2**30:.1f} GiB > "
                                   f"{machine.gpu_bytes / 2**30:.1f} GiB GPU memory")
     # The device budget counts activations only where activation_offload hands them to the swap manager.
-    counted = device_peak - (activations if cfg.activation_offload == "none" else 0)
+    counted = device_peak - resident_grads - (activations if cfg.activation_offload == "none" else 0)
     if budgets.device_budget is not None and counted > budgets.device_budget:
         prediction.why_not.append(f"device peak {counted / 2**30:.2f} GiB > device budget "
                                   f"{budgets.device_budget / 2**30:.2f} GiB")
