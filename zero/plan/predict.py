@@ -8,8 +8,8 @@ today's engine, with its terms measured on this machine or counted from the mode
 - peak RSS = this process's RSS before planning (python, torch, zero) + the host tier's peak (its homed
   bytes, plus nvme-homed bytes cached up to the host budget) + the device tier's peak where the device is
   host memory (no CUDA; it holds the activations and logits) + what no budget holds: below stage 3, the
-  resident parameters' gradients as autograd leaves them (with a GPU, in the device peak instead); activations offloaded to cpu (or to nvme, up to
-  activation_host_bytes) are in the host tier;
+  resident parameters' gradients as autograd leaves them (with a GPU, in the device peak instead); activations
+  offloaded to cpu (or to nvme, up to activation_host_bytes) are in the host tier;
 - step time = forward/backward compute (FLOPs / the measured matmul rate, times COMPUTE_OVERHEAD for what is
   not a matmul, plus the bytes the gathers and the gradient path copy / the measured copy rate, plus fresh
   gradients and activations / the measured first-touch rate) + its parameter reads and gradient writes + the optimizer phase, the larger of CPU-Adam and
