@@ -1,5 +1,6 @@
 """Compact state formats through the engine: every format trains the tiny Llama with the same bits whichever path
-steps it (ZeRO-3 with state on nvme or cpu, serial or speculative with roll backs, ZeRO-2 on cpu), accumulation 3
+steps it (ZeRO-3 with state on nvme, cpu or the device, serial or speculative with roll backs, ZeRO-2 on cpu or the
+device), accumulation 3
 and clipping that acts on some steps; two ranks over gloo agree; a save resumes in a fresh process bit for bit the
 uninterrupted run; an exact checkpoint loads into a compact run and the reverse, converted with one line saying
 so. What a format costs in loss is measured by bench/quality.py, not asserted here beyond "it trains": its losses
@@ -113,6 +114,9 @@ def test_every_path_steps_a_format_to_the_same_bits(fmt, tmp_path, exact_run):
     assert_same_bits(speculative, serial)
     assert_same_bits(train(config(fmt, tmp_path / "cpu", tier="cpu", speculate=False)), serial)
     assert_same_bits(train(config(fmt, tmp_path / "stage2", tier="cpu", stage=2)), serial)
+    # State kept on the device (offload_optimizer none), as DeepSpeed runs its bf16 keys without offload
+    assert_same_bits(train(config(fmt, tmp_path / "device", tier="none", speculate=False)), serial)
+    assert_same_bits(train(config(fmt, tmp_path / "device2", tier="none", stage=2)), serial)
     if FORMATS[fmt][1] == "fp16":
         return  # its skipped steps make exact fp32's losses no yardstick
     # It trains: losses fall and stay within a few percent of exact AdamW's (bench/quality.py measures the price).

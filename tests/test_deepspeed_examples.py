@@ -1,7 +1,7 @@
 """Real scripts from DeepSpeed's examples repository (deepspeedai/DeepSpeedExamples at 45b4b715, copied under
 tests/deepspeed_examples/ with synthetic data and tiny sizes, every change marked `EDIT(zero-tiering)`) run on our
 engine, and each step's loss equals DeepSpeed's own on the same script and data, within 1e-5 (fp32; 2e-3 where the
-model trains in bf16 and its loss is computed in fp32: a case's `tolerance`).
+model computes in bf16 and its loss is computed in fp32: a case's `tolerance`).
 
 DeepSpeed's losses were recorded once with DeepSpeed 0.19 on this CPU (tests/deepspeed_examples/record.py; README.md
 there) into deepspeed_losses.json; DeepSpeed is not needed here. Each run is in a fresh directory:
@@ -22,7 +22,10 @@ The cases (tests/deepspeed_examples/harness.py):
   2 micro-batches per step, the script's HF cosine schedule; at ZeRO-2 (FusedAdam), at ZeRO-2 with --offload
   (DeepSpeedCPUAdam, optimizer state on the CPU) and at ZeRO-3 with --offload (parameters too; the model built
   under transformers' HfDeepSpeedConfig, which is zero's HfZeroConfig under the launcher, and by its rewritten
-  import in the zero_imports run).
+  import in the zero_imports run);
+- training/bf16_master_weight/train.py: its bf16_full.json as it is (ZeRO-3 on the device, bf16 master weights,
+  gradients and optimizer states, torch_autocast, loss.backward() instead of engine.backward), and fp32 parameters
+  under torch_autocast with cpu offload and activation checkpointing.
 A case's `zero_launch_limit` skips its zero_launch run (a documented limit, with the reason).
 """
 from __future__ import annotations

@@ -12,6 +12,7 @@ which brings them to the full buffers. Checkpoints read the engine through `coun
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import time
@@ -28,6 +29,7 @@ from .accumulation.micro_batches import loss_of
 from .accumulation.unit_major import UnitMajor
 from .checkpoint import sixteen_bit
 from .services.activations import ActivationOffload
+from .services.autocast import Autocast
 from .comm import DataParallel
 from .config import Config
 from .services.counters import StepCounters, ThroughputTimer
@@ -78,7 +80,8 @@ class ZeroEngine(FullValues, nn.Module):
                  dp: DataParallel, swap: SwapManager, loss_scaler: LossScaler | None, compute_dtype: torch.dtype,
                  device: torch.device, overlap: OverlappedStep | None = None,
                  speculation: SpeculativeStep | None = None, activations: ActivationOffload | None = None,
-                 device_minimum: dict[str, int] | None = None, unit_major: UnitMajor | None = None):
+                 device_minimum: dict[str, int] | None = None, unit_major: UnitMajor | None = None,
+                 autocast: Autocast | None = None):
         super().__init__()
         self.module = module
         self.config = config
@@ -102,6 +105,8 @@ class ZeroEngine(FullValues, nn.Module):
         """Steps sub-groups during the boundary's backward and validates them at the step (speculative_step), or None."""
         self.activations = activations
         """Where the forward's saved activations rest until the backward (activation_offload), or None."""
+        self.autocast = autocast
+        """torch.autocast around the forward (torch_autocast), or None."""
         self.tput_timer = ThroughputTimer(config.train_batch_size)
         """Samples a second of the optimizer steps (DeepSpeed's), timed from each forward to its step()."""
         self.unit_major = unit_major
@@ -155,6 +160,19 @@ class ZeroEngine(FullValues, nn.Module):
     def fp16_enabled(self) -> bool:
         return self.compute_dtype == torch.float16
 
+    def torch_autocast_enabled(self) -> bool:
+        return self.autocast is not None
+
+    def torch_autocast_dtype(self) -> torch.dtype | None:
+        """The dtype the forward autocasts to (torch's default for the device where the config names none)."""
+        return self.autocast.dtype if self.autocast is not None else None
+
+    def torch_autocast_lower_precision_safe_modules(self) -> list[str]:
+        """DeepSpeed's (its default: Linear and Conv1d-3d), for scripts that read them back; not used here."""
+        names = self.config.torch_autocast.lower_precision_safe_modules
+        return list(names) if names is not None else [f"{c.__module__}.{c.__name__}" for c in (
+            nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)]
+
     @property
     def local_rank(self) -> int:
         """This process's place among the ranks of its node (LOCAL_RANK, as the launcher sets it; 0 without one)."""
@@ -202,11 +220,16 @@ class ZeroEngine(FullValues, nn.Module):
             self.tput_timer.start()
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
-        if self.activations is None or not torch.is_grad_enabled():
-            output = self.module(*args, **kwargs)
-        else:
-            with self.activations.saving(self.counters.in_step()):
+        saving = (None if self.activations is None or not torch.is_grad_enabled()
+                  else functools.partial(self.activations.saving, self.counters.in_step()))
+        if self.autocast is not None:
+            with self.autocast.forward(saving):
                 output = self.module(*args, **kwargs)
+        elif saving is not None:
+            with saving():
+                output = self.module(*args, **kwargs)
+        else:
+            output = self.module(*args, **kwargs)
         if torch.is_grad_enabled():
             self.direct.watch(output)
         return output

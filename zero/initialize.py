@@ -33,6 +33,7 @@ from .optim.driver import AdamDriver
 from .optim.gradient_copies import GradientCopies
 from .optim.gradients import Gradients
 from .optim.loss_scaler import LossScaler
+from .services.autocast import Autocast, autocast_dtype, autocast_loss_scaler
 from .optim.lr_schedules import WarmupSchedule
 from .optim.overlapped_step import OverlappedStep
 from .optim.param_groups import ZeroOptimizer, param_groups_from
@@ -141,11 +142,13 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
         unit_major = None  # resident parameters (stages 0-2) have no gathers to save: micro-batch by micro-batch
         if isinstance(placement, PartitionedPlacement) and cfg.zero_tiering.accumulation == "unit-major":
             unit_major = UnitMajor(model=model, units=placement.units, placement=placement, counters=counters, dp=dp)
+        cast = autocast_dtype(cfg, device)
         engine = ZeroEngine(module=model, config=cfg, placement=placement, driver=driver, gradients=gradients,
                             counters=counters, optimizer=zero_opt, lr_scheduler=lr_scheduler, dp=dp, swap=swap,
-                            loss_scaler=loss_scaler(cfg), compute_dtype=dtype, device=device, overlap=overlap,
-                            speculation=speculation, activations=activations, device_minimum=device_need,
-                            unit_major=unit_major)
+                            loss_scaler=loss_scaler(cfg) or autocast_loss_scaler(cfg, cast), compute_dtype=dtype,
+                            device=device, overlap=overlap, speculation=speculation, activations=activations,
+                            device_minimum=device_need, unit_major=unit_major,
+                            autocast=None if cast is None else Autocast(cast, device, model))
     except BaseException:
         if speculation is not None:
             speculation.close()

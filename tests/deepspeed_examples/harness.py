@@ -8,7 +8,9 @@ first run saved is loaded: `{exp_dir}` names the experiment directory the first 
 
 Other keys of a case: `package` (a directory beside the script that it imports, e.g. DeepSpeed-Chat's dschat; the
 zero_imports run gets a rewritten copy of it beside its rewritten script), `tolerance` (per-step loss, absolute; by
-default TOLERANCE) and `zero_launch_limit` (why its zero_launch run cannot work: the test skips it, with that reason).
+default TOLERANCE), `loss_csv` (a file of `step,loss` rows the script writes itself, read for rank 0's losses where
+the script calls loss.backward() and the recorder never sees the loss) and `zero_launch_limit` (why its zero_launch
+run cannot work: the test skips it, with that reason).
 
 Three ways to run a script:
 - "deepspeed": the script unchanged, with DeepSpeed (the interpreter of a venv that has it; DS_ACCELERATOR=cpu);
@@ -19,6 +21,7 @@ Three ways to run a script:
 """
 from __future__ import annotations
 
+import csv
 import glob
 import json
 import os
@@ -71,6 +74,23 @@ and its shuffle indices and tokenized data cached under {tmp}. No --output_dir: 
 tokenizer.save_vocabulary needs a tokenizer with a vocabulary file (the tiny one is a tokenizer.json). --local_rank 0, as DeepSpeed's launcher passes it
 (the script calls deepspeed.init_distributed() only with one; zero.launch passes its own --local_rank=0 after it)."""
 
+BF16_EXAMPLE_ARGS = ["--deepspeed_config", "{tmp}/ds_config.json", "--hidden_dim", "64", "--num_layers", "2",
+                     "--num_heads", "4", "--vocab_size", "512", "--seq_length", "16", "--num_steps", "8",
+                     "--log_interval", "1", "--loss_log_file", "{tmp}/losses.csv"]
+"""training/bf16_master_weight/train.py's switches at tiny sizes (its model: an embedding, nn.MultiheadAttention
+blocks and a head; random tokens and labels from its seed, 42); it writes each step's loss to --loss_log_file."""
+
+
+def bf16_example_config(name: str, **changes) -> dict:
+    """One of training/bf16_master_weight/configs/ (copied into bf16_master_weight/), its top-level sections updated
+    with `changes`."""
+    with open(os.path.join(HERE, "bf16_master_weight", f"{name}.json")) as f:
+        config = json.load(f)
+    for section, values in changes.items():
+        config[section] = {**config.get(section, {}), **values}
+    return config
+
+
 CASES: dict[str, dict] = {
     "cifar10_zero3_cpu_offload_1rank": {
         "script": "cifar10_deepspeed.py", "world": 1, "args": CIFAR_ARGS,
@@ -114,6 +134,22 @@ CASES: dict[str, dict] = {
         # HfDeepSpeedConfig (transformers' zero.Init) and its embeddings resized under GatheredParameters
         "script": "deepspeed_chat_step1_main.py", "package": "dschat", "world": 1, "setup": "llama",
         "args": DSCHAT_ARGS + ["--zero_stage", "3", "--offload"], "tolerance": BF16_TOLERANCE,
+    },
+    "bf16_master_weight_bf16_full_zero3": {
+        # DeepSpeed's bf16_full.json as it is: ZeRO-3 with nothing offloaded, bf16 master weights and gradients,
+        # bf16 optimizer states, and torch_autocast in bf16 around the forward (the script's own autocast around
+        # forward and loss too); the script calls loss.backward(), not engine.backward
+        "script": "bf16_master_weight_train.py", "world": 1, "config": bf16_example_config("bf16_full"),
+        "args": BF16_EXAMPLE_ARGS, "loss_csv": "{tmp}/losses.csv", "tolerance": BF16_TOLERANCE,
+    },
+    "bf16_master_weight_autocast_fp32_offload": {
+        # baseline.json with fp32 parameters under torch_autocast in bf16 (no bf16 section: torch's mixed precision
+        # instead of DeepSpeed's), parameters and optimizer state offloaded to the CPU, activation checkpointing
+        "script": "bf16_master_weight_train.py", "world": 1, "config": bf16_example_config(
+            "baseline", bf16={"enabled": False}, torch_autocast={"enabled": True, "dtype": "bfloat16"},
+            zero_optimization={"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}),
+        "args": BF16_EXAMPLE_ARGS + ["--activation_checkpointing"], "loss_csv": "{tmp}/losses.csv",
+        "tolerance": BF16_TOLERANCE,
     },
 }
 
@@ -222,6 +258,9 @@ def run_once(case: dict, mode: str, tmp: str, args: list[str], name: str, python
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)}\nexited {done.returncode}\n--- stdout\n{done.stdout[-4000:]}\n"
                            f"--- stderr\n{done.stderr[-8000:]}")
+    if "loss_csv" in case:  # a script that calls loss.backward(): its own log of each step's loss (rank 0)
+        with open(case["loss_csv"].replace("{tmp}", tmp)) as f:
+            return [[float(row["loss"]) for row in csv.DictReader(f)]]
     losses = []
     for rank in range(case["world"]):
         with open(f"{log}.rank{rank}") as f:

@@ -1,8 +1,11 @@
 """The `fp16` and `bf16` sections: low-precision compute over fp32 master weights, as DeepSpeed describes it."""
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from typing import Literal
 
+from .errors import ConfigError
 from .schema import Section, Unsupported, setting
 
 
@@ -63,3 +66,47 @@ class BF16Config(Section):
         "immediate_grad_update": "DeepSpeed's choice of when each micro-batch's gradient is added into the "
                                  "fp32 accumulator; zero-tiering adds it once per micro-batch either way",
     }
+
+
+AUTOCAST_DTYPES = {"bf16": ("torch.bfloat16", "bf16", "bfloat16"), "fp16": ("torch.float16", "fp16", "float16", "half")}
+"""torch_autocast.dtype's spellings, as DeepSpeed's DtypeEnum reads them, by the name kept here."""
+
+
+def _autocast_dtype(value: object) -> object:
+    for name, spellings in AUTOCAST_DTYPES.items():
+        if value in spellings:
+            return name
+    if value in ("torch.float32", "fp32", "float32", "float", "torch.int8", "int8"):
+        raise ValueError("torch.autocast computes in bfloat16 or float16 only")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class TorchAutocastConfig(Section):
+    """DeepSpeed's `torch_autocast`: the engine's forward runs under torch.autocast over parameters kept in their
+    own dtype (fp32 unless bf16 or fp16 is enabled), so each op picks its precision (matrix products in `dtype`,
+    reductions and norms in fp32). fp16 gets a dynamic loss scale stepped as torch's GradScaler steps it."""
+
+    enabled: bool = False
+    """Run the forward under torch.autocast."""
+
+    dtype: Literal["bf16", "fp16"] | None = setting(None, convert=_autocast_dtype)
+    """The autocast dtype ("bfloat16", "torch.bfloat16", "bf16"; "float16", "torch.float16", "fp16", "half");
+    null: torch's default for the device (float16 on CUDA, bfloat16 on the CPU)."""
+
+    lower_precision_safe_modules: tuple[str, ...] | None = None
+    """DeepSpeed's modules (dotted class names) whose gradients it reduces in `dtype`; checked to import, and
+    otherwise unused: zero-tiering reduces every gradient in fp32 (or communication_data_type)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in self.lower_precision_safe_modules or ():
+            module, _, cls = name.rpartition(".")
+            try:
+                found = getattr(importlib.import_module(module), cls) if module else None
+            except (ImportError, AttributeError):
+                found = None
+            if not isinstance(found, type):
+                raise ConfigError("lower_precision_safe_modules",
+                                  f"{name!r} is not an importable class (a dotted name such as "
+                                  "'torch.nn.modules.linear.Linear')", value=list(self.lower_precision_safe_modules))

@@ -13,7 +13,7 @@ from .aio import AioSection
 from .checkpoint import CheckpointConfig
 from .errors import ConfigError
 from .optimizer import OptimizerConfig
-from .precision import BF16Config, FP16Config
+from .precision import BF16Config, FP16Config, TorchAutocastConfig
 from .scheduler import SchedulerConfig
 from .schema import DISABLED, Section, Unsupported, setting
 from .tiering_section import ZeroTieringSection
@@ -68,6 +68,9 @@ class Config(Section):
 
     bf16: BF16Config = setting(factory=BF16Config, aliases=("bfloat16",))
     """bf16 mixed precision (DeepSpeed's old key `bfloat16` is accepted)."""
+
+    torch_autocast: TorchAutocastConfig = setting(factory=TorchAutocastConfig)
+    """torch.autocast around the engine's forward."""
 
     optimizer: OptimizerConfig | None = None
     """The optimizer the engine builds; null: the user passes one."""
@@ -134,7 +137,6 @@ class Config(Section):
             ("eigenvalue", "eigenvalue computation"),
             ("hybrid_engine", "the hybrid (RLHF) engine"),
             ("nebula", "Nebula checkpointing"),
-            ("torch_autocast", "torch.autocast inside the engine"),
         )},
     }
     IGNORED = {name: MONITORING for name in (
@@ -150,6 +152,11 @@ class Config(Section):
                               "activation_checkpointing.cpu_checkpointing asks for host memory; drop one of the two",
                               value=self.zero_tiering.activation_offload)
         self._check_state_format()
+        autocast, trained = self.torch_autocast, "bf16" if self.bf16.enabled else "fp16" if self.fp16.enabled else None
+        if autocast.enabled and trained is not None and autocast.dtype not in (None, trained):
+            raise ConfigError("torch_autocast.dtype", f"{trained}.enabled casts the model to {trained}: autocast in "
+                                                      "another dtype would cast it again; drop one of the two",
+                              value=autocast.dtype)
 
     @property
     def state_format(self) -> StateFormat:
@@ -171,10 +178,6 @@ class Config(Section):
             raise ConfigError(key, f"a {fmt.master} master is the bf16 parameter's value: it needs bf16 compute "
                                    "(bf16.enabled); this config computes in "
                                    f"{'fp16' if self.fp16.enabled else 'fp32'}", value=value)
-        if not fmt.exact and self.zero_optimization.offload_optimizer.device == "none":
-            key, value = self._written("moments" if fmt.moments != "fp32" else "master")
-            raise ConfigError(key, f"a compact state format ({fmt.describe()}) is stepped by CPU-Adam: set "
-                                   "zero_optimization.offload_optimizer.device to cpu or nvme", value=value)
 
     def _written(self, part: str) -> tuple[str, object]:
         """The key this config sets state `part` ("moments", "master") with, as the user wrote it, and its value:

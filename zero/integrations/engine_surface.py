@@ -35,8 +35,7 @@ UNPROVIDED = frozenset("""
     set_custom_curriculum_learning_schedule set_data_post_process_func set_train_batch_size
     set_train_micro_batch_size sparse_all_gather sparse_allreduce sparse_allreduce_bucket
     sparse_allreduce_no_retain sparse_gradients_enabled steps_per_print super_offload swap_tensor_config
-    tensor_parallel_config torch_autocast_dtype torch_autocast_enabled
-    torch_autocast_lower_precision_safe_modules use_node_local_storage uses_parallelization_pass_only
+    tensor_parallel_config use_node_local_storage uses_parallelization_pass_only
     wall_clock_breakdown was_step_applied zenflow_config zero_allgather_bucket_size zero_allgather_partitions
     zero_allgather_sequential zero_allow_untested_optimizer zero_contiguous_gradients zero_cpu_offload
     zero_elastic_checkpoint zero_force_ds_cpu_optimizer zero_gather_16bit_weights_on_model_save zero_grad_hooks

@@ -50,7 +50,7 @@ def round_stochastic(values: torch.Tensor, out: torch.Tensor, key: int, index: i
     """fp32 `values` into bf16 `out`, rounded stochastically with the bits of elements index, index + 1, ...
     (non-finite values round to nearest)."""
     n = values.numel()
-    position = torch.arange(index, index + n, dtype=torch.int64) & _MASK32
+    position = torch.arange(index, index + n, dtype=torch.int64, device=values.device) & _MASK32
     random = _mix(position ^ key) >> 16
     bits = values.view(torch.int32).to(torch.int64) & _MASK32
     rounded = ((bits + random) >> 16) & 0xFFFF
@@ -70,14 +70,14 @@ def compact_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     dtype. `key` and `index` (the first element's index in its unit): the stochastic rounding's bits. `tails`: as
     `adam_step`'s (each parameter's last numel % 8 elements; None: the sub-group's), so that the bits do not depend
     on where sub-groups cut the unit. On the C kernel where it is built, on `threads` (None: the calling thread);
-    else `torch_compact_step`."""
+    else, and for state kept on a GPU (offload_optimizer none), `torch_compact_step`."""
     if grad.dtype not in (torch.float32, torch.bfloat16) or (grad.dtype == torch.bfloat16 and hyper["grad_scale"] != 1):
         raise ValueError(f"compact_step: a {grad.dtype} gradient with grad_scale {hyper['grad_scale']} (fp32, or bf16 "
                          "at grad_scale 1: a scaled gradient is stored back in fp32)")
     kernel = _kernel()[0]
     parts = runs(master, grad, exp_avg, exp_avg_sq, out, compensation, codecs, numel)
     tails = ((numel - numel % 8, numel),) if tails is None else tails
-    if kernel is None or not hasattr(kernel, "compact_step"):
+    if kernel is None or not hasattr(kernel, "compact_step") or master.device.type != "cpu":
         for args, run_codecs, n, at in parts:
             torch_compact_step(*args, codecs=run_codecs, numel=n, key=key, index=index + at, hyper=hyper,
                                tails=_within(tails, at, n))
@@ -156,7 +156,7 @@ def torch_compact_step(master, grad, exp_avg, exp_avg_sq, out: torch.Tensor | No
     """`compact_step` of one run (one codec per part) with torch ops, CHUNK elements at a time (scratch of three
     chunks, fp32); `tails` None: the run's last numel % 8 elements."""
     tails = ((numel - numel % 8, numel),) if tails is None else tails
-    scratch = torch.empty(3, min(CHUNK, numel), dtype=torch.float32)
+    scratch = torch.empty(3, min(CHUNK, numel), dtype=torch.float32, device=master.device)
     for lo in range(0, numel, CHUNK):
         n = min(CHUNK, numel - lo)
         fp32 = []

@@ -106,17 +106,27 @@ class Int8Blocks(Codec):
         nblocks = self.blocks(numel)
         return stored.narrow(0, 0, 4 * nblocks).view(torch.float32), stored.narrow(0, 4 * nblocks, numel)
 
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, midpoints) on `device` (the torch path steps state kept on a GPU there)."""
+        if device.type == "cpu":
+            return self.values, self.midpoints
+        return self._tables_on(device)
+
+    @functools.cache
+    def _tables_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.values.to(device), self.midpoints.to(device)
+
     def decode(self, stored: torch.Tensor, numel: int, out: torch.Tensor, start: int = 0) -> None:
         absmax, codes = self.split(stored, numel)
         n = out.numel()
         scale = absmax.narrow(0, start // QBLOCK, self.blocks(n)).repeat_interleave(QBLOCK)[:n]
-        torch.mul(self.values[codes.narrow(0, start, n).long()], scale, out=out)
+        torch.mul(self.tables(out.device)[0][codes.narrow(0, start, n).long()], scale, out=out)
 
     def encode(self, values: torch.Tensor, stored: torch.Tensor, numel: int, start: int = 0) -> None:
         absmax_all, codes_all = self.split(stored, numel)
         n = values.numel()
         nblocks = self.blocks(n)
-        padded = torch.zeros(nblocks * QBLOCK, dtype=torch.float32)
+        padded = torch.zeros(nblocks * QBLOCK, dtype=torch.float32, device=values.device)
         padded[:n] = values
         blocks = padded.view(nblocks, QBLOCK)
         absmax = blocks.abs().amax(dim=1)
@@ -124,7 +134,7 @@ class Int8Blocks(Codec):
         absmax = torch.where(empty, torch.zeros_like(absmax), absmax)
         inverse = torch.reciprocal(torch.where(absmax > 0, absmax, torch.ones_like(absmax)))
         scaled = (blocks * inverse[:, None]).view(-1)[:n]
-        codes = torch.searchsorted(self.midpoints, scaled)  # how many thresholds lie below: the nearest code
+        codes = torch.searchsorted(self.tables(values.device)[1], scaled)  # thresholds below: the nearest code
         codes = torch.where(torch.isnan(scaled), self.zero, codes)
         codes = torch.where(empty.repeat_interleave(QBLOCK)[:n], 0, codes)
         absmax_all.narrow(0, start // QBLOCK, nblocks).copy_(absmax)

@@ -22,7 +22,7 @@ import contextlib
 import functools
 import itertools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -99,12 +99,14 @@ class ActivationOffload:
         self.saved = 0
 
     @contextlib.contextmanager
-    def saving(self, micro_batch: int) -> Iterator[None]:
-        """Around one forward: what it saves becomes segments named `activation<micro_batch>/<k>` in saving order."""
+    def saving(self, micro_batch: int, wrap: Callable | None = None) -> Iterator[None]:
+        """Around one forward: what it saves becomes segments named `activation<micro_batch>/<k>` in saving order.
+        `wrap(pack, unpack)`: the hooks to run instead, ahead of these (autocast.py's)."""
         self.collect()
         self._prefix, self._count = f"{PREFIX}{micro_batch}/", 0
+        hooks = (self._pack, self._unpack) if wrap is None else wrap(self._pack, self._unpack)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(*hooks):
                 yield
         finally:
             for ref in self._live.values():
