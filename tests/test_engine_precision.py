@@ -149,7 +149,8 @@ def test_fp16_overflow_skips_exactly_that_step(hysteresis):
     """An inf loss in one micro-batch of optimizer step 2 (and, with hysteresis 2, of step 3 too) makes its
     gradient overflow. DeepSpeed's rules: the step is skipped (parameters unchanged, skipped_steps counts
     it, global_steps still advances, the lr schedule does not), and the scale halves on the overflow that
-    uses up the hysteresis (the first with hysteresis 1; with 2 the first only spends one unit of it).
+    uses up the hysteresis (the first with hysteresis 1; with 2 the first only spends one unit of it), and
+    `engine.optimizer.overflow` says whether the last step was skipped.
     Every other step trains, exactly as the by-hand fp16 mixed-precision reference that drops the same
     steps, with the same scales and lrs."""
     accum, clip, steps = 2, 1.0, 7
@@ -173,6 +174,8 @@ def test_fp16_overflow_skips_exactly_that_step(hysteresis):
         params.append(named_params(model))
         skipped.append(engine.skipped_steps)
         assert engine.global_steps == step + 1
+        # DeepSpeed's ZeRO optimizers' flag, which DeepSpeed-Chat's PPO trainer reads after each step
+        assert engine.optimizer.overflow == (step in overflow_steps)
     for step in range(steps):
         unchanged = all(torch.equal(params[step][k], params[step + 1][k]) for k in params[step])
         assert unchanged == (step in overflow_steps), f"step {step}: parameters {'un' if unchanged else ''}changed"

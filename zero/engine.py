@@ -384,6 +384,7 @@ class ZeroEngine(FullValues, nn.Module):
         grad_norm = self.gradients.norm(self.units)
         finite = bool(torch.isfinite(grad_norm).item())  # the norm is every rank's: all agree
         overflow = not finite and (self.loss_scaler is not None or self.config.zero_tiering.nonfinite == "skip")
+        self.optimizer.overflow = overflow
         if not finite and not overflow:
             if self.speculation is not None:  # the early-stepped sub-groups go back to their state before it
                 self.speculation.settle(self.optimizer.param_groups, self.optimizer.step_count + 1, 1.0,

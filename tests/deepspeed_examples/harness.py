@@ -91,6 +91,21 @@ def bf16_example_config(name: str, **changes) -> dict:
     return config
 
 
+DSCHAT_STEP3_ARGS = ["--data_path", "Dahoas/rm-static", "--data_split", "0,0,10", "--data_output_path",
+                     "{tmp}/data_files", "--actor_model_name_or_path", "{tmp}/model", "--critic_model_name_or_path",
+                     "{tmp}/critic", "--num_padding_at_beginning", "0", "--per_device_generation_batch_size", "4",
+                     "--per_device_training_batch_size", "4", "--generation_batches", "1", "--ppo_epochs", "1",
+                     "--max_prompt_seq_len", "16", "--max_answer_seq_len", "16", "--actor_learning_rate", "1e-4",
+                     "--critic_learning_rate", "1e-4", "--num_train_epochs", "1", "--lr_scheduler_type", "cosine",
+                     "--gradient_accumulation_steps", "1", "--num_warmup_steps", "0", "--seed", "1234",
+                     "--dtype", "fp32", "--actor_zero_stage", "3", "--critic_zero_stage", "3", "--offload",
+                     "--local_rank", "0"]
+"""DeepSpeed-Chat step 3's switches, as training_scripts/opt/single_node/run_1.3b.sh passes them, with tiny sizes: the
+synthetic Dahoas/rm-static's prompts (12 of them, 3 generation batches of 4), actor and reference from {tmp}/model,
+critic and reward from {tmp}/critic (a step-2 output: tiny_models.write_critic), fp32 (an EDIT: the script takes fp16
+or bf16, and with bf16 the PPO losses amplify the two engines' different bf16 roundings past any useful tolerance
+within two steps), both ZeRO-3 with --offload. No --output_dir (save_hf_format: see DSCHAT_ARGS)."""
+
 CASES: dict[str, dict] = {
     "cifar10_zero3_cpu_offload_1rank": {
         "script": "cifar10_deepspeed.py", "world": 1, "args": CIFAR_ARGS,
@@ -134,6 +149,14 @@ CASES: dict[str, dict] = {
         # HfDeepSpeedConfig (transformers' zero.Init) and its embeddings resized under GatheredParameters
         "script": "deepspeed_chat_step1_main.py", "package": "dschat", "world": 1, "setup": "llama",
         "args": DSCHAT_ARGS + ["--zero_stage", "3", "--offload"], "tolerance": BF16_TOLERANCE,
+    },
+    "deepspeed_chat_rlhf_zero3_cpu_offload": {
+        # DeepSpeed-Chat's step 3 (PPO): four engines in one process (actor and critic trained, reference and reward
+        # evaluated), ZeRO-3 with parameters and optimizer state on the CPU, the actor generating each batch's answers
+        # under ZeRO-3 (sampled: the same draws as DeepSpeed's), actor and critic backward and step in turn; each
+        # engine.backward's loss recorded in order (actor, critic, actor, ...)
+        "script": "deepspeed_chat_step3_main.py", "package": "dschat", "world": 1, "setup": "llama_critic",
+        "args": DSCHAT_STEP3_ARGS,
     },
     "bf16_master_weight_bf16_full_zero3": {
         # DeepSpeed's bf16_full.json as it is: ZeRO-3 with nothing offloaded, bf16 master weights and gradients,
@@ -182,8 +205,10 @@ def setup(case: dict, tmp: str) -> None:
         import tiny_models
     finally:
         sys.path.remove(HERE)
-    if case.get("setup") == "llama":
+    if case.get("setup") in ("llama", "llama_critic"):
         tiny_models.write_llama(os.path.join(tmp, "model"))
+    if case.get("setup") == "llama_critic":
+        tiny_models.write_critic(os.path.join(tmp, "critic"), os.path.join(tmp, "model"))
     elif case.get("setup") == "roberta_tokenizer":
         tiny_models.write_roberta_tokenizer(os.path.join(tmp, "tokenizer"))
     if "config" in case:

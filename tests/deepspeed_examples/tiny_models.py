@@ -40,6 +40,26 @@ def write_llama(directory: str, seed: int = 0) -> str:
     return directory
 
 
+def write_critic(directory: str, model_dir: str, seed: int = 1) -> str:
+    """What DeepSpeed-Chat's step 3 loads as its critic and reward model, a step-2 output: `model_dir`'s files and a
+    `pytorch_model.bin` holding a dschat RewardModel's state: the base model (its embeddings grown to a multiple of 8
+    rows, as step 3's build grows them) as `rwtranformer.*` and a seeded value head `v_head.weight`."""
+    import math
+    import shutil
+
+    from transformers import AutoModel, AutoTokenizer
+
+    shutil.copytree(model_dir, directory, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    torch.manual_seed(seed)
+    base = AutoModel.from_pretrained(directory)
+    base.resize_token_embeddings(int(8 * math.ceil(len(tokenizer) / 8.0)))
+    state = {f"rwtranformer.{k}": v for k, v in base.state_dict().items()}
+    state["v_head.weight"] = torch.randn(1, base.config.hidden_size) * 0.02
+    torch.save(state, os.path.join(directory, "pytorch_model.bin"))
+    return directory
+
+
 def write_roberta_tokenizer(directory: str) -> str:
     """A RoBERTa-style tokenizer with roberta-base's special ids (<s> 0, <pad> 1, </s> 2, <unk> 3) and a mask token."""
     tokenizer = word_level_tokenizer(["<s>", "<pad>", "</s>", "<unk>", "<mask>"], bos_token="<s>", pad_token="<pad>",

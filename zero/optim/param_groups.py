@@ -26,6 +26,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __init__(self, param_groups: list[dict]):
         super().__init__(param_groups, defaults={})  # keeps the same group dicts: a scheduler's edits reach us
         self.step_count = 0
+        self.overflow = False
+        """Whether the last boundary's step was skipped on an overflow (DeepSpeed's ZeRO optimizers' attribute,
+        which DeepSpeed-Chat's PPO trainer reads after each fp16 step)."""
 
     def step(self, closure=None):
         raise RuntimeError("zero-tiering's optimizer steps inside engine.step(); call that every micro-batch")

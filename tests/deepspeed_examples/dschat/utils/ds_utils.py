@@ -37,6 +37,9 @@ def get_train_ds_config(offload,
     elif dtype == "bf16":
         data_type = "bfloat16"
         dtype_config = {"enabled": True}
+    else:  # EDIT(zero-tiering): fp32 (step 3's --dtype fp32): neither fp16 nor bf16 enabled
+        data_type = "bfloat16"  # EDIT(zero-tiering)
+        dtype_config = {"enabled": False}  # EDIT(zero-tiering)
     zero_opt_dict = {
         "stage": stage,
         "overlap_comm": True,
@@ -91,6 +94,9 @@ def get_eval_ds_config(offload, dtype, stage=0):
     elif dtype == "bf16":
         data_type = "bfloat16"
         dtype_config = {"enabled": True}
+    else:  # EDIT(zero-tiering): fp32 (step 3's --dtype fp32): neither fp16 nor bf16 enabled
+        data_type = "bfloat16"  # EDIT(zero-tiering)
+        dtype_config = {"enabled": False}  # EDIT(zero-tiering)
     zero_opt_dict = {
         "stage": stage,
         "stage3_param_persistence_threshold": 1e4,
