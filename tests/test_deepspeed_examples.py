@@ -22,7 +22,8 @@ The cases (tests/deepspeed_examples/harness.py):
   2 micro-batches per step, the script's HF cosine schedule; at ZeRO-2 (FusedAdam), at ZeRO-2 with --offload
   (DeepSpeedCPUAdam, optimizer state on the CPU) and at ZeRO-3 with --offload (parameters too; the model built
   under transformers' HfDeepSpeedConfig, which is zero's HfZeroConfig under the launcher, and by its rewritten
-  import in the zero_imports run); and its step 3 (PPO: four engines, generation under ZeRO-3), in fp32;
+  import in the zero_imports run); its DPO step (a reference engine beside the policy) and step 3 (PPO: four
+  engines, generation under ZeRO-3), both in fp32;
 - training/bf16_master_weight/train.py: its bf16_full.json as it is (ZeRO-3 on the device, bf16 master weights,
   gradients and optimizer states, torch_autocast, loss.backward() instead of engine.backward), and fp32 parameters
   under torch_autocast with cpu offload and activation checkpointing.

@@ -91,6 +91,14 @@ def bf16_example_config(name: str, **changes) -> dict:
     return config
 
 
+def replaced(args: list[str], **values: str) -> list[str]:
+    """`args` with the value after each `--<key>` replaced by values[key]."""
+    out = list(args)
+    for key, value in values.items():
+        out[out.index(f"--{key}") + 1] = value
+    return out
+
+
 DSCHAT_STEP3_ARGS = ["--data_path", "Dahoas/rm-static", "--data_split", "0,0,10", "--data_output_path",
                      "{tmp}/data_files", "--actor_model_name_or_path", "{tmp}/model", "--critic_model_name_or_path",
                      "{tmp}/critic", "--num_padding_at_beginning", "0", "--per_device_generation_batch_size", "4",
@@ -149,6 +157,13 @@ CASES: dict[str, dict] = {
         # HfDeepSpeedConfig (transformers' zero.Init) and its embeddings resized under GatheredParameters
         "script": "deepspeed_chat_step1_main.py", "package": "dschat", "world": 1, "setup": "llama",
         "args": DSCHAT_ARGS + ["--zero_stage", "3", "--offload"], "tolerance": BF16_TOLERANCE,
+    },
+    "deepspeed_chat_dpo_zero3_cpu_offload": {
+        # DeepSpeed-Chat's step 2 by DPO: the policy trained and a reference model evaluated, two ZeRO-3 engines in
+        # one process with parameters and optimizer state on the CPU, 2 micro-batches per step, fp32 (an EDIT, as
+        # step 3's); an evaluation before and after the epoch
+        "script": "deepspeed_chat_step2_dpo_main.py", "package": "dschat", "world": 1, "setup": "llama",
+        "args": replaced(DSCHAT_ARGS, data_split="0,10,0", dtype="fp32") + ["--zero_stage", "3", "--offload"],
     },
     "deepspeed_chat_rlhf_zero3_cpu_offload": {
         # DeepSpeed-Chat's step 3 (PPO): four engines in one process (actor and critic trained, reference and reward
