@@ -25,6 +25,9 @@ from models import (LR, MODELS, WEIGHT_DECAY, assert_losses_equal, batches, engi
 from stage3_models import assert_state_equal, full_state
 
 
+pytestmark = pytest.mark.filterwarnings("ignore:bf16 compute:UserWarning", "ignore:fp16 compute:UserWarning")
+
+
 def autocast_config(stage, offload, tmp_path, *, dtype="bfloat16", accum=1, clip=0.0, **extra):
     zo = {}
     if stage == 3:

@@ -90,9 +90,11 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
                       "initialize trains, as DeepSpeed does", stacklevel=2)
     zo = cfg.zero_optimization
     dtype = compute_dtype(cfg)
-    speed = dtype_speed(dtype, device)
+    cast = autocast_dtype(cfg, device)
+    speed = dtype_speed(cast or dtype, device)  # under autocast the matrix products run in its dtype
     if speed.slow:
-        warnings.warn(slow_dtype_line(speed, device, fast_alternative(device), "the config"), SlowComputeWarning,
+        warnings.warn(slow_dtype_line(speed, device, fast_alternative(device),
+                                      "torch_autocast" if cast is not None else "the config"), SlowComputeWarning,
                       stacklevel=2)
     groups = param_groups_from(model, model_parameters, optimizer, cfg)
     plan = plan_units(model, groups, dp, frozen=frozen_units(cfg))
@@ -142,7 +144,6 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
         unit_major = None  # resident parameters (stages 0-2) have no gathers to save: micro-batch by micro-batch
         if isinstance(placement, PartitionedPlacement) and cfg.zero_tiering.accumulation == "unit-major":
             unit_major = UnitMajor(model=model, units=placement.units, placement=placement, counters=counters, dp=dp)
-        cast = autocast_dtype(cfg, device)
         engine = ZeroEngine(module=model, config=cfg, placement=placement, driver=driver, gradients=gradients,
                             counters=counters, optimizer=zero_opt, lr_scheduler=lr_scheduler, dp=dp, swap=swap,
                             loss_scaler=loss_scaler(cfg) or autocast_loss_scaler(cfg, cast), compute_dtype=dtype,

@@ -327,7 +327,8 @@ def main(argv: list[str] | None = None) -> TrainRun:
         say(f"model: {gpt_config.params / 1e6:.1f}M parameters, {gpt_config.n_layer} layers x {gpt_config.n_embd}; "
             f"training state {fmt_bytes(16 * gpt_config.params)} exact (fp32 master + Adam + grads), stored as "
             f"{engine.driver.state_format.describe()}, "
-            f"stage {engine.stage}, compute {str(engine.compute_dtype).removeprefix('torch.')}")
+            f"stage {engine.stage}, compute {str(engine.compute_dtype).removeprefix('torch.')}"
+            + (f" (autocast {str(engine.autocast.dtype).removeprefix('torch.')})" if engine.autocast else ""))
         say(f"tiers: device budget {fmt_bytes(swap.device_tier.budget) if swap.device_tier.budget else 'unlimited'}"
             f" on {engine.device}, host budget {fmt_bytes(swap.pool.budget)}"
             + (f", nvme {swap.store.path} ({swap.store.engine_reason})" if swap.store else ""))
