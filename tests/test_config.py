@@ -219,6 +219,17 @@ def test_unsupported_keys_at_their_off_value_load():
     assert config.zero_optimization.stage == 3
 
 
+def test_deepspeed_chat_s_hybrid_engine_section_is_accepted():
+    """DeepSpeed-Chat's actor config (dschat/utils/ds_utils.py): generation runs through the ZeRO-3 units either way;
+    the kernel settings are reported as ignored."""
+    config = load_config({**MINIMAL, "hybrid_engine": {
+        "enabled": True, "max_out_tokens": 512, "inference_tp_size": 1, "release_inference_cache": False,
+        "pin_parameters": True, "tp_gather_partition_size": 8}})
+    assert config.hybrid_engine.enabled
+    assert set(config.ignored) == {f"hybrid_engine.{k}" for k in (
+        "max_out_tokens", "release_inference_cache", "pin_parameters", "tp_gather_partition_size")}
+
+
 def test_monitoring_keys_are_accepted_and_reported_as_ignored():
     config = load_config({**MINIMAL, "tensorboard": {"enabled": True, "output_path": "/tmp/tb"},
                           "wandb": {"enabled": False}, "flops_profiler": {"enabled": True},
@@ -315,6 +326,8 @@ BAD = [
      UnsupportedKeyError, "zero_optimization.zero_quantized_weights", "does not support"),
     ("masters from model weights", with_keys(MINIMAL, zero_optimization={"stage": 3, "load_from_fp32_weights": False}),
      UnsupportedKeyError, "zero_optimization.load_from_fp32_weights", "does not support"),
+    ("hybrid engine over tensor-parallel ranks",
+     with_keys(MINIMAL, hybrid_engine={"enabled": True, "inference_tp_size": 2}), UnsupportedKeyError, "hybrid_engine.inference_tp_size", "tensor parallelism in generation"),
     ("partial optimizer offload", with_keys(MINIMAL, zero_optimization={"stage": 3, "offload_optimizer": {
         "device": "cpu", "ratio": 0.3}}), UnsupportedKeyError, "zero_optimization.offload_optimizer.ratio",
      "set it to 1.0"),

@@ -8,7 +8,8 @@ first run saved is loaded: `{exp_dir}` names the experiment directory the first 
 
 Other keys of a case: `package` (a directory beside the script that it imports, e.g. DeepSpeed-Chat's dschat; the
 zero_imports run gets a rewritten copy of it beside its rewritten script), `tolerance` (per-step loss, absolute; by
-default TOLERANCE), `loss_csv` (a file of `step,loss` rows the script writes itself, read for rank 0's losses where
+default TOLERANCE), `against` (the case whose DeepSpeed recording this one is compared with, where DeepSpeed
+cannot run it on the CPU; record.py skips it), `loss_csv` (a file of `step,loss` rows the script writes itself, read for rank 0's losses where
 the script calls loss.backward() and the recorder never sees the loss) and `zero_launch_limit` (why its zero_launch
 run cannot work: the test skips it, with that reason).
 
@@ -172,6 +173,14 @@ CASES: dict[str, dict] = {
         # engine.backward's loss recorded in order (actor, critic, actor, ...)
         "script": "deepspeed_chat_step3_main.py", "package": "dschat", "world": 1, "setup": "llama_critic",
         "args": DSCHAT_STEP3_ARGS,
+    },
+    "deepspeed_chat_rlhf_hybrid_engine_zero3_cpu_offload": {
+        # the same with --enable_hybrid_engine, as 11 of step 3's 12 training_scripts pass it: the actor's config gets
+        # hybrid_engine.enabled. DeepSpeed's hybrid engine needs its CUDA inference kernels (on the CPU: "This op had
+        # not been implemented on CPU backend"), so the run is compared with DeepSpeed's without it (`against`): the
+        # switch changes which kernels compute the generation, not what it computes
+        "script": "deepspeed_chat_step3_main.py", "package": "dschat", "world": 1, "setup": "llama_critic",
+        "args": DSCHAT_STEP3_ARGS + ["--enable_hybrid_engine"], "against": "deepspeed_chat_rlhf_zero3_cpu_offload",
     },
     "bf16_master_weight_bf16_full_zero3": {
         # DeepSpeed's bf16_full.json as it is: ZeRO-3 with nothing offloaded, bf16 master weights and gradients,

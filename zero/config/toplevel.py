@@ -12,6 +12,7 @@ from .activation_checkpointing import ActivationCheckpointingConfig
 from .aio import AioSection
 from .checkpoint import CheckpointConfig
 from .errors import ConfigError
+from .hybrid_engine import HybridEngineConfig
 from .optimizer import OptimizerConfig
 from .precision import BF16Config, FP16Config, TorchAutocastConfig
 from .scheduler import SchedulerConfig
@@ -68,6 +69,9 @@ class Config(Section):
 
     bf16: BF16Config = setting(factory=BF16Config, aliases=("bfloat16",))
     """bf16 mixed precision (DeepSpeed's old key `bfloat16` is accepted)."""
+
+    hybrid_engine: HybridEngineConfig = setting(factory=HybridEngineConfig)
+    """DeepSpeed-Chat's generation switch; generation runs through the ZeRO-3 units either way."""
 
     torch_autocast: TorchAutocastConfig = setting(factory=TorchAutocastConfig)
     """torch.autocast around the engine's forward."""
@@ -135,7 +139,6 @@ class Config(Section):
             ("quantize_training", "quantization-aware training"),
             ("progressive_layer_drop", "progressive layer drop"),
             ("eigenvalue", "eigenvalue computation"),
-            ("hybrid_engine", "the hybrid (RLHF) engine"),
             ("nebula", "Nebula checkpointing"),
         )},
     }
