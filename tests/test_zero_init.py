@@ -150,6 +150,48 @@ def test_initialize_takes_the_slices_and_trains_as_the_plain_model(tmp_path):
     assert len(losses[1][1]) == 1  # the engine's own store, the staging file removed
 
 
+class LoRA(nn.Module):
+    """DeepSpeed-Chat's LinearLayer_LoRA, abridged: a Linear's weight and bias (frozen) beside two new matrices,
+    built after the model and moved `.to(weight.device)` as dschat's convert_linear_layer_to_lora does."""
+
+    def __init__(self, linear: nn.Linear, rank: int = 4):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        rows, columns = getattr(linear.weight, "ds_shape", linear.weight.shape)
+        self.right = nn.Parameter(torch.empty(columns, rank))
+        self.left = nn.Parameter(torch.zeros(rank, rows))
+        nn.init.kaiming_uniform_(self.right, a=5 ** 0.5)
+        self.weight.requires_grad = False
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight, self.bias) + x @ self.right @ self.left
+
+
+def with_lora(model: Blocks) -> Blocks:
+    torch.manual_seed(3)
+    for i, linear in enumerate(model.layers):
+        model.layers[i] = LoRA(linear).to(linear.weight.device).to(linear.weight.dtype)
+    return model
+
+
+def test_a_module_built_beside_a_partitioned_parameter_on_its_device_keeps_its_values(tmp_path):
+    """A partitioned parameter's `device` is the local device, as DeepSpeed's: a module built after zero.Init and
+    moved `.to(weight.device)` (dschat's LoRA layers) keeps its values, and trains as the plain model does (on meta
+    they were dropped: the adapters started at zero and never trained)."""
+    plain = with_lora(built())
+    model = with_lora(built(init=deepspeed.zero.Init(config_dict_or_path=config(tmp_path))))
+    for layer, expected in zip(model.layers, plain.layers):
+        assert layer.weight.is_meta and layer.weight.device == torch.device("cpu")
+        assert torch.equal(layer.right, expected.right) and layer.right.abs().sum() > 0
+    runs = []
+    for net in (plain, model):
+        trained = [p for p in net.parameters() if p.requires_grad]
+        engine, *_ = deepspeed.initialize(model=net, model_parameters=trained, config=config(tmp_path))
+        runs.append(three_steps(engine))
+        engine.close()
+    assert runs[0] == runs[1] and runs[0][0] != runs[0][-1]
+
+
 def test_after_initialize_the_modifier_rank_rewrites_the_masters_and_utils_read_them(tmp_path):
     model = built(init=deepspeed.zero.Init(config_dict_or_path=config(tmp_path, "cpu")))
     engine, *_ = deepspeed.initialize(model=model, config=config(tmp_path, "cpu"))

@@ -182,6 +182,15 @@ CASES: dict[str, dict] = {
         "script": "deepspeed_chat_step3_main.py", "package": "dschat", "world": 1, "setup": "llama_critic",
         "args": DSCHAT_STEP3_ARGS + ["--enable_hybrid_engine"], "against": "deepspeed_chat_rlhf_zero3_cpu_offload",
     },
+    "deepspeed_chat_rlhf_lora_zero3_cpu_offload": {
+        # step 3 with the actor's linear layers given dschat's LoRA (convert_linear_layer_to_lora, after the model
+        # was built under zero.Init: its layers are moved `.to(weight.device)` of a partitioned weight) and only the
+        # LoRA matrices trained (--only_optimize_lora: the base frozen, partitioned, never stepped), the actor's
+        # gradient checkpointing on, and an EMA copy of the actor kept (--enable_ema: GatheredParameters each step)
+        "script": "deepspeed_chat_step3_main.py", "package": "dschat", "world": 1, "setup": "llama_critic",
+        "args": DSCHAT_STEP3_ARGS + ["--actor_lora_dim", "8", "--actor_lora_module_name", "layers.",
+                                     "--only_optimize_lora", "--actor_gradient_checkpointing", "--enable_ema"],
+    },
     "bf16_master_weight_bf16_full_zero3": {
         # DeepSpeed's bf16_full.json as it is: ZeRO-3 with nothing offloaded, bf16 master weights and gradients,
         # bf16 optimizer states, and torch_autocast in bf16 around the forward (the script's own autocast around

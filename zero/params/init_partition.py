@@ -5,7 +5,8 @@ Inside the block every parameter registered on a module is partitioned once its 
 when the module is assigned to its parent (its `__init__` has returned by then), or at the block's end for the
 top-level model and modules never assigned. Partitioning a parameter sends rank 0's values to every rank (as
 DeepSpeed does), keeps this rank's 1/world slice in an InitStore (host memory, or a file on nvme), and leaves the
-parameter on the meta device with DeepSpeed's attributes (`ds_shape`, ...). `initialize` fills a unit's meta
+parameter on the meta device with DeepSpeed's attributes (`ds_shape`, ...), its `device` saying the local one as
+DeepSpeed's does (PartitionedParameter). `initialize` fills a unit's meta
 parameters from their slices as it builds the unit (the same route as a model built on meta): one unit whole at a
 time. Inside `GatheredParameters` a partitioned parameter holds its full values; what the modifier rank writes
 there is partitioned again on exit.
@@ -243,6 +244,7 @@ class Init:
             self._partition(module.parameters())
 
     def __enter__(self) -> Init:
+        _BUILDING[0] += 1
         if self.enabled and not _ACTIVE:  # nested (transformers opens one inside the user's): the outer one partitions
             self._hooks = [module_hooks.register_module_parameter_registration_hook(self._registered),
                            module_hooks.register_module_module_registration_hook(self._module_registered)]
@@ -251,6 +253,12 @@ class Init:
         return self
 
     def __exit__(self, *exc) -> None:
+        try:
+            self._close(exc[0] is None)
+        finally:
+            _BUILDING[0] -= 1
+
+    def _close(self, finished: bool) -> None:
         if self in _ACTIVE:
             _ACTIVE.remove(self)
         for hook in self._hooks:
@@ -259,7 +267,7 @@ class Init:
         pending, self._pending = list(self._pending.values()), {}
         parents, self._parents = [m for i, m in self._parents.items() if i not in self._children], {}
         self._children = set()
-        if exc[0] is None:
+        if finished:
             self._put(pending)
             for model in parents:
                 if callable(getattr(model, "_initialize_weights", None)):
@@ -333,6 +341,32 @@ def _gathering(init_weights: Callable[[nn.Module], None]) -> Callable[[nn.Module
     return run
 
 
+class PartitionedParameter(nn.Parameter):
+    """A parameter zero.Init partitioned: its values wait elsewhere (this rank's slice), its tensor is on meta. Its
+    `device` is the local device, as a DeepSpeed partitioned parameter's (an empty tensor there): code that builds a
+    module beside it `.to(weight.device)` (DeepSpeed-Chat's LoRA layers) keeps that module's values, where a meta
+    device would drop them. `is_meta` still tells a partitioned parameter."""
+
+    @property
+    def device(self) -> torch.device:
+        if _BUILDING[0]:  # the model's own construction and initialization see meta, as they did before (the same
+            return _META  # draws as outside zero.Init)
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else _CPU
+
+    def to(self, *args, **kwargs):
+        """To its own device and dtype: itself, as DeepSpeed's empty tensor moves (`module.to(weight.device)` of a
+        module holding it); anything else as torch moves a meta tensor."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if (device is None or torch.device(device) == self.device) and dtype in (None, self.dtype):
+            return self
+        return super().to(*args, **kwargs)
+
+
+_CPU, _META = torch.device("cpu"), torch.device("meta")
+_BUILDING = [0]
+"""Open zero.Init blocks, their exits (which initialize Hugging Face models) included."""
+
+
 def _to_meta(param: nn.Parameter) -> None:
-    swap_keeping_attributes(param, nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
-                                                param.requires_grad))
+    swap_keeping_attributes(param, PartitionedParameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                                                        param.requires_grad))
