@@ -53,9 +53,9 @@ def test_the_engine_answers_what_deepspeed_scripts_ask(monkeypatch):
         with pytest.raises(AttributeError, match="no_such_thing"):
             engine.no_such_thing
         # A DeepSpeedEngine method ours lacks is named as DeepSpeed's, not blamed on the user's model
-        assert not hasattr(engine, "offload_states")
-        with pytest.raises(UnsupportedFeatureError, match=r"DeepSpeedEngine\.offload_states"):
-            engine.offload_states()
+        assert not hasattr(engine, "memory_breakdown")
+        with pytest.raises(UnsupportedFeatureError, match=r"DeepSpeedEngine\.memory_breakdown"):
+            engine.memory_breakdown()
         for p in model.parameters():  # DeepSpeed's partition of one rank: all of it, swapped out
             assert p.ds_tensor.numel() == 0 and p.ds_tensor.ds_numel == p.ds_numel == p.ds_shape.numel()
         assert sum(p.ds_numel for p in model.parameters() if hasattr(p, "ds_tensor")) == 2 * (8 * 8 + 8)

@@ -154,6 +154,14 @@ class DeviceTier:
                 self._completer.submit(_complete, event, handle)
         return event
 
+    def trim(self) -> None:
+        """Give the memory freed buffers keep cached back to the system (the pool's without CUDA, the caching
+        allocator's with): after a rehome to the host, so another user of the accelerator can have it."""
+        if self.pool is not None:
+            self.pool.trim()
+        elif self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def close(self) -> None:
         """Return once every copy has run and its handle is done."""
         self._stream.close()

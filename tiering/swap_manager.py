@@ -22,6 +22,7 @@ from .intents import Intents
 from .kept import Keeping
 from .read_ahead import ReadAhead
 from .reservations import Reservations
+from .rehoming import Rehoming
 from .nvme_store import NvmeStore
 from .residency import TIER_ORDER, Residency, Tier
 from .segment import Segment
@@ -32,7 +33,7 @@ from .trace import Trace
 STALL_THRESHOLD_S = 1e-4  # an acquire shorter than this only did bookkeeping (the bytes were there)
 
 
-class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead, Reservations):
+class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead, Rehoming, Reservations):
     """Segments moved among tiers under hard budgets.
 
     The calls: `register` a segment with a home tier (or `adopt` a device tensor as one); `fetch` it to a tier (pins it there) or `acquire` it
@@ -46,7 +47,7 @@ class SwapManager(Adoption, Eviction, Intents, Keeping, ReadAhead, Reservations)
     full (a copy that cannot be written there stays as it is; a prefetch then waits). A user that writes a
     segment speculatively `keep`s its bytes first and then `commit`s or `restore`s them (see kept.py).
     `fetch` blocks only to wait for room or for a move of the same segment already under way; the move it
-    starts runs in the background. Call `end_step()` at each step boundary: the first step records the trace.
+    starts runs in the background (`rehome` moves homes: rehoming.py). Call `end_step()` at each step boundary.
     """
 
     def __init__(self, config: SwapConfig, *, device: torch.device | None = None):

@@ -29,11 +29,12 @@ from .accumulation.micro_batches import loss_of
 from .accumulation.unit_major import UnitMajor
 from .checkpoint import sixteen_bit
 from .services.activations import ActivationOffload
-from .services.autocast import Autocast
+from .services.autocast import Autocast, cast_floating
 from .comm import DataParallel
 from .config import Config
 from .services.counters import StepCounters, ThroughputTimer
 from .services.direct_backward import DirectBackward
+from .services.offload_states import OffloadStates
 from .optim.driver import STATE_PARTS, AdamDriver
 from .optim.gradients import Gradients
 from .optim.loss_scaler import LossScaler
@@ -45,7 +46,7 @@ from .params.full_values import FullValues
 from .params.wrap_policy import check_trainable
 from .params.placement import Placement
 from .params.unit import DS_STATUS, Unit
-from .services.preemption import SIGNALS, Preemption, save_due
+from .services.preemption import Preemption, SignalSaves, save_due
 from .integrations.engine_surface import UNPROVIDED, UnprovidedEngineMethod
 from .integrations.unsupported import UnsupportedFeatureError
 
@@ -74,7 +75,7 @@ class StateTensor(NamedTuple):
     whole segment's stored bytes are not read (a load into state a failed step left half-written needs none)."""
 
 
-class ZeroEngine(FullValues, nn.Module):
+class ZeroEngine(FullValues, OffloadStates, SignalSaves, nn.Module):
     def __init__(self, *, module: nn.Module, config: Config, placement: Placement, driver: AdamDriver,
                  gradients: Gradients, counters: StepCounters, optimizer: ZeroOptimizer, lr_scheduler,
                  dp: DataParallel, swap: SwapManager, loss_scaler: LossScaler | None, compute_dtype: torch.dtype,
@@ -122,6 +123,7 @@ class ZeroEngine(FullValues, nn.Module):
         self.preemption: Preemption | None = None
         self._preemption_state: Callable[[], Any] | None = None
         self._closed = False
+        self._offloaded: dict = {}  # state: the segments offload_states moved to the host (offload_states.py)
         self._trainable = [(name, p, p.requires_grad) for name, p in module.named_parameters()]  # check_trainable
         self._trained = {id(slot.param) for unit in self.units if not unit.frozen for slot in unit.flat.slots}
         self._backward_ran = False  # in this micro-batch, through engine.backward or the forward's outputs
@@ -213,13 +215,14 @@ class ZeroEngine(FullValues, nn.Module):
     # -- the training loop's calls ---------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_loaded("forward")
         if self.preemption is not None and self.preemption.saved is not None:
             self.close()  # saved at the last boundary on a signal; the loop has had its say about that step
             raise SystemExit(0)
         if torch.is_grad_enabled():
             self.tput_timer.start()
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
-            args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
+            args, kwargs = cast_floating((args, kwargs), self.compute_dtype)
         saving = (None if self.activations is None or not torch.is_grad_enabled()
                   else functools.partial(self.activations.saving, self.counters.in_step()))
         if self.autocast is not None:
@@ -260,6 +263,7 @@ class ZeroEngine(FullValues, nn.Module):
         return loss
 
     def _backward_prologue(self) -> None:
+        self._check_loaded("backward")
         self._backward_ran = True
         self._finish_step()  # the gradients it accumulates into are the running step's to drop first
         check_trainable(self._trainable)
@@ -362,6 +366,7 @@ class ZeroEngine(FullValues, nn.Module):
                 f"engine.step(): {len(stray)} parameters ({stray[0]!r} first) hold gradients no engine backward took: "
                 "a backward() of tensors the engine's forward did not return, or gradients set by hand; use "
                 "engine.backward(loss), or backward() of the forward's outputs")
+        self._check_loaded("step")
         boundary = self.is_gradient_accumulation_boundary()
         self.counters.micro_steps += 1
         if not boundary:
@@ -494,31 +499,6 @@ class ZeroEngine(FullValues, nn.Module):
     def zero_grad(self) -> None:
         self.module.zero_grad(set_to_none=True)
 
-    def save_on_signal(self, save_dir: str | os.PathLike, client_state: Callable[[], Any] | None = None,
-                       signals: tuple[int, ...] = SIGNALS) -> None:
-        """On one of `signals` (SIGTERM, SIGUSR1) to any rank: at the next step boundary every rank saves a
-        checkpoint under `save_dir` (with `client_state()`, if given), rank 0 printing where; the next forward
-        closes the engine and exits with status 0 (so the loop still logs the step saved). Call it from the main
-        thread, on every rank before the same step boundary: set up on some ranks alone, that boundary raises
-        UnevenWatchError on every rank (their saves would never meet). load_checkpoint(save_dir) resumes."""
-        if self.preemption is not None:
-            self.preemption.close()
-        self.preemption = Preemption(save_dir, signals)
-        self._preemption_state = client_state
-
-    def _save_for_exit(self) -> None:
-        received = self.preemption.received
-        state = self._preemption_state() if self._preemption_state is not None else None
-        try:
-            self.preemption.saved = self.save_checkpoint(self.preemption.save_dir, client_state=state)
-        except BaseException:
-            self.preemption.failed = True
-            raise
-        if self.dp.rank == 0:
-            why = signal.Signals(received).name if received is not None else "a signal to another rank"
-            print(f"zero: {why}: saved a checkpoint at step {self.global_steps} to {self.preemption.saved}; "
-                  "exiting", flush=True)
-
     def close(self) -> None:
         """Free every tier's buffers and remove the nvme store's file (after a step still running ends); then a
         save_on_signal signal that came after the last step boundary goes to the handler it had before (by default
@@ -588,8 +568,11 @@ class ZeroEngine(FullValues, nn.Module):
         gradient accumulation boundary; every rank calls it. Returns the tag directory. `exclude_frozen_parameters`
         (as DeepSpeed): frozen parameters (an adapter's base) are left out; the load then keeps the engine's own."""
         self._finish_step()
-        return checkpoint.save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
-                                          exclude_frozen_parameters=exclude_frozen_parameters)
+        try:
+            return checkpoint.save_checkpoint(self, save_dir, tag=tag, client_state=client_state,
+                                              save_latest=save_latest, exclude_frozen_parameters=exclude_frozen_parameters)
+        finally:
+            self._offloaded_home()
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, load_rng_states=False):
@@ -604,19 +587,10 @@ class ZeroEngine(FullValues, nn.Module):
         if load_module_only:
             load_optimizer_states = load_lr_scheduler_states = False
         self._finish_step()
-        return checkpoint.load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
-                                          load_lr_scheduler_states=load_lr_scheduler_states,
-                                          load_rng_states=load_rng_states)
+        try:
+            return checkpoint.load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                                              load_lr_scheduler_states=load_lr_scheduler_states,
+                                              load_rng_states=load_rng_states)
+        finally:
+            self._offloaded_home()
 
-
-def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    """`value` with every floating-point tensor in it (through lists, tuples and dicts) cast to `dtype`, as
-    DeepSpeed's fp16.auto_cast casts the forward's inputs; other values as they are."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, dict):
-        return {k: _cast_floating(v, dtype) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        items = [_cast_floating(v, dtype) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    return value

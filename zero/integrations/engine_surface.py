@@ -28,10 +28,10 @@ UNPROVIDED = frozenset("""
     is_compiled is_deepcompile_active is_deepcompile_enabled is_elastic_model_parallel_supported
     is_first_weights_partition_group is_iterable_style_dataset is_map_style_dataset is_sanity_checks_enabled
     load_module_state_dict load_moe_state_dict load_universal_checkpoint log_level loss_scale
-    managed_gradient_accumulation memory_breakdown mics_shard_size offload_states optimizer_legacy_fusion
+    managed_gradient_accumulation memory_breakdown mics_shard_size optimizer_legacy_fusion
     optimizer_name optimizer_params pld_enabled pld_gamma pld_params pld_theta postscale_gradients
     print_forward_breakdown quantize_training random_ltd_config random_ltd_enabled random_ltd_initialize
-    register_compile_pass reload_states save_fp16_model scheduler_name scheduler_params
+    register_compile_pass save_fp16_model scheduler_name scheduler_params
     set_custom_curriculum_learning_schedule set_data_post_process_func set_train_batch_size
     set_train_micro_batch_size sparse_all_gather sparse_allreduce sparse_allreduce_bucket
     sparse_allreduce_no_retain sparse_gradients_enabled steps_per_print super_offload swap_tensor_config

@@ -36,14 +36,16 @@ class Gradients:
     def __init__(self, *, driver: AdamDriver, dp: DataParallel, counters: StepCounters, sharded: bool,
                  reduce_scatter: bool, param_order: dict[int, int], largest_unit: int, prescale: bool,
                  predivide_factor: float, communication_data_type: str | None,
-                 reserve_device: Callable[[int, str, str], None], speculation: SpeculativeStep | None = None,
+                 reserve_device: Callable[[int, str, str], None], unreserve_device: Callable[[int, str], None],
+                 speculation: SpeculativeStep | None = None,
                  copies: GradientCopies | None = None):
         """`sharded`: each rank keeps optimizer state for its shard only (stage 1 on); `reduce_scatter`: the
         reduction leaves each rank its shard only (stage 2 on); `param_order`: id(param) -> its place in
         the model; `largest_unit`: the largest unit's padded element count (the scratch buffers' size);
         `speculation`: where a unit whose gradient is complete goes to be stepped during the backward;
         `copies`: the way to the host, where the optimizer works there; `reserve_device(nbytes, what, part)`:
-        counts the scratch buffers made on the device against the device budget (SwapManager.reserve_device)."""
+        counts the scratch buffers made on the device against the device budget (SwapManager.reserve_device),
+        `unreserve_device(nbytes, part)` gives the count back when they go (`free_scratch`)."""
         self.driver = driver
         self.dp = dp
         self.counters = counters
@@ -57,8 +59,9 @@ class Gradients:
         self.comm_dtype = COMM_DTYPES.get(communication_data_type)
         self.speculation = speculation
         self.copies = copies
-        self.reserve_device = reserve_device
+        self.reserve_device, self.unreserve_device = reserve_device, unreserve_device
         self._scratches: dict[str, torch.Tensor] = {}
+        self._counted: dict[str, int] = {}  # role: the bytes of its scratch counted against the device budget
         self.divisor = 1
         """A direct backward's accumulation steps (services/direct_backward.py): its gradients are divided as they
         are flattened, where engine.backward divides the loss."""
@@ -193,5 +196,14 @@ class Gradients:
             size = max(numel, self.largest_unit if largest is None else largest)
             if on_device:
                 self.reserve_device(size * dtype.itemsize, f"gradient reduction {role}", REDUCTION_SCRATCH)
+                self._counted[role] = size * dtype.itemsize
             buffer = self._scratches[role] = torch.empty(size, dtype=dtype, device=device)
         return buffer[:numel]
+
+    def free_scratch(self) -> None:
+        """Give back the reduction's reused buffers, between steps; the next backward makes them again (what
+        DeepSpeed's offload_states frees as its contiguous gradient buffer)."""
+        self._scratches.clear()
+        for nbytes in self._counted.values():
+            self.unreserve_device(nbytes, REDUCTION_SCRATCH)
+        self._counted.clear()

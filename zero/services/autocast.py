@@ -8,11 +8,13 @@ its recipe (the parameter, the dtype, the view) and made again when the backward
 parameter's unit is gathered for its backward (as for a parameter autograd saves itself): the same bits, a cast
 being exact and deterministic. Autocast's cache of casts, which would keep each to the end of the forward, is off
 for the same reason. A frozen parameter's cast carries no link back to it (no grad_fn) and is saved as it is.
+fp16.auto_cast's cast of the forward's inputs (`cast_floating`) lives here too.
 """
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -111,4 +113,17 @@ class Autocast:
 
 
 def _keep(value):
+    return value
+
+
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """`value` with every floating-point tensor in it (through lists, tuples and dicts) cast to `dtype`, as
+    DeepSpeed's fp16.auto_cast casts the forward's inputs; other values as they are."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return {k: cast_floating(v, dtype) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [cast_floating(v, dtype) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return value

@@ -13,7 +13,9 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 import torch
 
@@ -69,3 +71,32 @@ def save_due(preemption: Preemption | None, dp: DataParallel) -> bool:
                                f"{idle} of {dp.world_size}: every rank must set it up before the same step boundary "
                                "(saving is a collective of every rank)")
     return bool(flags[1].any())
+
+
+class SignalSaves:
+    """The engine's save_on_signal: its `preemption` and `_preemption_state`, the checkpoint at the boundary."""
+
+    def save_on_signal(self, save_dir: str | os.PathLike, client_state: Callable[[], Any] | None = None,
+                       signals: tuple[int, ...] = SIGNALS) -> None:
+        """On one of `signals` (SIGTERM, SIGUSR1) to any rank: at the next step boundary every rank saves a
+        checkpoint under `save_dir` (with `client_state()`, if given), rank 0 printing where; the next forward
+        closes the engine and exits with status 0 (so the loop still logs the step saved). Call it from the main
+        thread, on every rank before the same step boundary: set up on some ranks alone, that boundary raises
+        UnevenWatchError on every rank (their saves would never meet). load_checkpoint(save_dir) resumes."""
+        if self.preemption is not None:
+            self.preemption.close()
+        self.preemption = Preemption(save_dir, signals)
+        self._preemption_state = client_state
+
+    def _save_for_exit(self) -> None:
+        received = self.preemption.received
+        state = self._preemption_state() if self._preemption_state is not None else None
+        try:
+            self.preemption.saved = self.save_checkpoint(self.preemption.save_dir, client_state=state)
+        except BaseException:
+            self.preemption.failed = True
+            raise
+        if self.dp.rank == 0:
+            why = signal.Signals(received).name if received is not None else "a signal to another rank"
+            print(f"zero: {why}: saved a checkpoint at step {self.global_steps} to {self.preemption.saved}; "
+                  "exiting", flush=True)
