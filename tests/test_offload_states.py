@@ -204,6 +204,7 @@ def test_host_budget_too_small_changes_nothing():
         with pytest.raises(BudgetExceededError, match="host budget 256.0 KiB") as info:
             engine.offload_states()
         assert info.value.requested > info.value.budget and "rehomed to host" in str(info.value)
+        assert "zero_tiering.host_budget" in info.value.__notes__[0]
         assert {n: (s.home, s.state) for n, s in engine.swap.segments.items()} == homes
         assert engine.swap.device_tier.in_use == in_use
         engine.reload_states()  # nothing was offloaded

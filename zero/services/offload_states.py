@@ -10,15 +10,20 @@ What else stays on the device, as DeepSpeed keeps it: persistent units' full par
 moves the partitions, not persistent parameters' data); a parked root holds no bytes between steps, and the
 backward's gradients live only within a backward.
 
-While states are offloaded the engine's forward and step raise a RuntimeError naming reload_states (DeepSpeed
-fails on a device mismatch there); a checkpoint saves and loads through the swap manager as ever, after which the
-offloaded segments go back to the host. `close()` frees them wherever they are. Stages 0-2 and offloaded
-parameters are refused, as DeepSpeed refuses offloaded parameters.
+While states are offloaded the engine's forward, backward and step raise a RuntimeError naming reload_states
+(DeepSpeed fails on a device mismatch there: a missing reload is a bug in the script, not a cost to hide); a
+checkpoint saves and loads through the swap manager as ever, after which the offloaded segments go back to the
+host; reads through the swap manager (the model called directly, GatheredParameters, safe_get_full_*) still work,
+their copies up evictable. `close()` frees them wherever they are. Stages 0-2 and offloaded parameters are refused
+(DeepSpeed serves stages 1-2 too; it refuses offloaded parameters). The host budget must hold the states: a derived
+one (host_budget null) holds only what is homed on the host and a working window.
 """
 from __future__ import annotations
 
 import warnings
 from collections.abc import Container, Iterator
+
+from tiering import BudgetExceededError
 
 from ..integrations.unsupported import UnsupportedFeatureError
 from ..optim.driver import STATE_PARTS
@@ -55,7 +60,18 @@ class OffloadStates:
                      if n not in moved and self.swap.segments[n].home == "device"]
             moved.update(names)
             plan[state] = names
-        self.swap.rehome([n for names in plan.values() for n in names], "host").wait()
+        names = [n for names in plan.values() for n in names]
+        try:
+            moving = self.swap.rehome(names, "host")
+        except BudgetExceededError as exc:
+            exc.add_note("offload_states: the host tier must hold the offloaded states; set zero_tiering.host_budget "
+                         "(a derived one holds what is homed on the host and a working window only)")
+            raise
+        try:
+            moving.wait()
+        except BaseException:  # a copy failed: those that moved come back, and nothing counts as offloaded
+            self.swap.rehome(names, "device").wait()
+            raise
         if OffloadStateTypeEnum.contiguous_grad_buffer in plan:
             self.gradients.free_scratch()
         self._offloaded.update(plan)
