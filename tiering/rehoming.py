@@ -51,7 +51,8 @@ class Rehoming:
         source = "host" if tier == "device" else "device"
         for seg in segs:
             if seg.home != source:
-                raise IllegalTransitionError(seg.name, f"rehome to {tier}", f"homed on {source}", f"homed on {seg.home}")
+                raise IllegalTransitionError(seg.name, f"rehome to {tier}", f"homed on {source}",
+                                             f"homed on {seg.home}")
             if seg.pins:
                 raise IllegalTransitionError(seg.name, f"rehome to {tier}", "unpinned",
                                              f"pinned {seg.pins} times in {seg.pinned_tier}")

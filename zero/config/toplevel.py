@@ -155,7 +155,8 @@ class Config(Section):
                               "activation_checkpointing.cpu_checkpointing asks for host memory; drop one of the two",
                               value=self.zero_tiering.activation_offload)
         self._check_state_format()
-        autocast, trained = self.torch_autocast, "bf16" if self.bf16.enabled else "fp16" if self.fp16.enabled else None
+        autocast = self.torch_autocast
+        trained = "bf16" if self.bf16.enabled else "fp16" if self.fp16.enabled else None
         if autocast.enabled and trained is not None and autocast.dtype not in (None, trained):
             raise ConfigError("torch_autocast.dtype", f"{trained}.enabled casts the model to {trained}: autocast in "
                                                       "another dtype would cast it again; drop one of the two",

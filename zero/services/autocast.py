@@ -30,6 +30,7 @@ without one (DeepSpeed steps an fp16 autocast run with a GradScaler)."""
 
 Pack = Callable[[torch.Tensor], object]
 Unpack = Callable[[object], torch.Tensor]
+Wrap = Callable[[Pack, Unpack], tuple[Pack, Unpack]]
 
 
 def autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
@@ -76,8 +77,7 @@ class Autocast:
         self._params = {id(p) for p in module.parameters()}
 
     @contextlib.contextmanager
-    def forward(self, saving: Callable[[Callable[[Pack, Unpack], tuple[Pack, Unpack]]], contextlib.AbstractContextManager]
-                | None = None) -> Iterator[None]:
+    def forward(self, saving: Callable[[Wrap], contextlib.AbstractContextManager] | None = None) -> Iterator[None]:
         """Around one forward. `saving`: the activation offload's saved-tensor hooks, given a wrapper that puts
         the casts' recipes before them; None: the recipes' own hooks."""
         with contextlib.ExitStack() as stack:

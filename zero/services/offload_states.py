@@ -116,7 +116,8 @@ class OffloadStates:
     def _check_loaded(self, call: str) -> None:
         """Raise if states are offloaded: `call` would compute on states that are not on the device."""
         if self._offloaded:
-            raise RuntimeError(f"engine.{call} while states are offloaded ({', '.join(s.value for s in self._offloaded)}"
+            offloaded = ", ".join(s.value for s in self._offloaded)
+            raise RuntimeError(f"engine.{call} while states are offloaded ({offloaded}"
                                "): call engine.reload_states() first")
 
     def _offloaded_home(self) -> None:
