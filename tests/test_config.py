@@ -230,6 +230,15 @@ def test_deepspeed_chat_s_hybrid_engine_section_is_accepted():
         "max_out_tokens", "release_inference_cache", "pin_parameters", "tp_gather_partition_size")}
 
 
+def test_deepspeed_s_newer_zero_keys_are_known():
+    """DeepSpeed's later zero_optimization keys: named as ignored where they change nothing here, never 'unknown'."""
+    config = load_config({**MINIMAL, "zero_optimization": {
+        "stage": 3, "stage3_allgather_sequential": True, "enable_sanity_checks": True,
+        "leaf_module": {"classes": ["MixtralSparseMoeBlock"]}, "save_muon_momentum_buffer_in_memory": False}})
+    assert set(config.ignored) == {"zero_optimization.stage3_allgather_sequential",
+                                   "zero_optimization.enable_sanity_checks", "zero_optimization.leaf_module"}
+
+
 def test_monitoring_keys_are_accepted_and_reported_as_ignored():
     config = load_config({**MINIMAL, "tensorboard": {"enabled": True, "output_path": "/tmp/tb"},
                           "wandb": {"enabled": False}, "flops_profiler": {"enabled": True},
@@ -326,6 +335,8 @@ BAD = [
      UnsupportedKeyError, "zero_optimization.zero_quantized_weights", "does not support"),
     ("masters from model weights", with_keys(MINIMAL, zero_optimization={"stage": 3, "load_from_fp32_weights": False}),
      UnsupportedKeyError, "zero_optimization.load_from_fp32_weights", "does not support"),
+    ("ZenFlow", with_keys(MINIMAL, zero_optimization={"stage": 2, "zenflow": {"topk_ratio": 0.1}}),
+     UnsupportedKeyError, "zero_optimization.zenflow", "DeepSpeed ZenFlow"),
     ("hybrid engine over tensor-parallel ranks",
      with_keys(MINIMAL, hybrid_engine={"enabled": True, "inference_tp_size": 2}), UnsupportedKeyError, "hybrid_engine.inference_tp_size", "tensor parallelism in generation"),
     ("partial optimizer offload", with_keys(MINIMAL, zero_optimization={"stage": 3, "offload_optimizer": {

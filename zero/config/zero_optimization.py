@@ -183,6 +183,10 @@ class ZeroOptimizationConfig(Section):
                                          fix='use "offload_param": {"device": "cpu"}'),
         "cpu_offload_use_pin_memory": Unsupported("a deprecated offload switch", off=False,
                                                   fix="use pin_memory in offload_param / offload_optimizer"),
+        "zenflow": Unsupported("DeepSpeed ZenFlow (the top-k gradient columns stepped at once on the GPU, the rest "
+                               "accumulated and stepped later on the CPU: not AdamW's step)", off=None),
+        "save_muon_momentum_buffer_in_memory": Unsupported("the Muon optimizer's buffers (the engine steps Adam and "
+                                                           "AdamW)", off=False),
     }
     IGNORED = {
         "round_robin_gradients": "orders DeepSpeed's stage 1-2 gradient copies to host; same values",
@@ -194,6 +198,13 @@ class ZeroOptimizationConfig(Section):
         "memory_efficient_linear": "DeepSpeed's own Linear autograd function for stage 3; same arithmetic",
         "override_module_apply": "DeepSpeed's patch of nn.Module.apply for stage 3; ours patches nothing",
         "log_trace_cache_warnings": "logging only",
+        "stage3_allgather_sequential": "DeepSpeed's per-parameter gathers instead of bucketed ones; a unit's flat "
+                                       "shard is gathered in one here; same parameters",
+        "allgather_sequential": "DeepSpeed's per-parameter gathers instead of bucketed ones; a unit's flat shard is "
+                                "gathered in one here; same parameters",
+        "enable_sanity_checks": "DeepSpeed's internal debugging checks",
+        "leaf_module": "DeepSpeed's ZeRO-3 leaf modules by config; a block (the wrap policy's unit) is gathered whole "
+                       "here already, as set_z3_leaf_modules is accepted",
     }
 
     @classmethod
