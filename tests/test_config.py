@@ -230,13 +230,21 @@ def test_deepspeed_chat_s_hybrid_engine_section_is_accepted():
         "max_out_tokens", "release_inference_cache", "pin_parameters", "tp_gather_partition_size")}
 
 
-def test_deepspeed_s_newer_zero_keys_are_known():
-    """DeepSpeed's later zero_optimization keys: named as ignored where they change nothing here, never 'unknown'."""
+def test_deepspeed_s_newer_keys_are_known():
+    """DeepSpeed's later keys: served, refused by name, or named as ignored where they change nothing here; never
+    'unknown'."""
     config = load_config({**MINIMAL, "zero_optimization": {
         "stage": 3, "stage3_allgather_sequential": True, "enable_sanity_checks": True,
         "leaf_module": {"classes": ["MixtralSparseMoeBlock"]}, "save_muon_momentum_buffer_in_memory": False}})
     assert set(config.ignored) == {"zero_optimization.stage3_allgather_sequential",
                                    "zero_optimization.enable_sanity_checks", "zero_optimization.leaf_module"}
+    config = load_config({**MINIMAL, "dataloader_drop_last": True, "gradient_allreduce_op": "mean",
+                          "use_data_before_expert_parallelism": False, "seq_parallel_communication_data_type": "fp32",
+                          "checkpoint": {"parallel_write": {"pipeline_stage": False}}})
+    assert config.dataloader_drop_last
+    assert set(config.ignored) == {"seq_parallel_communication_data_type", "checkpoint.parallel_write"}
+    with pytest.raises(UnsupportedKeyError, match="summed over ranks"):
+        load_config({**MINIMAL, "gradient_allreduce_op": "sum"})
 
 
 def test_monitoring_keys_are_accepted_and_reported_as_ignored():

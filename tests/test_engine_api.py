@@ -134,13 +134,16 @@ def test_frozen_parameters_are_left_alone():
         engine.close()
 
 
-def test_training_data_gives_a_loader_of_micro_batches():
+@pytest.mark.parametrize("drop_last, expected", [(None, [3, 3, 3, 1]), (True, [3, 3, 3])])
+def test_training_data_gives_a_loader_of_micro_batches(drop_last, expected):
+    """The last short micro-batch kept, or dropped with DeepSpeed's `dataloader_drop_last`."""
     data = torch.utils.data.TensorDataset(torch.cat(batches(5)))
+    extra = {} if drop_last is None else {"dataloader_drop_last": drop_last}
     engine, _, loader, _ = zero.initialize(model=tied_blocks(0), training_data=data,
-                                           config=make_config(0, "none", micro=3))
+                                           config=make_config(0, "none", micro=3, **extra))
     try:
         sizes = [len(batch[0]) for batch in loader]
-        assert sizes == [3, 3, 3, 1]
+        assert sizes == expected and len(loader) == len(expected)
     finally:
         engine.close()
 

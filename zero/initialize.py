@@ -163,7 +163,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
     if training_data is not None:  # DeepSpeed's: a DistributedSampler (shuffled, seed 0) on one rank too
         sampler = torch.utils.data.distributed.DistributedSampler(training_data, dp.world_size, dp.rank)
         loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
-                                             sampler=sampler, collate_fn=collate_fn)
+                                             sampler=sampler, collate_fn=collate_fn,
+                                             drop_last=cfg.dataloader_drop_last)
     return engine, zero_opt, loader, lr_scheduler
 
 

@@ -19,3 +19,4 @@ class CheckpointConfig(Section):
                                               fix="save to storage every rank shares"),
         "load_universal": Unsupported("universal checkpoints", off=False),
     }
+    IGNORED = {"parallel_write": "DeepSpeed's parallel writes of pipeline stages' checkpoints; no pipeline here"}

@@ -97,6 +97,9 @@ class Config(Section):
     zero_tiering: ZeroTieringSection = setting(factory=ZeroTieringSection)
     """zero-tiering's own settings: budgets, I/O engine, checksums, trace."""
 
+    dataloader_drop_last: bool = False
+    """The loader `initialize` builds from `training_data` drops the last micro-batch when it is short."""
+
     prescale_gradients: bool = False
     """Divide gradients by world_size before the reduction rather than after it."""
 
@@ -126,6 +129,8 @@ class Config(Section):
         "tensor_parallel": Unsupported("tensor parallelism"),
         "weight_quantization": Unsupported("weight quantization"),
         "sequence_parallel_size": Unsupported("sequence parallelism", off=1),
+        "gradient_allreduce_op": Unsupported("gradients summed over ranks instead of averaged", off="mean"),
+        "use_data_before_expert_parallelism": Unsupported("expert-parallel process groups (MoE)", off=False),
         "fp32_allreduce": Unsupported("fp32 all-reduce of low-precision gradients", off=False),
         "sparse_gradients": Unsupported("sparse gradients", off=False),
         "disable_allgather": Unsupported("broadcast instead of all-gather", off=False),
@@ -142,9 +147,12 @@ class Config(Section):
             ("nebula", "Nebula checkpointing"),
         )},
     }
-    IGNORED = {name: MONITORING for name in (
-        "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "flops_profiler", "timers",
-        "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown")}
+    IGNORED = {
+        "seq_parallel_communication_data_type": "sequence parallelism's dtype; there is no sequence parallelism here",
+        **{name: MONITORING for name in (
+            "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "flops_profiler", "timers",
+            "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown")},
+    }
 
     def __post_init__(self) -> None:
         super().__post_init__()
