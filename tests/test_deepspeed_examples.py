@@ -23,7 +23,7 @@ The cases (tests/deepspeed_examples/harness.py):
   (DeepSpeedCPUAdam, optimizer state on the CPU) and at ZeRO-3 with --offload (parameters too; the model built
   under transformers' HfDeepSpeedConfig, which is zero's HfZeroConfig under the launcher, and by its rewritten
   import in the zero_imports run); its DPO step (a reference engine beside the policy) and step 3 (PPO: four
-  engines, generation under ZeRO-3), both in fp32, step 3 also with --enable_hybrid_engine (compared with
+  engines, generation under ZeRO-3), both in fp32, step 3 also on two ranks, with --enable_hybrid_engine (compared with
   DeepSpeed's run without it: its hybrid engine needs CUDA kernels) and with dschat's LoRA on the actor
   (--only_optimize_lora), gradient checkpointing and an EMA copy;
 - training/bf16_master_weight/train.py: its bf16_full.json as it is (ZeRO-3 on the device, bf16 master weights,

@@ -174,6 +174,12 @@ CASES: dict[str, dict] = {
         "script": "deepspeed_chat_step3_main.py", "package": "dschat", "world": 1, "setup": "llama_critic",
         "args": DSCHAT_STEP3_ARGS,
     },
+    "deepspeed_chat_rlhf_zero3_cpu_offload_2ranks": {
+        # the same on two ranks (torchrun; zero.launch --num_gpus 2): each rank's prompts, generations and both
+        # engines' reductions over gloo; both ranks' losses compared
+        "script": "deepspeed_chat_step3_main.py", "package": "dschat", "world": 2, "setup": "llama_critic",
+        "args": DSCHAT_STEP3_ARGS,
+    },
     "deepspeed_chat_rlhf_hybrid_engine_zero3_cpu_offload": {
         # the same with --enable_hybrid_engine, as 11 of step 3's 12 training_scripts pass it: the actor's config gets
         # hybrid_engine.enabled. DeepSpeed's hybrid engine needs its CUDA inference kernels (on the CPU: "This op had
