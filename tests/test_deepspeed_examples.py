@@ -23,9 +23,9 @@ The cases (tests/deepspeed_examples/harness.py):
   (DeepSpeedCPUAdam, optimizer state on the CPU) and at ZeRO-3 with --offload (parameters too; the model built
   under transformers' HfDeepSpeedConfig, which is zero's HfZeroConfig under the launcher, and by its rewritten
   import in the zero_imports run); its DPO step (a reference engine beside the policy) and step 3 (PPO: four
-  engines, generation under ZeRO-3), both in fp32, step 3 also on two ranks, with --enable_hybrid_engine (compared with
-  DeepSpeed's run without it: its hybrid engine needs CUDA kernels) and with dschat's LoRA on the actor
-  (--only_optimize_lora), gradient checkpointing and an EMA copy;
+  engines, generation under ZeRO-3), both in fp32, step 3 also on two ranks, and with dschat's LoRA on the actor
+  (--only_optimize_lora), gradient checkpointing, an EMA copy and --enable_hybrid_engine (DeepSpeed's run without
+  that switch: its hybrid engine needs CUDA kernels);
 - training/bf16_master_weight/train.py: its bf16_full.json as it is (ZeRO-3 on the device, bf16 master weights,
   gradients and optimizer states, torch_autocast, loss.backward() instead of engine.backward), and fp32 parameters
   under torch_autocast with cpu offload and activation checkpointing.
@@ -83,11 +83,10 @@ def test_losses_equal_deepspeeds(name, mode, tmp_path):
     case = harness.CASES[name]
     if mode == "zero_launch" and "zero_launch_limit" in case:
         pytest.skip(case["zero_launch_limit"])
-    against = case.get("against", name)  # a case DeepSpeed cannot run here: compared with another's recording
-    assert against in FIXTURE, f"{against}: no DeepSpeed losses recorded (tests/deepspeed_examples/record.py)"
-    recorded, source = FIXTURE[against], harness.CASES[against]
-    assert recorded["script"] == source["script"] and recorded["args"] == source["args"] and \
-        recorded["world"] == source["world"], f"{against}: the case changed since it was recorded: record it again"
+    assert name in FIXTURE, f"{name}: no DeepSpeed losses recorded (tests/deepspeed_examples/record.py)"
+    recorded = FIXTURE[name]
+    assert recorded["script"] == case["script"] and recorded["args"] == harness.deepspeed_args(case) and \
+        recorded["world"] == case["world"], f"{name}: the case changed since it was recorded: record it again"
     ours = harness.run_case(name, mode, str(tmp_path), timeout=300)
     tolerance = case.get("tolerance", harness.TOLERANCE)
     check(name, "first", ours, recorded, tolerance)

@@ -8,8 +8,8 @@ first run saved is loaded: `{exp_dir}` names the experiment directory the first 
 
 Other keys of a case: `package` (a directory beside the script that it imports, e.g. DeepSpeed-Chat's dschat; the
 zero_imports run gets a rewritten copy of it beside its rewritten script), `tolerance` (per-step loss, absolute; by
-default TOLERANCE), `against` (the case whose DeepSpeed recording this one is compared with, where DeepSpeed
-cannot run it on the CPU; record.py skips it), `loss_csv` (a file of `step,loss` rows the script writes itself, read for rank 0's losses where
+default TOLERANCE), `deepspeed_without` (switches DeepSpeed's run leaves out, where it cannot serve them on the
+CPU), `loss_csv` (a file of `step,loss` rows the script writes itself, read for rank 0's losses where
 the script calls loss.backward() and the recorder never sees the loss) and `zero_launch_limit` (why its zero_launch
 run cannot work: the test skips it, with that reason).
 
@@ -180,22 +180,20 @@ CASES: dict[str, dict] = {
         "script": "deepspeed_chat_step3_main.py", "package": "dschat", "world": 2, "setup": "llama_critic",
         "args": DSCHAT_STEP3_ARGS,
     },
-    "deepspeed_chat_rlhf_hybrid_engine_zero3_cpu_offload": {
-        # the same with --enable_hybrid_engine, as 11 of step 3's 12 training_scripts pass it: the actor's config gets
-        # hybrid_engine.enabled. DeepSpeed's hybrid engine needs its CUDA inference kernels (on the CPU: "This op had
-        # not been implemented on CPU backend"), so the run is compared with DeepSpeed's without it (`against`): the
-        # switch changes which kernels compute the generation, not what it computes
-        "script": "deepspeed_chat_step3_main.py", "package": "dschat", "world": 1, "setup": "llama_critic",
-        "args": DSCHAT_STEP3_ARGS + ["--enable_hybrid_engine"], "against": "deepspeed_chat_rlhf_zero3_cpu_offload",
-    },
     "deepspeed_chat_rlhf_lora_zero3_cpu_offload": {
         # step 3 with the actor's linear layers given dschat's LoRA (convert_linear_layer_to_lora, after the model
         # was built under zero.Init: its layers are moved `.to(weight.device)` of a partitioned weight) and only the
         # LoRA matrices trained (--only_optimize_lora: the base frozen, partitioned, never stepped), the actor's
-        # gradient checkpointing on, and an EMA copy of the actor kept (--enable_ema: GatheredParameters each step)
+        # gradient checkpointing on, an EMA copy of the actor kept (--enable_ema: GatheredParameters each step), and
+        # --enable_hybrid_engine as 11 of step 3's 12 training_scripts pass it (the actor's config gets
+        # hybrid_engine.enabled). DeepSpeed's hybrid engine needs its CUDA inference kernels ("This op had not been
+        # implemented on CPU backend"): DeepSpeed's recording runs without that switch (`deepspeed_without`), which
+        # changes which kernels compute the generation, not what it computes
         "script": "deepspeed_chat_step3_main.py", "package": "dschat", "world": 1, "setup": "llama_critic",
         "args": DSCHAT_STEP3_ARGS + ["--actor_lora_dim", "8", "--actor_lora_module_name", "layers.",
-                                     "--only_optimize_lora", "--actor_gradient_checkpointing", "--enable_ema"],
+                                     "--only_optimize_lora", "--actor_gradient_checkpointing", "--enable_ema",
+                                     "--enable_hybrid_engine"],
+        "deepspeed_without": ["--enable_hybrid_engine"],
     },
     "bf16_master_weight_bf16_full_zero3": {
         # DeepSpeed's bf16_full.json as it is: ZeRO-3 with nothing offloaded, bf16 master weights and gradients,
@@ -332,11 +330,17 @@ def run_once(case: dict, mode: str, tmp: str, args: list[str], name: str, python
     return losses
 
 
+def deepspeed_args(case: dict) -> list[str]:
+    """The arguments of DeepSpeed's run of `case`: its own, less its `deepspeed_without`."""
+    return [a for a in case["args"] if a not in case.get("deepspeed_without", ())]
+
+
 def run_case(name: str, mode: str, tmp: str, python: str = sys.executable, timeout: int = 600) -> dict:
     """Run a case (and its resume) in `tmp`: {"losses": rank 0's, "losses_rank1": ..., "resume": {...}}."""
     case = CASES[name]
     setup(case, tmp)
-    result = as_result(run_once(case, mode, tmp, case["args"], "first", python, timeout))
+    args = deepspeed_args(case) if mode == "deepspeed" else case["args"]
+    result = as_result(run_once(case, mode, tmp, args, "first", python, timeout))
     if "resume" in case:
         result["resume"] = as_result(run_once(case, mode, tmp, case["resume"]["args"], "resume", python, timeout))
     return result
