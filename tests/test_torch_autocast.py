@@ -1,5 +1,5 @@
 """DeepSpeed's `torch_autocast`: the engine's forward under torch.autocast over fp32 parameters trains as plain
-PyTorch does under the same autocast (bitwise on the CPU), and autograd keeps no copy of a parameter's cast from
+PyTorch does under the same autocast (bitwise on the CPU; within 1e-3 relative on a GPU), and autograd keeps no copy of a parameter's cast from
 the forward to the backward (zero/services/autocast.py).
 
 The reference: the same model in fp32, its forward (loss included) under torch.autocast with its cache of casts
@@ -36,16 +36,17 @@ def autocast_config(stage, offload, tmp_path, *, dtype="bfloat16", accum=1, clip
                        torch_autocast={"enabled": True, "dtype": dtype}, **extra)
 
 
-def autocast_reference(model, data, *, dtype, accum, clip, overflow=()):
-    """Plain PyTorch under torch.autocast: AdamW(fused=True); fp16 with a GradScaler (unscale_ before clipping).
-    `overflow`: micro-batches whose loss is multiplied by inf. Returns every loss."""
+def autocast_reference(model, data, *, dtype, accum, clip, device=torch.device("cpu"), overflow=()):
+    """Plain PyTorch under torch.autocast on `device`: AdamW(fused=True); fp16 with a GradScaler (unscale_ before
+    clipping). `overflow`: micro-batches whose loss is multiplied by inf. Returns every loss."""
+    model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-    scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     losses = []
     for start in range(0, len(data), accum):
         for index in range(start, start + accum):
-            ids = data[index]
-            with torch.autocast("cpu", dtype=dtype, cache_enabled=False):
+            ids = data[index].to(device)
+            with torch.autocast(device.type, dtype=dtype, cache_enabled=False):
                 loss = model(input_ids=ids, labels=ids).loss
             factor = float("inf") if index in overflow else 1.0
             scaler.scale(loss.float() * factor / accum).backward()
@@ -77,10 +78,10 @@ def test_bf16_autocast_trains_as_plain_pytorch_under_autocast(name, stage, offlo
         trained = full_state(engine)
     finally:
         engine.close()
-    reference = MODELS[name](0)
-    expected = autocast_reference(reference, data, dtype=torch.bfloat16, accum=accum, clip=clip)
-    assert_losses_equal(losses, expected, exact=True)
-    assert_state_equal(trained, dict(reference.state_dict()))
+    reference, exact = MODELS[name](0), engine.device.type == "cpu"  # elsewhere kernels differ with alignment
+    expected = autocast_reference(reference, data, dtype=torch.bfloat16, accum=accum, clip=clip, device=engine.device)
+    assert_losses_equal(losses, expected, exact=exact, rtol=1e-3)
+    assert_state_equal(trained, cpu_state(reference), exact=exact, rtol=1e-3, atol=1e-5)
     assert losses != autocast_reference(MODELS[name](0), data, dtype=torch.float16, accum=accum, clip=clip), \
         "the autocast dtype changes nothing here: the comparison would not see a forward run outside autocast"
 
@@ -97,10 +98,16 @@ def test_fp16_autocast_scales_the_loss_as_a_grad_scaler_and_skips_an_overflow(tm
         trained = full_state(engine)
     finally:
         engine.close()
-    reference = MODELS["gpt2"](0)
-    expected = autocast_reference(reference, data, dtype=torch.float16, accum=1, clip=1.0, overflow={2})
-    assert [x for i, x in enumerate(losses) if i != 2] == [x for i, x in enumerate(expected) if i != 2]
-    assert_state_equal(trained, dict(reference.state_dict()))
+    reference, exact = MODELS["gpt2"](0), engine.device.type == "cpu"
+    expected = autocast_reference(reference, data, dtype=torch.float16, accum=1, clip=1.0, device=engine.device,
+                                  overflow={2})
+    assert_losses_equal([x for i, x in enumerate(losses) if i != 2], [x for i, x in enumerate(expected) if i != 2],
+                        exact=exact, rtol=1e-3)
+    assert_state_equal(trained, cpu_state(reference), exact=exact, rtol=1e-3, atol=1e-5)
+
+
+def cpu_state(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
 class LiveCasts(TorchDispatchMode):
@@ -130,7 +137,7 @@ def test_no_cast_of_a_parameter_is_kept_from_the_forward_to_the_backward(stage, 
     extra = {"zero_tiering": {"activation_offload": activation_offload}} if activation_offload else {}
     engine, _, _, _ = zero.initialize(model=model, config=autocast_config(stage, offload, tmp_path, **extra))
     try:
-        ids = batches(1)[0]
+        ids = batches(1)[0].to(engine.device)
         casts = LiveCasts(torch.bfloat16, shapes)
         with casts:
             loss = engine(input_ids=ids, labels=ids).loss
@@ -149,7 +156,7 @@ def test_a_parameter_written_between_forward_and_backward_is_named():
     model = MODELS["gpt2"](0)
     engine, _, _, _ = zero.initialize(model=model, config=autocast_config(0, "none", None))
     try:
-        ids = batches(1)[0]
+        ids = batches(1)[0].to(engine.device)
         loss = engine(input_ids=ids, labels=ids).loss
         with torch.no_grad():
             model.lm_head.weight.mul_(2.0)
