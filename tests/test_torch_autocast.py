@@ -1,6 +1,6 @@
 """DeepSpeed's `torch_autocast`: the engine's forward under torch.autocast over fp32 parameters trains as plain
-PyTorch does under the same autocast (bitwise on the CPU; within 1e-3 relative on a GPU), and autograd keeps no copy of a parameter's cast from
-the forward to the backward (zero/services/autocast.py).
+PyTorch does under the same autocast (bitwise on the CPU; within 1e-3 relative on a GPU), and autograd keeps no
+copy of a parameter's cast from the forward to the backward (zero/services/autocast.py).
 
 The reference: the same model in fp32, its forward (loss included) under torch.autocast with its cache of casts
 off, as the engine runs it, AdamW(fused=True); for fp16, torch.amp.GradScaler as DeepSpeed steps an fp16 autocast
