@@ -1,4 +1,10 @@
 #!/usr/bin/env python
+# Copied from https://github.com/deepspeedai/DeepSpeedExamples,
+# training/bf16_master_weight/train.py at commit 45b4b715
+# (45b4b7156c8794a3452a5a7d03dbd8d797068569). DeepSpeedExamples is licensed under the Apache License 2.0
+# (a copy: LICENSE-DeepSpeedExamples in this directory).
+# zero-tiering's changes, for a CPU run in its tests, are marked `# EDIT(zero-tiering): why`; every other
+# line is the source's.
 # Copyright (c) Microsoft Corporation.
 # SPDX-License-Identifier: Apache-2.0
 
