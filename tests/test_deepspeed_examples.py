@@ -46,7 +46,7 @@ with open(harness.FIXTURE) as _f:
     FIXTURE = json.load(_f)
 
 HF_CASES = {"superoffload_finetune_zero3_nvme_1rank", "hello_bert_zero1_cpu_offload_save_load",
-            *(name for name in harness.CASES if name.startswith("deepspeed_chat_"))}
+            *(name for name in harness.CASES if name.startswith(("deepspeed_chat_", "zero_inference_")))}
 
 
 def check(name: str, run: str, ours: dict, theirs: dict, tolerance: float = harness.TOLERANCE) -> None:

@@ -30,7 +30,8 @@ def state(engine) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("path", FILES, ids=[f.name for f in FILES])
 def test_example_config_trains(path, tmp_path):
-    """Each example, as written (nvme paths pointed at a temporary directory), trains two optimizer steps
+    """Each example, as written (nvme paths pointed at a directory that does not exist yet: the engine creates it, as
+    DeepSpeed does), trains two optimizer steps
     of the tiny GPT-2 with the config's own micro batch size and accumulation. The stage-3 examples were
     expected to raise "stage 3 ... not built yet" until the ZeRO-3 partitioner landed; they now train too.
     The examples with a warmup schedule start at lr 0 (warmup_min_lr 0 / warmup_min_ratio 0): their first
@@ -39,7 +40,7 @@ def test_example_config_trains(path, tmp_path):
     for key in ("offload_param", "offload_optimizer"):
         section = raw.get("zero_optimization", {}).get(key)
         if section and "nvme_path" in section:
-            section["nvme_path"] = str(tmp_path)
+            section["nvme_path"] = str(tmp_path / "nvme" / "swap")
     load_config(path)  # the file itself, unmodified, loads
     model = tiny_gpt2(0)
     engine, optimizer, _, scheduler = zero.initialize(model=model, config=raw)
@@ -52,6 +53,7 @@ def test_example_config_trains(path, tmp_path):
         losses = engine_train(engine, batches(2 * cfg.gradient_accumulation_steps,
                                               batch=cfg.train_micro_batch_size_per_gpu))
         assert engine.global_steps == 2 and engine.skipped_steps == 0 and optimizer.step_count == 2
+        assert (tmp_path / "nvme" / "swap").is_dir() == ("nvme" in path.read_text())
         after = state(engine)
         assert all(torch.isfinite(v).all() for v in after.values()) and all(map(math.isfinite, losses))
         if scheduler is None:
@@ -61,7 +63,7 @@ def test_example_config_trains(path, tmp_path):
             assert first_lr == [0.0] and engine.get_lr()[0] > 0.0
     finally:
         engine.close()
-    assert not any(tmp_path.iterdir()), "close() left nvme files behind"
+    assert not any(f for f in tmp_path.rglob("*") if not f.is_dir()), "close() left nvme files behind"
 
 
 def with_change(change, base=None):

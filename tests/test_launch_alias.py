@@ -37,6 +37,7 @@ NAMES = """
     deepspeed.runtime.utils.set_random_seed(1)
     assert next(RepeatingLoader([7])) == 7 and OffloadDeviceEnum.cpu == "cpu"
     assert DeepSpeedConfig({"train_micro_batch_size_per_gpu": 2}).train_batch_size == 2
+    assert deepspeed.__version__ == "0.19.8" and deepspeed.__version_minor__ == 19  # scripts check it
     for stand_in in (AsyncIOBuilder, FixedSparsityConfig, convert_to_random_ltd, DistributedAttention, TorchBackend,
                      module_inject.replace_transformer_layer):
         try:

@@ -325,6 +325,19 @@ def test_missing_nvme_path(tmp_path, engine):
     assert isinstance(info.value, OSError)
 
 
+def test_create_makes_a_missing_nvme_path_as_deepspeed_does(tmp_path, readonly_dir):
+    """zero's configs open the store with create=True (DeepSpeed creates its swap folder under nvme_path); where the
+    directory cannot be made, the error says so and why."""
+    missing = tmp_path / "no" / "such"
+    with NvmeStore(NvmeStoreConfig(nvme_path=str(missing), create=True)) as store:
+        assert os.path.dirname(store.path) == str(missing)
+    assert os.listdir(missing) == []
+    unmakeable = os.path.join(readonly_dir, "swap")
+    with pytest.raises(NvmePathError, match="does not exist and cannot be created .Read-only file system.") as info:
+        NvmeStore(NvmeStoreConfig(nvme_path=unmakeable, create=True))
+    assert info.value.path == unmakeable
+
+
 def test_nvme_path_that_is_a_file(tmp_path):
     f = tmp_path / "file"
     f.write_text("")

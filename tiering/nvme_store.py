@@ -40,6 +40,10 @@ class NvmeStoreConfig:
     aio: AioConfig = field(default_factory=AioConfig)
     """I/O engine settings, for each file's engine."""
 
+    create: bool = False
+    """Create a missing directory (and its parents) when the store opens, as DeepSpeed creates its swap folder under
+    nvme_path; False: a missing directory is NvmePathError (a typo would otherwise put the store on another disk)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.nvme_path, list):
             object.__setattr__(self, "nvme_path", tuple(self.nvme_path))
@@ -85,7 +89,7 @@ class NvmeStore:
         files: list[StoreFile] = []
         try:
             for directory in config.directories:
-                files.append(StoreFile(directory, config.aio, config.grow_step))
+                files.append(StoreFile(directory, config.aio, config.grow_step, create=config.create))
         except BaseException:
             for file in files:
                 file.close()

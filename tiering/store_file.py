@@ -48,8 +48,13 @@ class StoreFile:
     provably stale. `close()` removes this file and nothing else.
     """
 
-    def __init__(self, directory: str, aio: AioConfig, grow_step: int):
+    def __init__(self, directory: str, aio: AioConfig, grow_step: int, *, create: bool = False):
         directory = os.path.abspath(os.fspath(directory))
+        if create and not os.path.exists(directory):
+            try:
+                os.makedirs(directory, exist_ok=True)
+            except OSError as error:
+                raise NvmePathError(directory, f"does not exist and cannot be created ({error.strerror})") from error
         if not os.path.isdir(directory):
             reason = "does not exist" if not os.path.exists(directory) else "is not a directory"
             raise NvmePathError(directory, reason)

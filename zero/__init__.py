@@ -28,6 +28,8 @@ from .runtime.config import DeepSpeedConfig
 from .utils import log_dist, logger
 from .integrations.unsupported import TOP_LEVEL_INSTEAD, stand_ins_getattr
 
+__version__ = "0.1.0"
+
 __all__ = ["CPUAdam", "DeepSpeedConfig", "accelerator", "add_config_arguments", "checkpointing", "comm", "compression",
            "get_accelerator", "init_distributed", "init_inference", "initialize", "log_dist", "logger",
            "module_inject", "moe", "ops", "pipe", "runtime", "sequence", "utils", "zero"]

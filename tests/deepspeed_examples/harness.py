@@ -9,7 +9,8 @@ first run saved is loaded: `{exp_dir}` names the experiment directory the first 
 Other keys of a case: `package` (a directory beside the script that it imports, e.g. DeepSpeed-Chat's dschat; the
 zero_imports run gets a rewritten copy of it beside its rewritten script), `tolerance` (per-step loss, absolute; by
 default TOLERANCE), `deepspeed_without` (switches DeepSpeed's run leaves out, where it cannot serve them on the
-CPU), `loss_csv` (a file of `step,loss` rows the script writes itself, read for rank 0's losses where
+CPU), `record` ("logits": a script that only runs the model, compared by each forward's logits, see
+loss_recorder/sitecustomize.py), `loss_csv` (a file of `step,loss` rows the script writes itself, read for rank 0's losses where
 the script calls loss.backward() and the recorder never sees the loss) and `zero_launch_limit` (why its zero_launch
 run cannot work: the test skips it, with that reason).
 
@@ -115,6 +116,12 @@ critic and reward from {tmp}/critic (a step-2 output: tiny_models.write_critic),
 or bf16, and with bf16 the PPO losses amplify the two engines' different bf16 roundings past any useful tolerance
 within two steps), both ZeRO-3 with --offload. No --output_dir (save_hf_format: see DSCHAT_ARGS)."""
 
+ZERO_INFERENCE_ARGS = ["--model", "{tmp}/model", "--batch-size", "2", "--prompt-len", "8", "--gen-len", "6",
+                       "--loops", "2", "--local_rank", "0", "--log-file", "{tmp}/benchmark.log"]
+"""ZeRO-Inference's run_model.py switches, as run_model.sh passes them, at tiny sizes: the tiny OPT (fp32, its config's
+dtype) from {tmp}/model, 2 prompts padded to 8 tokens, 6 tokens generated greedily, twice (--loops); --local_rank 0,
+as DeepSpeed's launcher passes it (the script prints its summary only on local rank 0)."""
+
 CASES: dict[str, dict] = {
     "cifar10_zero3_cpu_offload_1rank": {
         "script": "cifar10_deepspeed.py", "world": 1, "args": CIFAR_ARGS,
@@ -211,6 +218,19 @@ CASES: dict[str, dict] = {
         "args": BF16_EXAMPLE_ARGS + ["--activation_checkpointing"], "loss_csv": "{tmp}/losses.csv",
         "tolerance": BF16_TOLERANCE,
     },
+    "zero_inference_opt_cpu_offload": {
+        # ZeRO-Inference: an OPT from_pretrained under HfDeepSpeedConfig (built under zero.Init), initialize without an
+        # optimizer, ZeRO-3 with parameters offloaded to the CPU, generate() on the engine's module; each forward's
+        # logits compared (prefill and 5 decoding steps, twice)
+        "script": "zero_inference/run_model.py", "world": 1, "setup": "opt", "record": "logits",
+        "args": ZERO_INFERENCE_ARGS + ["--cpu-offload"],
+    },
+    "zero_inference_opt_disk_offload": {
+        # the same with the parameters on NVMe (the script's aio section), under an --offload-dir that does not exist
+        # yet (DeepSpeed creates it)
+        "script": "zero_inference/run_model.py", "world": 1, "setup": "opt", "record": "logits",
+        "args": ZERO_INFERENCE_ARGS + ["--disk-offload", "--offload-dir", "{tmp}/offload"],
+    },
 }
 
 MODES = ("deepspeed", "zero_imports", "zero_launch")
@@ -244,6 +264,8 @@ def setup(case: dict, tmp: str) -> None:
         sys.path.remove(HERE)
     if case.get("setup") in ("llama", "llama_critic"):
         tiny_models.write_llama(os.path.join(tmp, "model"))
+    if case.get("setup") == "opt":
+        tiny_models.write_opt(os.path.join(tmp, "model"))
     if case.get("setup") == "llama_critic":
         tiny_models.write_critic(os.path.join(tmp, "critic"), os.path.join(tmp, "model"))
     elif case.get("setup") == "roberta_tokenizer":
@@ -316,6 +338,7 @@ def run_once(case: dict, mode: str, tmp: str, args: list[str], name: str, python
     os.makedirs(os.path.dirname(log), exist_ok=True)
     argv, env = command(case, mode, tmp, fill(args, tmp), python)
     env["ZT_LOSS_LOG"] = log
+    env["ZT_RECORD"] = case.get("record", "loss")
     done = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)}\nexited {done.returncode}\n--- stdout\n{done.stdout[-4000:]}\n"

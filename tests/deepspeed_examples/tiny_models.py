@@ -40,6 +40,24 @@ def write_llama(directory: str, seed: int = 0) -> str:
     return directory
 
 
+def write_opt(directory: str, seed: int = 0) -> str:
+    """A 2-layer OPT (hidden 128, MLP 2048: matrices of 2**18 elements, as write_llama's) with config.torch_dtype fp32
+    (ZeRO-Inference's run_model.py computes in it) and a tokenizer with a pad token (the script pads its prompts)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    tokenizer = word_level_tokenizer(["<pad>", "</s>", "<unk>"], unk_token="<unk>", bos_token="</s>",
+                                     eos_token="</s>", pad_token="<pad>")
+    config = OPTConfig(vocab_size=len(tokenizer), hidden_size=128, ffn_dim=2048, num_hidden_layers=2,
+                       num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=128, pad_token_id=0,
+                       bos_token_id=1, eos_token_id=1, torch_dtype="float32")
+    torch.manual_seed(seed)
+    model = OPTForCausalLM(config).float()
+    os.makedirs(directory, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 def write_critic(directory: str, model_dir: str, seed: int = 1) -> str:
     """What DeepSpeed-Chat's step 3 loads as its critic and reward model, a step-2 output: `model_dir`'s files and a
     `pytorch_model.bin` holding a dschat RewardModel's state: the base model (its embeddings grown to a multiple of 8

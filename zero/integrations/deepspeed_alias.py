@@ -21,6 +21,11 @@ import types
 
 PREFIX = "deepspeed"
 
+SERVED_VERSION = "0.19.8"
+"""The DeepSpeed release whose API, config keys and results `zero` matches (tests/deepspeed_examples record against
+it): what `deepspeed.__version__` says under the alias, where scripts check it (`>= 0.10.3` in ZeRO-Inference's
+run_model.py). `zero.__version__` stays zero-tiering's own."""
+
 PACKAGE_ASKED = (
     "`deepspeed` in this process is zero-tiering's alias (python -m zero.launch installs it): its modules, not the "
     "deepspeed package whose installation this code checks for. Accelerate's DeepSpeed plugin: keep the Accelerator "
@@ -73,6 +78,9 @@ class _View(types.ModuleType):
         self._zero_module = target
         if hasattr(target, "__all__"):
             self.__all__ = target.__all__
+        if name == PREFIX:
+            self.__version__ = SERVED_VERSION
+            self.__version_major__, self.__version_minor__, self.__version_patch__ = map(int, SERVED_VERSION.split("."))
 
     def __getattr__(self, name: str):
         return getattr(self.__dict__["_zero_module"], name)

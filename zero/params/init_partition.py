@@ -238,7 +238,7 @@ class Init:
                 raise ConfigError("remote_device", 'is "nvme": the config must give zero_optimization.'
                                   "offload_param.nvme_path, the directory the slices wait in", value=where)
             paths = offload.nvme_path if isinstance(offload.nvme_path, tuple) else (offload.nvme_path,)
-            nvme = NvmeStoreConfig(nvme_path=paths[0], aio=cfg.to_aio_config())
+            nvme = NvmeStoreConfig(nvme_path=paths[0], aio=cfg.to_aio_config(), create=True)
         self.store = InitStore(dp, nvme)
         if module is not None:
             self._partition(module.parameters())

@@ -186,7 +186,7 @@ def swap_config(cfg: Config, units: list[FlatUnit], dtype: torch.dtype, *, optim
                           "offload_param or offload_optimizer to nvme with an nvme_path", value="nvme")
     nvme = None
     if paths:
-        nvme = NvmeStoreConfig(nvme_path=paths.pop(), budget=zt.nvme_budget, aio=cfg.to_aio_config())
+        nvme = NvmeStoreConfig(nvme_path=paths.pop(), budget=zt.nvme_budget, aio=cfg.to_aio_config(), create=True)
     return SwapConfig(
         host_budget=zt.host_budget if zt.host_budget is not None else homed_on_host + window + prefetch,
         device_budget=zt.device_budget,

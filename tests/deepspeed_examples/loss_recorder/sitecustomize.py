@@ -4,12 +4,15 @@ Python imports `sitecustomize` at start-up from sys.path; put this directory on 
 the first import of a module named `deepspeed` (the real package) or `zero` (ours: `import zero as deepspeed`, or the
 `deepspeed` alias `python -m zero.launch` installs, which reads `zero`'s names) gets its `initialize` wrapped: the
 engine it returns records `loss.item()` at every `engine.backward(loss)`, one line per call (float repr), in
-`<ZT_LOSS_LOG>.rank<R>` (R: this process's rank). Without ZT_LOSS_LOG this file does nothing.
+`<ZT_LOSS_LOG>.rank<R>` (R: this process's rank). With ZT_RECORD=logits (a script that only runs the model, as
+ZeRO-Inference's), each forward of the engine's module records its logits' norm (in float64) instead. Without
+ZT_LOSS_LOG this file does nothing.
 """
 import os
 import sys
 
 LOG = os.environ.get("ZT_LOSS_LOG")
+WHAT = os.environ.get("ZT_RECORD", "loss")
 NAMES = ("deepspeed", "zero")
 
 
@@ -23,12 +26,19 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def _write(value: float) -> None:
+    with open(f"{LOG}.rank{_rank()}", "a") as f:
+        f.write(f"{value!r}\n")
+
+
 def _record(engine) -> None:
+    if WHAT == "logits":
+        engine.module.register_forward_hook(lambda module, args, out: _write(out.logits.double().norm().item()))
+        return
     backward = engine.backward
 
     def recording_backward(loss, *args, **kwargs):
-        with open(f"{LOG}.rank{_rank()}", "a") as f:
-            f.write(f"{loss.item()!r}\n")
+        _write(loss.item())
         return backward(loss, *args, **kwargs)
 
     engine.backward = recording_backward
