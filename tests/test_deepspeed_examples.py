@@ -66,10 +66,10 @@ def check(name: str, run: str, ours: dict, theirs: dict, tolerance: float = harn
     assert worst <= tolerance, report
 
 
-IMPORTS_TOO = {"cifar10_zero3_cpu_offload_1rank", "cifar10_zero3_cpu_offload_2ranks",
-               "deepspeed_chat_sft_zero3_cpu_offload_bf16"}
-"""Cases run with rewritten imports beside their zero_launch run: one rank and two (torchrun), and the model built
-under HfZeroConfig named by the script (the launcher gives it transformers' name)."""
+IMPORTS_TOO = {"cifar10_zero3_cpu_offload_1rank", "deepspeed_chat_sft_zero3_cpu_offload_bf16"}
+"""Cases run with rewritten imports beside their zero_launch run: a script of its own, and the model built under
+HfZeroConfig named by the script (the launcher gives it transformers' name). Two ranks under torchrun run the same
+engine as under zero.launch (the cifar10 and DeepSpeed-Chat two-rank cases)."""
 RUNS = [(name, "zero_launch") for name in harness.CASES] + [
     (name, "zero_imports") for name, case in harness.CASES.items()
     if "zero_launch_limit" in case or name in IMPORTS_TOO]
