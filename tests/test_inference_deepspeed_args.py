@@ -43,6 +43,19 @@ def test_deepspeeds_arguments_run(config, kwargs, dtype):
         engine.close()
 
 
+def test_the_engine_carries_the_models_config_as_deepspeeds():
+    """DeepSpeed's InferenceEngine.config is the model's config (text-generation's inference-test.py reads
+    `pipe.model.config` for its figures: an AttributeError before)."""
+    with_config, without = model(), model()
+    with_config.config = {"hidden_size": 8}
+    engines = [zero.init_inference(m, dtype=torch.float) for m in (with_config, without)]
+    try:
+        assert engines[0].config is with_config.config and engines[1].config is None
+    finally:
+        for engine in engines:
+            engine.close()
+
+
 def test_an_inference_config_file(tmp_path):
     path = tmp_path / "inference.json"
     path.write_text(json.dumps({"dtype": "fp32", "replace_with_kernel_inject": False,

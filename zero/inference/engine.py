@@ -91,6 +91,9 @@ class InferenceEngine(nn.Module):
         self.swap = swap
         self.compute_dtype = dtype
         self.device = device
+        self.config = getattr(module, "config", None)
+        """The model's own (Hugging Face) config, as DeepSpeed's InferenceEngine.config: scripts read it from the
+        engine (DeepSpeedExamples' text-generation prints its performance figures from it)."""
         # After each forward of the whole model (generate() calls it once a token): its fetches are one step
         # of the trace, which prefetch follows in the next forward.
         self._step_hook = module.register_forward_hook(lambda m, args, out: swap.end_step())
