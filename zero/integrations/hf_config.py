@@ -10,7 +10,8 @@ never the whole model in memory.
 It registers itself where transformers looks (`transformers.integrations.deepspeed`'s weak reference), lets the
 `import deepspeed` transformers does there resolve to `zero` (deepspeed_alias.py), and joins a process group of one
 where no launcher made one (transformers' ZeRO-3 loading asks torch.distributed for the rank); its
-`resize_token_embeddings` keeps the rows it adds (hf_resize.py).
+`resize_token_embeddings` keeps the rows it adds (hf_resize.py), and a tied pair the checkpoint holds both of is
+compared by value (hf_tied.py).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Any
 
 from ..comm import DataParallel, init_distributed
 from ..config import load_config, read_json
-from . import deepspeed_alias, hf_resize
+from . import deepspeed_alias, hf_resize, hf_tied
 
 
 class HfZeroConfig:
@@ -40,6 +41,7 @@ class HfZeroConfig:
         if self.is_zero3():
             init_distributed()
             hf_resize.install()
+            hf_tied.install()
         hf_deepspeed.set_hf_deepspeed_config(self)
 
     def is_zero3(self) -> bool:
