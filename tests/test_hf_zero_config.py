@@ -112,33 +112,35 @@ TIED = textwrap.dedent("""
     import zero
     from zero.integrations.hf_config import HfZeroConfig
 
-    path, head = sys.argv[1], sys.argv[2]
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
                          tie_word_embeddings=True)
-    state = {k: v.clone() for k, v in LlamaForCausalLM(config).state_dict().items()}
-    state["lm_head.weight"] = state["model.embed_tokens.weight"] + (0.0 if head == "equal" else 1.0)
-    LlamaForCausalLM(config).save_pretrained(path, state_dict=state)  # both keys in the file, as a .bin holds them
-    plain = LlamaForCausalLM.from_pretrained(path)
-    dschf = HfZeroConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
-    model = LlamaForCausalLM.from_pretrained(path)
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
-    assert tied == (plain.lm_head.weight is plain.model.embed_tokens.weight) == (head == "equal"), tied
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        param = model.get_parameter(name)
-        with zero.zero.GatheredParameters([param]):
-            assert torch.equal(param, plain.get_parameter(name)), name
+    weights = {k: v.clone() for k, v in LlamaForCausalLM(config).state_dict().items()}
+    for head in ("equal", "different"):
+        path = sys.argv[1] + head
+        state = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"] + (0 if head == "equal" else 1)}
+        LlamaForCausalLM(config).save_pretrained(path, state_dict=state)  # both keys in the file, as a .bin has
+        plain = LlamaForCausalLM.from_pretrained(path)
+        dschf = HfZeroConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
+        model = LlamaForCausalLM.from_pretrained(path)
+        del dschf
+        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        assert tied == (plain.lm_head.weight is plain.model.embed_tokens.weight) == (head == "equal"), (head, tied)
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            param = model.get_parameter(name)
+            with zero.zero.GatheredParameters([param]):
+                assert torch.equal(param, plain.get_parameter(name)), (head, name)
     print("OK")
 """)
 
 
-@pytest.mark.parametrize("head", ["equal", "different"])
-def test_a_tied_pair_the_checkpoint_holds_both_of_is_tied_as_the_plain_load_ties_it(tmp_path, head):
+def test_a_tied_pair_the_checkpoint_holds_both_of_is_tied_as_the_plain_load_ties_it(tmp_path):
     """transformers ties an embedding and its head that a checkpoint holds both of only where their values are equal
     (torch.equal on the two parameters): under ZeRO-3 it compares the gathered values (hf_tied.py), so the pair is
-    tied, or left apart with transformers' warning, as the plain load does, and every weight is the plain load's
-    (before: NotImplementedError, torch.equal on two meta placeholders; DeepSpeed-Inference's run_model.py --dummy)."""
-    done = subprocess.run([sys.executable, "-c", TIED, str(tmp_path / "model"), head], capture_output=True,
-                          text=True, timeout=300)
+    tied (equal values), or left apart with transformers' warning (different ones), as the plain load does, and every
+    weight is the plain load's (before: NotImplementedError, torch.equal on two meta placeholders; ZeRO-Inference's
+    run_model.py --dummy)."""
+    done = subprocess.run([sys.executable, "-c", TIED, str(tmp_path / "model_")], capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
