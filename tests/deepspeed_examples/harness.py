@@ -10,9 +10,9 @@ Other keys of a case: `package` (a directory beside the script that it imports, 
 zero_imports run gets a rewritten copy of it beside its rewritten script), `tolerance` (per-step loss, absolute; by
 default TOLERANCE), `deepspeed_without` (switches DeepSpeed's run leaves out, where it cannot serve them on the
 CPU), `record` ("logits": a script that only runs the model, compared by each forward's logits, see
-loss_recorder/sitecustomize.py), `loss_csv` (a file of `step,loss` rows the script writes itself, read for rank 0's losses where
-the script calls loss.backward() and the recorder never sees the loss) and `zero_launch_limit` (why its zero_launch
-run cannot work: the test skips it, with that reason).
+loss_recorder/sitecustomize.py), `loss_csv` (a file of `step,loss` rows the script writes itself, read for rank 0's
+losses where the script calls loss.backward() and the recorder never sees the loss) and `zero_launch_limit` (why its
+zero_launch run cannot work: the test skips it, with that reason).
 
 Three ways to run a script:
 - "deepspeed": the script unchanged, with DeepSpeed (the interpreter of a venv that has it; DS_ACCELERATOR=cpu);

@@ -32,12 +32,7 @@ def write_llama(directory: str, seed: int = 0) -> str:
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=2048, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float()
-    os.makedirs(directory, exist_ok=True)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    return _save_seeded(directory, LlamaForCausalLM, config, tokenizer, seed)
 
 
 def write_opt(directory: str, seed: int = 0) -> str:
@@ -50,8 +45,13 @@ def write_opt(directory: str, seed: int = 0) -> str:
     config = OPTConfig(vocab_size=len(tokenizer), hidden_size=128, ffn_dim=2048, num_hidden_layers=2,
                        num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=128, pad_token_id=0,
                        bos_token_id=1, eos_token_id=1, torch_dtype="float32")
+    return _save_seeded(directory, OPTForCausalLM, config, tokenizer, seed)
+
+
+def _save_seeded(directory: str, model_class, config, tokenizer, seed: int) -> str:
+    """`model_class(config)` drawn from `seed`, in fp32, saved with its tokenizer into `directory`."""
     torch.manual_seed(seed)
-    model = OPTForCausalLM(config).float()
+    model = model_class(config).float()
     os.makedirs(directory, exist_ok=True)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)

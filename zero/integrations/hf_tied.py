@@ -15,7 +15,8 @@ from ..params.ds_param import owner_of
 from ..params.gathered import GatheredParameters
 
 CHECK = "_tied_params_are_equal"
-"""transformers.modeling_utils' comparison of a tied pair (transformers 5; older versions tie without comparing)."""
+"""transformers.modeling_utils' comparison of a tied pair (transformers 5; where a version has none, nothing is
+wrapped)."""
 
 
 def install() -> None:
