@@ -4,7 +4,7 @@ weights on nvme under a host budget a quarter of their size (16 MiB at least, an
 zero.inference.engine.host_need: GPT-2's tied embedding is one unit, 154 MB at 124M). Each system runs in its own
 process (its peak RSS is its own); the tokens must be the same.
 
-    python bench/infer.py [--quick] [--layers 12] [--hidden 768] [--new-tokens 16] [--json PATH]
+    python bench/infer.py [--quick] [--layers 12] [--hidden 768] [--new-tokens 16] [--systems A,B,...] [--json PATH]
 
 Per system: prefill seconds (a 32-token prompt), decode tokens/s (the median interval between new tokens), peak
 RSS, nvme bytes read per decoded token. The bounds are measured in the same run: host memory, the weight bytes a
