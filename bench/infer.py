@@ -1,8 +1,8 @@
 """Inference from the tiers against its bound: a GPT-2 shaped model saved with save_pretrained, generated from
 greedily by plain transformers in memory, by zero.init_inference with the weights in host memory, and with the
 weights on nvme under a host budget a quarter of their size (16 MiB at least, and never below the engine's minimum,
-zero.inference.engine.host_need: GPT-2's tied embedding is one unit, 154 MB at 124M). Each system runs in its own
-process (its peak RSS is its own); the tokens must be the same.
+zero.inference.engine.host_need: GPT-2's tied embedding is one unit, 154 MB at 124M). Each system runs in a process
+of its own (bench/children.py: its peak RSS is its own); the tokens must be the same.
 
     python bench/infer.py [--quick] [--layers 12] [--hidden 768] [--new-tokens 16] [--systems A,B,...] [--json PATH]
 
@@ -31,7 +31,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,13 +38,15 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from load import vm_hwm  # noqa: E402  (bench/ is the script's directory)
+import children  # noqa: E402  (bench/ is the script's directory)
 from zero.inference.__main__ import Clock  # noqa: E402
 
 SYSTEMS = ("torch", "ours-cpu", "ours-nvme", "ours-nvme-stream", "deepspeed-nvme")
 """ours-nvme-stream: the host budget at the engine's least (host_need), so that, as DeepSpeed's, nearly every weight
 is read from nvme at every token."""
 DEFAULT_SYSTEMS = "torch,ours-cpu,ours-nvme"
+PRELOAD = ["torch", "transformers", "zero"]
+"""What the children's server imports: no more than each child imports anyway (this script imports zero's Clock)."""
 
 
 def storage_read() -> int:
@@ -74,9 +75,13 @@ def deepspeed_model(args: argparse.Namespace):
 
 
 def child(args: argparse.Namespace) -> dict:
+    """One system's generation, in a process of its own (bench/children.py)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if args.port is not None:  # one rank of torch.distributed, as DeepSpeed's launcher sets it
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0")
     torch.set_num_threads(args.threads)
     prompt = torch.randint(0, 1000, (1, 32), generator=torch.Generator().manual_seed(0))
     engine = None
@@ -112,7 +117,7 @@ def child(args: argparse.Namespace) -> dict:
     if engine is not None:
         engine.close()
     return {"system": args.child, "prefill_s": clock.times[1] - start, "decode_tok_s": 1 / statistics.median(intervals),
-            "peak_rss": vm_hwm(), "host_budget": engine.swap.pool.budget if engine is not None else None,
+            "host_budget": engine.swap.pool.budget if engine is not None else None,
             "nvme_read_per_token": read / max(1, args.new_tokens), "tokens": out[0, 32:].tolist()}
 
 
@@ -127,14 +132,7 @@ def main() -> None:
     parser.add_argument("--systems", help=f"some of {', '.join(SYSTEMS)} (default: {DEFAULT_SYSTEMS}, and "
                         "deepspeed-nvme where deepspeed is installed)")
     parser.add_argument("--json", help="write the records here")
-    parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--nvme", help=argparse.SUPPRESS)
-    parser.add_argument("--host-budget", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        print(json.dumps(child(args)))
-        return
     if args.quick:
         args.layers, args.hidden, args.new_tokens = 2, 64, 6
     have_deepspeed = importlib.util.find_spec("deepspeed") is not None  # imported in its child only
@@ -163,19 +161,15 @@ def main() -> None:
             nvme_system = system.endswith(("nvme", "stream"))
             if nvme_system and not disk:
                 disk.append(measure(nvme, probe).read_gbps)
-            env = dict(os.environ)
-            if system.startswith("deepspeed"):  # one rank of torch.distributed, as DeepSpeed's launcher sets it
-                with socket.socket() as port:
-                    port.bind(("127.0.0.1", 0))
-                    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port.getsockname()[1]), RANK="0",
-                               WORLD_SIZE="1", LOCAL_RANK="0")
-            done = subprocess.run([sys.executable, __file__, "--child", system, "--model", os.path.join(work, "model"),
-                                   "--nvme", nvme, "--host-budget", str(max(weights // 4, 16 << 20)),
-                                   "--threads", str(args.threads),
-                                   "--new-tokens", str(args.new_tokens)], capture_output=True, text=True, env=env)
-            if done.returncode:
-                sys.exit(f"{system} failed:\n{done.stderr[-3000:]}")
-            records.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            port = None
+            if system.startswith("deepspeed"):
+                with socket.socket() as free:
+                    free.bind(("127.0.0.1", 0))
+                    port = free.getsockname()[1]
+            record, peak = children.run(child, argparse.Namespace(
+                child=system, model=os.path.join(work, "model"), nvme=nvme, host_budget=max(weights // 4, 16 << 20),
+                threads=args.threads, new_tokens=args.new_tokens, port=port), preload=PRELOAD)
+            records.append({**record, "peak_rss": peak})
             if nvme_system:
                 disk.append(measure(nvme, probe).read_gbps)
                 records[-1]["disk_read_gbps"] = (disk[-2] + disk[-1]) / 2  # the rates just before and just after

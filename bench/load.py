@@ -17,6 +17,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from children import vm_hwm  # noqa: E402  (bench/ is the script's directory)
+
 
 SAVE = """
 import json, sys, torch
@@ -24,12 +26,6 @@ from transformers import AutoModelForCausalLM, GPT2Config
 torch.manual_seed(0)
 AutoModelForCausalLM.from_config(GPT2Config.from_dict(json.loads(sys.argv[1]))).save_pretrained(sys.argv[2])
 """
-
-
-def vm_hwm() -> int:
-    """This process's own high-water RSS (VmHWM: ru_maxrss of a child also counts its parent's at the fork)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def main() -> dict:

@@ -4,7 +4,8 @@ and again in the backward, never written; against the disk's read rate measured 
 The base is Llama-shaped at the 7b preset's width (hidden 4096, MLP 11008, 32 heads, vocab 32000), --layers deep,
 built under zero.Init straight onto nvme (never whole in memory), with PEFT's LoRA (r 16) on q, k, v and o;
 ZeRO-3 in fp32, parameters on nvme, the adapters' optimizer state on cpu, --seq-len tokens a step (8: the regime a GPU
-sees, the disk the bound). In a child process, so its peak RSS is its own. Measured in one run:
+sees, the disk the bound). Each run in a process of its own (bench/children.py), its peak RSS its own. Measured in one
+run:
 1. fio's sequential read rate (O_DIRECT, 8 MiB blocks, queue depth 32) on the nvme_path, before and after;
 2. the same PEFT model's step in plain PyTorch, everything in memory (the compute), unless --skip-in-memory;
    both compute on the GPU where there is one;
@@ -24,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +33,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from fio import PAGES, fio_binary, fio_rate, memory as fio_memory  # noqa: E402  (bench/ is the script's directory)
+import children  # noqa: E402  (bench/ is the script's directory)
+from fio import PAGES, fio_binary, fio_rate, memory as fio_memory  # noqa: E402
 
 GiB = 1 << 30
 SEVEN_B = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
@@ -196,18 +197,8 @@ def run_logits(args: argparse.Namespace) -> dict:
 
 
 def child(args: argparse.Namespace, role: str, base: str = "fp32") -> tuple[dict, int]:
-    """Run this script as `role` (with the base stored as `base`) in a child process: its result and its peak RSS
-    in bytes."""
-    command = [sys.executable, os.path.abspath(__file__), "--role", role, "--layers", str(args.layers),
-               "--steps", str(args.steps), "--seq-len", str(args.seq_len), "--host-budget", args.host_budget,
-               "--dir", args.dir, "--base", base] + (["--quick"] if args.quick else [])
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=err, text=True)
-        _, status, usage = os.wait4(process.pid, 0)
-        out.seek(0), err.seek(0)
-        if os.waitstatus_to_exitcode(status):
-            raise SystemExit(f"bench/lora.py {role} failed:\n{err.read()[-4000:]}")
-        return json.loads(out.read().strip().splitlines()[-1]), usage.ru_maxrss * 1024
+    """Run `role` (with the base stored as `base`) in a process of its own: its result and its peak RSS in bytes."""
+    return children.run(ROLES[role], argparse.Namespace(**{**vars(args), "base": base}))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -224,14 +215,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="how the base is stored, one run each: fp32 (as computed), bf16 (computed in bf16), "
                              "int8 (and its effect on the logits)")
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--role", choices=list(ROLES), help=argparse.SUPPRESS)
-    parser.add_argument("--base", choices=BASES, default="fp32", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.steps, args.host_budget, args.fio_size = 3, 3, "1MiB", str(64 << 20)
-    if args.role is not None:
-        print(json.dumps(ROLES[args.role](args)))
-        return {}
     if fio_binary() is None:
         raise SystemExit("bench/lora.py needs fio (apt-get install fio): it is the yardstick")
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
