@@ -1,9 +1,11 @@
 """The machine a plan is for: memory (RAM, GPU), the disk under nvme_path (read, write and mixed GB/s, as
 `python -m zero.report --bandwidth` measured them, or given), and this machine's compute rates, measured in a
 second or two: matmul FLOP/s at the model's width in the compute dtype, CPU-Adam elements per second, and the
-bytes per second of a copy, of fresh memory and of the checksum."""
+bytes per second of a copy, of fresh memory and of the checksum. Each rate is measured once a process (as
+compute_speed.dtype_speed): the plans one process makes price one machine, and the second costs no probe."""
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Sequence
@@ -67,6 +69,7 @@ def gpu_memory() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if torch.cuda.is_available() else 0
 
 
+@functools.cache
 def matmul_rate(width: int, tokens: int, dtype: torch.dtype) -> float:
     """FLOP/s of a linear layer's training matmuls on this machine (the device when CUDA is present): its
     forward, its input's gradient and its weight's gradient, one after another, as a step runs them. They differ
@@ -94,6 +97,7 @@ def matmul_rate(width: int, tokens: int, dtype: torch.dtype) -> float:
     return sorted(rates)[len(rates) // 2]
 
 
+@functools.cache
 def adam_rate(out_dtype: torch.dtype) -> float:
     """Elements per second of one CPU-Adam step over 4M fp32 elements on torch's threads."""
     n = 4 << 20
@@ -109,6 +113,7 @@ def adam_rate(out_dtype: torch.dtype) -> float:
     return n / sorted(times)[len(times) // 2]
 
 
+@functools.cache
 def compact_adam_rate(state_format: StateFormat, out_dtype: torch.dtype) -> float:
     """Elements per second of one CPU-Adam step over 4M elements stored in `state_format` (compact_step, on
     the engine's threads)."""
@@ -129,6 +134,7 @@ def compact_adam_rate(state_format: StateFormat, out_dtype: torch.dtype) -> floa
     return n / sorted(times)[len(times) // 2]
 
 
+@functools.cache
 def memory_rates() -> tuple[float, float]:
     """(copy, fresh) bytes per second over 256 MiB, medians of three."""
     n = 256 << 20
@@ -144,6 +150,7 @@ def memory_rates() -> tuple[float, float]:
     return sorted(copies)[1], sorted(fresh)[1]
 
 
+@functools.cache
 def checksum_rate() -> float:
     """Bytes per second `checksum` takes over 256 MiB already touched, the median of three."""
     data = torch.ones(256 << 20, dtype=torch.uint8)
