@@ -173,6 +173,15 @@ CASES: dict[str, dict] = {
         "script": "deepspeed_chat_step2_dpo_main.py", "package": "dschat", "world": 1, "setup": "llama",
         "args": replaced(DSCHAT_ARGS, data_split="0,10,0", dtype="fp32") + ["--zero_stage", "3", "--offload"],
     },
+    "deepspeed_chat_reward_zero3_cpu_offload": {
+        # DeepSpeed-Chat's step 2 (the reward model): dschat's RewardModel (the base without its head, a value head)
+        # built under HfDeepSpeedConfig, the chosen and rejected answers of each pair in one batch, its pairwise loss;
+        # ZeRO-3 with parameters and optimizer state on the CPU, 2 micro-batches per step, fp32 (an EDIT, as step
+        # 3's); the reward evaluation (chosen and rejected scores, accuracy) before and after the epoch
+        "script": "deepspeed_chat_step2_main.py", "package": "dschat", "world": 1, "setup": "llama",
+        "args": [a for a in replaced(DSCHAT_ARGS, data_split="0,10,0", dtype="fp32") if a != "--print_loss"]
+        + ["--zero_stage", "3", "--offload", "--num_padding_at_beginning", "0"],  # (step 2 has no --print_loss)
+    },
     "deepspeed_chat_rlhf_zero3_cpu_offload": {
         # DeepSpeed-Chat's step 3 (PPO): four engines in one process (actor and critic trained, reference and reward
         # evaluated), ZeRO-3 with parameters and optimizer state on the CPU, the actor generating each batch's answers
