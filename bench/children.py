@@ -1,5 +1,5 @@
 """A bench's roles, each in a process of its own that starts in milliseconds: forks of one server process that
-imported the heavy modules once (torch, transformers, peft, zero: ~6 s a process on a 2-core machine).
+imported the heavy modules once (torch, transformers, peft, zero: 6-8 s a process on a 2-core machine).
 
 Why a process per role: each one's peak RSS is its own and nothing of the role before it is left in memory (an
 allocator's cache, a model not yet collected). The server imports only: no CUDA call happens before a fork, so a
@@ -31,9 +31,9 @@ def _serve(send, role: Callable, args: tuple) -> None:
 
 
 def run(role: Callable, *args, preload: list[str] = PRELOAD) -> tuple[object, int]:
-    """`role(*args)` in a fresh fork of the server (started on the first call): what it returned and its peak RSS
-    in bytes. `role` is a module-level function; its arguments and result pickle. SystemExit naming the role where
-    it raised or its process died."""
+    """`role(*args)` in a fresh fork of the server (started by the first call, importing that call's `preload`): what
+    it returned and its peak RSS in bytes. `role` is a module-level function; its arguments and result pickle.
+    SystemExit naming the role where it raised or its process died."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(preload)
     receive, send = context.Pipe(duplex=False)
@@ -42,9 +42,10 @@ def run(role: Callable, *args, preload: list[str] = PRELOAD) -> tuple[object, in
     send.close()
     try:
         status, result, peak = receive.recv()
-    except EOFError:
-        status, result, peak = "failed", f"its process ended with exit code {process.join() or process.exitcode}", 0
+    except EOFError:  # it died before it could say (a signal, os._exit)
+        status, result, peak = "failed", "its process ended without a result", 0
     process.join()
     if status != "done":
-        raise SystemExit(f"{role.__module__}.{role.__name__} failed:\n{result[-4000:]}")
+        code = f" (exit code {process.exitcode})" if process.exitcode else ""
+        raise SystemExit(f"{role.__module__}.{role.__name__} failed{code}:\n{result[-4000:]}")
     return result, peak
