@@ -16,7 +16,8 @@ zero_launch run cannot work: the test skips it, with that reason).
 
 Three ways to run a script:
 - "deepspeed": the script unchanged, with DeepSpeed (the interpreter of a venv that has it; DS_ACCELERATOR=cpu);
-  one rank as a plain process with the rendezvous variables set, two under torchrun (torch.distributed.run).
+  one rank as a plain process with the rendezvous variables set, two under torchrun (torch.distributed.run) with
+  --local_rank=<i> passed as DeepSpeed's launcher passes it (local_rank.py).
 - "zero_imports": a copy whose imports say `import zero as deepspeed` / `from zero...`, launched as "deepspeed" is.
 - "zero_launch": the script unchanged under `python -m zero.launch --num_gpus N` (its `deepspeed` imports resolve to
   zero; it passes --local_rank=<i> as DeepSpeed's launcher does).
@@ -74,7 +75,8 @@ DSCHAT_ARGS = ["--data_path", "Dahoas/rm-static", "--data_split", "10,0,0", "--d
 synthetic Dahoas/rm-static (dschat/utils/data/raw_datasets.py: 32 train, 8 test records), all for step 1 (10,0,0),
 and its shuffle indices and tokenized data cached under {tmp}. No --output_dir: save_hf_format's
 tokenizer.save_vocabulary needs a tokenizer with a vocabulary file (the tiny one is a tokenizer.json). --local_rank 0, as DeepSpeed's launcher passes it
-(the script calls deepspeed.init_distributed() only with one; zero.launch passes its own --local_rank=0 after it)."""
+(the script calls deepspeed.init_distributed() only with one; the launchers pass their own --local_rank=<i> before
+the script's arguments, so with one rank the script reads this one, the same 0)."""
 
 BF16_EXAMPLE_ARGS = ["--deepspeed_config", "{tmp}/ds_config.json", "--hidden_dim", "64", "--num_layers", "2",
                      "--num_heads", "4", "--vocab_size", "512", "--seq_length", "16", "--num_steps", "8",
@@ -192,9 +194,11 @@ CASES: dict[str, dict] = {
     },
     "deepspeed_chat_rlhf_zero3_cpu_offload_2ranks": {
         # the same on two ranks (torchrun; zero.launch --num_gpus 2): each rank's prompts, generations and both
-        # engines' reductions over gloo; both ranks' losses compared
+        # engines' reductions over gloo; both ranks' losses compared. Each rank's --local_rank the launcher's alone
+        # (the one-rank cases' `--local_rank 0`, the last, would win: both ranks would write the prompt dataset's
+        # files at once, and one read a file the other had just begun)
         "script": "deepspeed_chat_step3_main.py", "package": "dschat", "world": 2, "setup": "llama_critic",
-        "args": DSCHAT_STEP3_ARGS,
+        "args": DSCHAT_STEP3_ARGS[:-2],
     },
     "deepspeed_chat_rlhf_lora_zero3_cpu_offload": {
         # step 3 with the actor's linear layers given dschat's LoRA (convert_linear_layer_to_lora, after the model
@@ -320,7 +324,7 @@ def command(case: dict, mode: str, tmp: str, args: list[str], python: str) -> tu
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         return [python, script, *args], env
     return [python, "-m", "torch.distributed.run", *launcher_args(world), "--master-addr", "127.0.0.1",
-            "--master-port", port, script, *args], env
+            "--master-port", port, os.path.join(HERE, "local_rank.py"), script, *args], env
 
 
 def copy_rewritten(source_dir: str, target_dir: str) -> None:
