@@ -315,8 +315,8 @@ class PartitionedPlacement(Placement):
 
     def _gather_in_order(self, unit: Unit) -> None:
         """Gather for a module's forward or backward hook, where units come in the model's order: note that
-        order, and prefetch the unit that came after this one last time while this one computes. A prefetched
-        unit that does not come next is dropped."""
+        order, and prefetch the unit that came after this one last time (in the first forward, `_next_in_order`'s
+        guess) while this one computes. A prefetched unit that does not come next is dropped."""
         fresh = not unit.gathered
         if fresh:
             key = (torch._C._current_graph_task_id() != -1, unit.index)  # backward runs the other way
@@ -328,7 +328,19 @@ class PartitionedPlacement(Placement):
             self._ahead = None
         self.gather(unit)
         if fresh:
-            self._prefetch_ahead(self._after.get(key))
+            self._prefetch_ahead(self._after.get(key, self._next_in_order(key)))
+
+    def _next_in_order(self, key: tuple[bool, int]) -> int | None:
+        """In a forward where no unit has come after this one yet (the first: no order seen), the one the units' own
+        order puts next (the blocks'), so that the first forward reads ahead too (an inference's first token);
+        only between units that are blocks of their own: a frozen part cut from a block runs in its block's call
+        order, which its place in the list does not follow. Not in the first backward: its first reduction's
+        scratch is not on the device yet, and a unit prefetched there could take the room it needs."""
+        backward, index = key
+        ahead = index + 1
+        if backward or ahead >= len(self.units) or any(self.units[i].flat.within is not None for i in (index, ahead)):
+            return None
+        return ahead
 
     def _prefetch_ahead(self, index: int | None) -> None:
         if index is None:
