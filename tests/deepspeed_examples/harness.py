@@ -198,7 +198,7 @@ CASES: dict[str, dict] = {
         # (the one-rank cases' `--local_rank 0`, the last, would win: both ranks would write the prompt dataset's
         # files at once, and one read a file the other had just begun)
         "script": "deepspeed_chat_step3_main.py", "package": "dschat", "world": 2, "setup": "llama_critic",
-        "args": DSCHAT_STEP3_ARGS[:-2],
+        "args": DSCHAT_STEP3_ARGS[:DSCHAT_STEP3_ARGS.index("--local_rank")],  # (the last two)
     },
     "deepspeed_chat_rlhf_lora_zero3_cpu_offload": {
         # step 3 with the actor's linear layers given dschat's LoRA (convert_linear_layer_to_lora, after the model
