@@ -23,16 +23,16 @@ def vm_hwm() -> int:
 
 def _serve(send, role: Callable, args: tuple) -> None:
     try:
-        outcome = ("done", role(*args), vm_hwm())
+        send.send(("done", role(*args), vm_hwm()))  # (a result that does not pickle raises here, nothing sent)
     except BaseException:  # noqa: BLE001  (reported to the bench, which fails naming the role)
-        outcome = ("failed", traceback.format_exc(), 0)
-    send.send(outcome)
+        send.send(("failed", traceback.format_exc(), 0))
     send.close()
 
 
 def run(role: Callable, *args, preload: list[str] = PRELOAD) -> tuple[object, int]:
     """`role(*args)` in a fresh fork of the server (started by the first call, importing that call's `preload`): what
-    it returned and its peak RSS in bytes. `role` is a module-level function; its arguments and result pickle.
+    it returned and its peak RSS in bytes. `role` is a module-level function; its arguments and result pickle; its
+    environment is the server's (this process's when the server started: what a role needs, it sets itself).
     SystemExit naming the role where it raised or its process died."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(preload)
