@@ -124,6 +124,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
                               prescale=cfg.prescale_gradients, predivide_factor=cfg.gradient_predivide_factor,
                               communication_data_type=cfg.communication_data_type, speculation=speculation,
                               reserve_device=swap.reserve_device, unreserve_device=swap.unreserve_device,
+                              scratch_bytes=device_need["reduction scratch"],
                               copies=None if work_tier != "host" else GradientCopies(
                                   swap, largest_sub_group(cfg, [flat for flat, _ in plan]), reduce_dtype(cfg, dtype)))
         if zo.stage == 3 and cfg.zero_tiering.overlap_step and work_tier == "host":

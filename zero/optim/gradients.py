@@ -38,14 +38,15 @@ class Gradients:
                  predivide_factor: float, communication_data_type: str | None,
                  reserve_device: Callable[[int, str, str], None], unreserve_device: Callable[[int, str], None],
                  speculation: SpeculativeStep | None = None,
-                 copies: GradientCopies | None = None):
+                 copies: GradientCopies | None = None, scratch_bytes: int = 0):
         """`sharded`: each rank keeps optimizer state for its shard only (stage 1 on); `reduce_scatter`: the
         reduction leaves each rank its shard only (stage 2 on); `param_order`: id(param) -> its place in
         the model; `largest_unit`: the largest unit's padded element count (the scratch buffers' size);
         `speculation`: where a unit whose gradient is complete goes to be stepped during the backward;
         `copies`: the way to the host, where the optimizer works there; `reserve_device(nbytes, what, part)`:
         counts the scratch buffers made on the device against the device budget (SwapManager.reserve_device),
-        `unreserve_device(nbytes, part)` gives the count back when they go (`free_scratch`)."""
+        `unreserve_device(nbytes, part)` gives the count back when they go (`free_scratch`); `scratch_bytes`: what
+        those buffers take when all are made (budgets.device_minimum's REDUCTION_SCRATCH)."""
         self.driver = driver
         self.dp = dp
         self.counters = counters
@@ -62,6 +63,7 @@ class Gradients:
         self.reserve_device, self.unreserve_device = reserve_device, unreserve_device
         self._scratches: dict[str, torch.Tensor] = {}
         self._counted: dict[str, int] = {}  # role: the bytes of its scratch counted against the device budget
+        self.scratch_bytes = scratch_bytes
         self.divisor = 1
         """A direct backward's accumulation steps (services/direct_backward.py): its gradients are divided as they
         are flattened, where engine.backward divides the loss."""
@@ -199,6 +201,11 @@ class Gradients:
                 self._counted[role] = size * dtype.itemsize
             buffer = self._scratches[role] = torch.empty(size, dtype=dtype, device=device)
         return buffer[:numel]
+
+    def scratch_unmade(self) -> int:
+        """The device bytes of reduction scratch still to be made (in the first backward, and in the first after
+        `free_scratch`): the room a unit prefetched in a backward must leave, or a reduction would find none."""
+        return max(0, self.scratch_bytes - sum(self._counted.values()))
 
     def free_scratch(self) -> None:
         """Give back the reduction's reused buffers, between steps; the next backward makes them again (what

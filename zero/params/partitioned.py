@@ -315,7 +315,7 @@ class PartitionedPlacement(Placement):
 
     def _gather_in_order(self, unit: Unit) -> None:
         """Gather for a module's forward or backward hook, where units come in the model's order: note that
-        order, and prefetch the unit that came after this one last time (in the first forward, `_next_in_order`'s
+        order, and prefetch the unit that came after this one last time (in the first step, `_next_in_order`'s
         guess) while this one computes. A prefetched unit that does not come next is dropped."""
         fresh = not unit.gathered
         if fresh:
@@ -331,14 +331,14 @@ class PartitionedPlacement(Placement):
             self._prefetch_ahead(self._after.get(key, self._next_in_order(key)))
 
     def _next_in_order(self, key: tuple[bool, int]) -> int | None:
-        """In a forward where no unit has come after this one yet (the first: no order seen), the one the units' own
-        order puts next (the blocks'), so that the first forward reads ahead too (an inference's first token);
-        only between units that are blocks of their own: a frozen part cut from a block runs in its block's call
-        order, which its place in the list does not follow. Not in the first backward: its first reduction's
-        scratch is not on the device yet, and a unit prefetched there could take the room it needs."""
+        """Where no unit has come after this one yet (the first forward and backward: no order seen), the one the
+        units' own order puts next (the blocks': the one after in a forward, before in a backward), so that the
+        first step reads ahead too (an inference's first token); only between units that are blocks of their
+        own: a frozen part cut from a block runs in its block's call order, which its place in the list does not
+        follow."""
         backward, index = key
-        ahead = index + 1
-        if backward or ahead >= len(self.units) or any(self.units[i].flat.within is not None for i in (index, ahead)):
+        ahead = index - 1 if backward else index + 1
+        if not 0 <= ahead < len(self.units) or any(self.units[i].flat.within is not None for i in (index, ahead)):
             return None
         return ahead
 
@@ -359,10 +359,14 @@ class PartitionedPlacement(Placement):
 
     def _room_for(self, unit: Unit) -> bool:
         """Whether prefetching `unit` fits in the device tier's free room (it never evicts) and the prefetch
-        limits: the prefetch bucket (0 with prefetch off) and the live bytes cap (stage3_max_live_parameters)."""
+        limits: the prefetch bucket (0 with prefetch off) and the live bytes cap (stage3_max_live_parameters).
+        In a backward the room left includes the reduction's scratch not made yet (the first backward's first
+        reductions make it, after this prefetch)."""
         tier, config = self.swap.device_tier, self.swap.config
         need = tier.charge(unit.nbytes)
         free = tier.free_bytes()
+        if free is not None and self.gradients is not None and torch._C._current_graph_task_id() != -1:
+            free -= self.gradients.scratch_unmade()
         live = config.max_live_bytes
         return (need <= config.prefetch_bytes and (free is None or need <= free)
                 and (live is None or tier.in_use + need <= live))
