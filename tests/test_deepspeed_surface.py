@@ -83,18 +83,41 @@ def test_tput_timer_counts_the_steps_after_its_start_step():
 
 def test_init_distributed_alone_joins_a_group_of_one():
     """A script run without a launcher calls its own torch.distributed.get_rank() and barrier() after
-    init_distributed, as it may under DeepSpeed."""
+    init_distributed, as it may under DeepSpeed, and the engine's data-parallel group is that group."""
     script = textwrap.dedent("""
-        import os, torch.distributed as dist, zero
+        import os, torch, torch.distributed as dist, zero
         for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
             os.environ.pop(name, None)
         zero.init_distributed()
         dist.barrier()
         print(dist.get_rank(), dist.get_world_size(), dist.get_backend())
+        model = torch.nn.Linear(4, 4)
+        engine, *_ = zero.initialize(model=model, model_parameters=model.parameters(), config={
+            "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+        group = engine.data_parallel_group
+        print(group is dist.group.WORLD, group.rank(), group.size(), engine.global_rank, engine.dp_world_size)
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["0", "1", "gloo"]
+    assert done.stdout.split() == ["0", "1", "gloo", "True", "0", "1", "0", "1"]
+
+
+def test_the_engine_names_its_ranks_as_deepspeeds_does():
+    """global_rank, world_size, dp_world_size, data_parallel_group, training_dataloader: DeepSpeedEngine's
+    attributes, which scripts read to log on one rank or shard their own data (on one rank without a process
+    group, no group); model, sequence and pipeline parallelism are absent: size 1."""
+    model = nn.Linear(4, 4)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4))
+    engine, _, loader, _ = zero.initialize(model=model, model_parameters=model.parameters(), training_data=data,
+                                           config={"train_batch_size": 2,
+                                                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    try:
+        assert (engine.global_rank, engine.world_size, engine.dp_world_size) == (0, 1, 1)
+        assert (engine.mp_world_size, engine.seq_dp_world_size, engine.sequence_parallel_size) == (1, 1, 1)
+        assert engine.data_parallel_group is None and engine.mpu is None
+        assert engine.training_dataloader is loader and len(loader) == 4
+    finally:
+        engine.close()
 
 
 def test_the_main_job_takes_the_launchers_local_rank():

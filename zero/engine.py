@@ -47,6 +47,7 @@ from .params.wrap_policy import check_trainable
 from .params.placement import Placement
 from .params.unit import DS_STATUS, Unit
 from .services.preemption import Preemption, SignalSaves, save_due
+from .integrations.engine_ranks import EngineRanks
 from .integrations.engine_surface import UNPROVIDED, UnprovidedEngineMethod
 from .integrations.unsupported import UnsupportedFeatureError
 
@@ -75,7 +76,7 @@ class StateTensor(NamedTuple):
     whole segment's stored bytes are not read (a load into state a failed step left half-written needs none)."""
 
 
-class ZeroEngine(FullValues, OffloadStates, SignalSaves, nn.Module):
+class ZeroEngine(FullValues, OffloadStates, SignalSaves, EngineRanks, nn.Module):
     def __init__(self, *, module: nn.Module, config: Config, placement: Placement, driver: AdamDriver,
                  gradients: Gradients, counters: StepCounters, optimizer: ZeroOptimizer, lr_scheduler,
                  dp: DataParallel, swap: SwapManager, loss_scaler: LossScaler | None, compute_dtype: torch.dtype,
@@ -174,11 +175,6 @@ class ZeroEngine(FullValues, OffloadStates, SignalSaves, nn.Module):
         names = self.config.torch_autocast.lower_precision_safe_modules
         return list(names) if names is not None else [f"{c.__module__}.{c.__name__}" for c in (
             nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)]
-
-    @property
-    def local_rank(self) -> int:
-        """This process's place among the ranks of its node (LOCAL_RANK, as the launcher sets it; 0 without one)."""
-        return int(os.environ.get("LOCAL_RANK", "0"))
 
     def __getattr__(self, name: str) -> Any:
         """What the engine lacks is asked of the wrapped model, as DeepSpeed's engine does:

@@ -166,6 +166,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
         loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
                                              sampler=sampler, collate_fn=collate_fn,
                                              drop_last=cfg.dataloader_drop_last)
+        engine.training_dataloader = loader
     return engine, zero_opt, loader, lr_scheduler
 
 
