@@ -14,7 +14,8 @@ A gather copies the shard into the full buffer on the device tier's copy stream 
 pinned until the copy has landed, and the module's compute waits for the copy's event (without CUDA its thread
 waits for the copy worker). The hooks learn the order units come in, forward and backward; while a unit
 computes, the unit that came after it last time is prefetched (its fill started) where the device tier has
-free room for it, so its gather only waits for its copy's event.
+free room for it, so its gather only waits for its copy's event; in the first step, with no order seen, the next
+block in the model's own order (forward) or the one before it (backward), not for frozen parts cut from a block.
 
 A frozen unit (an adapter's base: parameters without gradients) moves the same way but is never written: its
 shard is stored once, gathered, released clean. Its backward gives no gradient to wait for, so it ends when the
@@ -420,9 +421,12 @@ class PartitionedPlacement(Placement):
         self._land_heads()  # (a recomputation inside the backward)
         if unit.block is not self._model:
             self._root_uses.block_forward()  # the root's bytes go before the block takes room
+        recomputed = torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+        if recomputed:
+            self._reserve_gradients(unit)  # before the gather prefetches the next unit, as in _pre_backward
         self._gather_in_order(unit)
         unit.forwards += 1
-        if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+        if recomputed:
             # Forward run inside backward (activation checkpointing's recomputation): non-reentrant checkpointing
             # stops it as soon as it has its saved tensors, so the forward hook may never run: backward drops it.
             unit.backward_refs += 1
