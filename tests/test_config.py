@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -466,10 +467,13 @@ def test_a_config_with_comments_and_trailing_commas_loads_as_deepspeed_reads_it(
         load_config(path)
 
 
-def test_invalid_json_names_the_file(tmp_path: Path):
+def test_invalid_json_names_the_file(tmp_path: Path, monkeypatch):
     path = tmp_path / "broken.json"
     path.write_text('{"train_batch_size": [8}')
     with pytest.raises(ConfigError, match="broken.json: not valid JSON"):
+        load_config(path)
+    monkeypatch.setitem(sys.modules, "hjson", None)  # a machine without hjson (the device machine's install)
+    with pytest.raises(ConfigError, match=r"broken.json: not valid JSON: .*line 1 column 24.*pip install hjson"):
         load_config(path)
     path.write_bytes(b"\x7fELF\x02\x01\xff")  # a binary given as --config
     with pytest.raises(ConfigError, match=r"broken.json: not UTF-8 text \(byte 6\)"):

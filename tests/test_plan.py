@@ -7,13 +7,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import zero
 from zero.config import load_config
 from zero.plan.__main__ import disk_figures, main, nvme_place, nvme_space, parse_args
 from zero.plan.__main__ import plan as plan_with_base
 from zero.cli import run_command
-from zero.plan.machine import nvme_free
+from zero.plan.machine import nvme_free, per_thread_count
 from zero.plan.model_source import PlanInputError, from_preset
 from zero.report.bandwidth import DiskFigures, save_figures
 
@@ -465,3 +466,19 @@ def test_frozen_parameters_are_read_twice_a_step_and_never_written(tmp_path):
     padding = 4 * sum(flat.padded_numel - flat.numel for flat, _ in plan_units(shape.model, [], DataParallel(),
                                                                               frozen="layer") if flat.frozen)
     assert base.tier_bytes["nvme"] < whole.tier_bytes["nvme"] - 3 * frozen + padding
+
+
+def test_machine_rates_are_measured_once_for_each_thread_count():
+    """The rates are cached for the process, but a process that changes torch's thread count between plans gets
+    them measured again (CPU-Adam, matmuls and copies all run on torch's threads)."""
+    calls = []
+    rate = per_thread_count(lambda what: calls.append((torch.get_num_threads(), what)) or len(calls))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert rate("adam") == rate("adam") == 1
+        torch.set_num_threads(2)
+        assert (rate("adam"), rate("adam"), rate("copy")) == (2, 2, 3)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == [(1, "adam"), (2, "adam"), (2, "copy")]

@@ -74,9 +74,12 @@ def read_json(source: str | os.PathLike[str]) -> dict[str, Any]:
             raise ConfigError(path, f"not UTF-8 text (byte {err.start}): not a JSON config") from None
     try:
         data = json.loads(text, object_pairs_hook=_no_duplicates)
-    except json.JSONDecodeError:
-        import hjson  # only for what strict JSON refuses (a machine without it still reads JSON configs)
-
+    except json.JSONDecodeError as err:
+        try:  # hjson only for what strict JSON refuses (a machine without it still reads JSON configs)
+            import hjson
+        except ImportError:
+            raise ConfigError(path, f"not valid JSON: {err} (hjson, which DeepSpeed also reads, is not "
+                                    f"installed: pip install hjson)") from None
         try:
             data = hjson.loads(text, object_pairs_hook=_no_duplicates)
         except hjson.HjsonDecodeError as err:

@@ -69,7 +69,18 @@ def gpu_memory() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if torch.cuda.is_available() else 0
 
 
-@functools.cache
+def per_thread_count(measure):
+    """`measure` run once a process for each set of its arguments and torch's thread count (the rates depend on
+    it; a process may change it between plans)."""
+    cached = functools.cache(lambda threads, *args: measure(*args))
+
+    @functools.wraps(measure)
+    def rate(*args):
+        return cached(torch.get_num_threads(), *args)
+    return rate
+
+
+@per_thread_count
 def matmul_rate(width: int, tokens: int, dtype: torch.dtype) -> float:
     """FLOP/s of a linear layer's training matmuls on this machine (the device when CUDA is present): its
     forward, its input's gradient and its weight's gradient, one after another, as a step runs them. They differ
@@ -97,7 +108,7 @@ def matmul_rate(width: int, tokens: int, dtype: torch.dtype) -> float:
     return sorted(rates)[len(rates) // 2]
 
 
-@functools.cache
+@per_thread_count
 def adam_rate(out_dtype: torch.dtype) -> float:
     """Elements per second of one CPU-Adam step over 4M fp32 elements on torch's threads."""
     n = 4 << 20
@@ -113,7 +124,7 @@ def adam_rate(out_dtype: torch.dtype) -> float:
     return n / sorted(times)[len(times) // 2]
 
 
-@functools.cache
+@per_thread_count
 def compact_adam_rate(state_format: StateFormat, out_dtype: torch.dtype) -> float:
     """Elements per second of one CPU-Adam step over 4M elements stored in `state_format` (compact_step, on
     the engine's threads)."""
@@ -134,7 +145,7 @@ def compact_adam_rate(state_format: StateFormat, out_dtype: torch.dtype) -> floa
     return n / sorted(times)[len(times) // 2]
 
 
-@functools.cache
+@per_thread_count
 def memory_rates() -> tuple[float, float]:
     """(copy, fresh) bytes per second over 256 MiB, medians of three."""
     n = 256 << 20
@@ -150,7 +161,7 @@ def memory_rates() -> tuple[float, float]:
     return sorted(copies)[1], sorted(fresh)[1]
 
 
-@functools.cache
+@per_thread_count
 def checksum_rate() -> float:
     """Bytes per second `checksum` takes over 256 MiB already touched, the median of three."""
     data = torch.ones(256 << 20, dtype=torch.uint8)
