@@ -19,8 +19,10 @@ import torch.multiprocessing as mp
 import xxhash
 
 import zero as deepspeed
+from tiering import BudgetExceededError
 from zero.config import ConfigError
 from zero.params import int8_weights
+from zero.params.full_bytes import take_bytes
 
 from stage3_models import (
     assert_state_equal, batches, engine_train, free_port, full_state, one_thread, reference_train,  # noqa: F401
@@ -365,6 +367,27 @@ def test_int8_frozen_weights_are_a_quarter_of_fp32s_bytes_and_decode_as_stored(h
             assert frozen_writes(engine) == written and losses[-1] < losses[0]
         finally:
             engine.close()
+
+
+def test_an_int8_unit_without_room_for_its_staging_holds_nothing(tmp_path):
+    """A gather (or a prefetch, which then gives up) of an int8 frozen unit whose full buffer fits the device
+    budget's free room but not beside its staging: BudgetExceededError, and the full buffer's room and bytes given
+    back, so the device tier holds what it held before."""
+    model = lora("llama")
+    config = stage3_config("cpu", "cpu", zero_quantized_nontrainable_weights=True)
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=trainable(model))
+    try:
+        unit = next(u for u in engine.units if u.frozen)
+        tier = engine.swap.device_tier
+        budget, tier.budget = tier.budget, tier.in_use + tier.charge(unit.nbytes) + 1  # the full buffer fits, its staging does not
+        held = tier.in_use
+        with pytest.raises(BudgetExceededError, match="int8"):
+            take_bytes(engine.swap, unit)
+        assert tier.in_use == held and unit.lent is None and unit.staging is None
+        assert unit.full.untyped_storage().nbytes() == 0
+    finally:
+        tier.budget = budget
+        engine.close()
 
 
 def test_int8_round_trip_is_within_half_a_step_of_each_blocks_scale():

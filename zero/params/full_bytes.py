@@ -43,7 +43,11 @@ def take_bytes(swap: SwapManager, unit: Unit) -> None:
     unit.flat.bind(unit.full)
     if unit.int8:  # where the stored bytes land before they are decoded into the full buffer
         nbytes = swap.segments[unit.segment].nbytes
-        swap.reserve_device(nbytes, f"{unit.name} int8", GATHERED)
+        try:
+            swap.reserve_device(nbytes, f"{unit.name} int8", GATHERED)
+        except BaseException:
+            free_bytes(swap, unit)  # no room for it: the full buffer's bytes go back too (a prefetch gives up)
+            raise
         unit.staging = torch.empty(nbytes, dtype=torch.uint8, device=unit.full.device)
 
 
