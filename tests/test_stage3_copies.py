@@ -16,6 +16,7 @@ from tiering.copy_stream import WorkerCopyStream
 from zero.params.unit import UnitState
 from zero.train.gpt import GPTConfig
 
+from models import no_decay_groups
 from stage3_models import (
     VOCAB, CheckpointedGPT, batches, device_held, engine_train, full_state, one_thread, own_gpt, reference_train,
     stage3_config, units_held,
@@ -157,6 +158,36 @@ def test_the_next_unit_is_prefetched_while_one_computes():
         placement.gather = gather
         assert losses == ref_losses
         assert all(torch.equal(full_state(engine)[k], v) for k, v in ref_state.items())
+    finally:
+        placement.gather = gather
+        engine.close()
+
+
+def test_the_first_step_reads_ahead_across_parts_of_one_block():
+    """Units cut from one module by param group (a block's decay and no-decay parameters) are gathered one after
+    the other in both passes; the first step's guess follows that: in its backward every part after the first
+    block's first is prefetched, as in the forward."""
+    model = own_gpt(0, None, SMALL)
+    engine, *_ = zero.initialize(model=model, model_parameters=no_decay_groups(model, 0.1),
+                                 config=stage3_config("cpu", "cpu"))
+    placement = engine.placement
+    seen: list[tuple[str, UnitState]] = []
+    gather = placement.gather
+
+    def recording(unit):
+        seen.append((unit.name, unit.state))
+        gather(unit)
+
+    placement.gather = recording
+    try:
+        engine_train(engine, batches(1))
+        parts = [f"{block}#g{g}" for block in ["", *(f"blocks.{i}" for i in range(4))] for g in (0, 1)]
+        backward = parts[:2] + [f"blocks.{i}#g{g}" for i in reversed(range(4)) for g in (0, 1)]
+        assert [name for name, _ in seen] == parts + backward
+        released = {name for name, state in seen if state is UnitState.RELEASED}
+        prefetched = [name for name, state in seen if state is UnitState.PREFETCHED]
+        assert released == {"#g0", "blocks.3#g0"}  # the first of each pass
+        assert len(prefetched) == len(seen) - 3, seen
     finally:
         placement.gather = gather
         engine.close()

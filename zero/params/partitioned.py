@@ -333,15 +333,28 @@ class PartitionedPlacement(Placement):
 
     def _next_in_order(self, key: tuple[bool, int]) -> int | None:
         """Where no unit has come after this one yet (the first forward and backward: no order seen), the one the
-        units' own order puts next (the blocks': the one after in a forward, before in a backward), so that the
-        first step reads ahead too (an inference's first token); only between units that are blocks of their
-        own: a frozen part cut from a block runs in its block's call order, which its place in the list does not
-        follow."""
+        units' own order puts next: another part of the same module (cut by param group: its hook runs next,
+        either way), else the next block's first part in a forward, the block before's in a backward; so that the
+        first step reads ahead too (an inference's first token). None for a frozen part cut from a block: it runs
+        in its block's call order, which its place in the list does not follow."""
         backward, index = key
-        ahead = index - 1 if backward else index + 1
-        if not 0 <= ahead < len(self.units) or any(self.units[i].flat.within is not None for i in (index, ahead)):
+        units = self.units
+        if index + 1 < len(units) and units[index + 1].module is units[index].module:
+            ahead = index + 1
+        elif not backward:
+            ahead = index + 1
+        else:
+            ahead = self._first_part(self._first_part(index) - 1)
+        if not 0 <= ahead < len(units) or any(units[i].flat.within is not None for i in (index, ahead)):
             return None
         return ahead
+
+    def _first_part(self, index: int) -> int:
+        """The index of the first unit of unit `index`'s module (units cut from one module by param group are
+        adjacent); -1 stays -1."""
+        while index > 0 and self.units[index - 1].module is self.units[index].module:
+            index -= 1
+        return index
 
     def _prefetch_ahead(self, index: int | None) -> None:
         if index is None:
