@@ -124,8 +124,9 @@ def test_delayed_copies_still_give_the_same_bits(home, monkeypatch, tmp_path):
 def test_device_counts_activations_and_the_offload_lowers_its_peak(tmp_path):
     """"device" keeps the activations where autograd made them and counts them against the device budget; "cpu"
     holds them there only until their copy has landed. The device tier's peak is lower with the offload, and a
-    device budget that the kept activations overflow is a BudgetExceededError. No prefetch: a unit prefetched
-    only where there is room would give way to the activations, and the peaks would not be theirs alone."""
+    device budget that the kept activations overflow is a BudgetExceededError. Prefetch off: a unit is
+    prefetched only where the device has room, so beside kept activations it would not be, and the peaks would
+    differ by that unit as well as by the activations."""
     peaks = {}
     for home in ("device", "cpu"):
         config = stage3_config("cpu", "cpu", zero_tiering={"activation_offload": home, "prefetch": False})
