@@ -378,6 +378,8 @@ class PartitionedPlacement(Placement):
         reductions make it, after this prefetch)."""
         tier, config = self.swap.device_tier, self.swap.config
         need = tier.charge(unit.nbytes)
+        if unit.int8:  # and the stored bytes' staging (full_bytes.take_bytes)
+            need += tier.charge(self.swap.segments[unit.segment].nbytes)
         free = tier.free_bytes()
         if free is not None and self.gradients is not None and torch._C._current_graph_task_id() != -1:
             free -= self.gradients.scratch_unmade()
