@@ -46,7 +46,7 @@ class Gradients:
         `copies`: the way to the host, where the optimizer works there; `reserve_device(nbytes, what, part)`:
         counts the scratch buffers made on the device against the device budget (SwapManager.reserve_device),
         `unreserve_device(nbytes, part)` gives the count back when they go (`free_scratch`); `scratch_bytes`: what
-        those buffers take when all are made (budgets.device_minimum's REDUCTION_SCRATCH)."""
+        those buffers take of the device budget when all are made (budgets.device_minimum's REDUCTION_SCRATCH)."""
         self.driver = driver
         self.dp = dp
         self.counters = counters
@@ -201,11 +201,6 @@ class Gradients:
                 self._counted[role] = size * dtype.itemsize
             buffer = self._scratches[role] = torch.empty(size, dtype=dtype, device=device)
         return buffer[:numel]
-
-    def scratch_unmade(self) -> int:
-        """The device bytes of reduction scratch still to be made (in the first backward, and in the first after
-        `free_scratch`): the room a unit prefetched in a backward must leave, or a reduction would find none."""
-        return max(0, self.scratch_bytes - sum(self._counted.values()))
 
     def free_scratch(self) -> None:
         """Give back the reduction's reused buffers, between steps; the next backward makes them again (what

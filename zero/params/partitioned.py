@@ -43,7 +43,7 @@ from tiering import BudgetExceededError, Handle, SwapManager, Tier
 
 from ..comm import DataParallel
 from ..optim.driver import AdamDriver, SubGroup
-from ..optim.gradients import Gradients
+from ..optim.gradients import REDUCTION_SCRATCH, Gradients
 from . import int8_weights
 from .ds_param import ZeroParamStatus, set_status
 from .flat_unit import FlatUnit
@@ -374,15 +374,15 @@ class PartitionedPlacement(Placement):
     def _room_for(self, unit: Unit) -> bool:
         """Whether prefetching `unit` fits in the device tier's free room (it never evicts) and the prefetch
         limits: the prefetch bucket (0 with prefetch off) and the live bytes cap (stage3_max_live_parameters).
-        In a backward the room left includes the reduction's scratch not made yet (the first backward's first
-        reductions make it, after this prefetch)."""
+        In a backward the room left includes the reduction's scratch not made yet (in the first backward, and the
+        first after offload_states freed it: its first reductions make it, after this prefetch)."""
         tier, config = self.swap.device_tier, self.swap.config
         need = tier.charge(unit.nbytes)
         if unit.int8:  # and the stored bytes' staging (full_bytes.take_bytes)
             need += tier.charge(self.swap.segments[unit.segment].nbytes)
         free = tier.free_bytes()
         if free is not None and self.gradients is not None and torch._C._current_graph_task_id() != -1:
-            free -= self.gradients.scratch_unmade()
+            free -= max(0, self.gradients.scratch_bytes - tier.reserved.get(REDUCTION_SCRATCH, 0))
         live = config.max_live_bytes
         return (need <= config.prefetch_bytes and (free is None or need <= free)
                 and (live is None or tier.in_use + need <= live))
