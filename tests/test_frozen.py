@@ -379,7 +379,8 @@ def test_an_int8_unit_without_room_for_its_staging_holds_nothing(tmp_path):
     try:
         unit = next(u for u in engine.units if u.frozen)
         tier = engine.swap.device_tier
-        budget, tier.budget = tier.budget, tier.in_use + tier.charge(unit.nbytes) + 1  # the full buffer fits, its staging does not
+        # the full buffer fits, its staging does not
+        budget, tier.budget = tier.budget, tier.in_use + tier.charge(unit.nbytes) + 1
         held = tier.in_use
         with pytest.raises(BudgetExceededError, match="int8"):
             take_bytes(engine.swap, unit)
