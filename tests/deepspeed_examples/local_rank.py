@@ -1,6 +1,7 @@
 """What DeepSpeed's launcher does beside torchrun's job, for the harness's multi-rank runs under torchrun: each
 rank's script gets `--local_rank=<LOCAL_RANK>` first among its arguments (torchrun only sets the variable), and runs
-as `python script.py` would (its directory first on sys.path).
+as `python script.py` would (its directory first on sys.path). `zero.launch.rank` does the same for zero's runs, but
+also points the script's `deepspeed` imports at zero: DeepSpeed's own recordings need them left alone.
 
     python -m torch.distributed.run ... local_rank.py script.py [args ...]
 """
