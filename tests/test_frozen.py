@@ -23,6 +23,7 @@ from tiering import BudgetExceededError
 from zero.config import ConfigError
 from zero.params import int8_weights
 from zero.params.full_bytes import take_bytes
+from zero.params.unit import UnitState
 
 from stage3_models import (
     assert_state_equal, batches, engine_train, free_port, full_state, one_thread, reference_train,  # noqa: F401
@@ -148,6 +149,36 @@ def test_the_base_is_cut_layer_by_layer_and_a_step_fills_no_frozen_unit_again(tm
                 losses.append(loss.item())
             assert losses == expected
         finally:
+            engine.close()
+
+
+def test_the_first_backward_reads_each_layer_of_a_lora_base_ahead(tmp_path):
+    """A LoRA block's frozen layers run in its call order, which the units' list does not follow (Llama defines its
+    norms after the projections it calls them before): the first backward guesses from the order the forward's
+    modules ended in, so every unit it gathers after its first was prefetched (the first step read nothing ahead
+    there before). Still plain PyTorch's bits."""
+    data = batches(1)
+    with one_thread():
+        expected = reference_train(lora("llama"), data)
+        model = lora("llama")
+        engine, *_ = deepspeed.initialize(model=model, config=stage3_config("nvme", "cpu", nvme_path=tmp_path),
+                                          model_parameters=trainable(model))
+        placement, seen = engine.placement, []
+        gather = placement.gather
+
+        def recording(unit):
+            seen.append((torch._C._current_graph_task_id() != -1, unit.name, unit.state))
+            gather(unit)
+
+        placement.gather = recording
+        try:
+            losses = engine_train(engine, data)
+            backward = [(name, state) for in_backward, name, state in seen if in_backward]
+            assert sum("#frozen" in name for name, _ in backward) > 4
+            assert [name for name, state in backward[1:] if state is not UnitState.PREFETCHED] == []
+            assert losses == expected
+        finally:
+            placement.gather = gather
             engine.close()
 
 

@@ -81,6 +81,11 @@ class PartitionedPlacement(Placement):
         self._after: dict[tuple[bool, int], int] = {}
         """(in backward, unit index) -> the index of the unit a hook gathered next, the last time."""
         self._last: tuple[bool, int] | None = None
+        self._ended_after: dict[int, int] = {}
+        """Unit index -> the unit whose forward ended just before this one's, the last forward outside a backward (a
+        reentrant checkpoint's too): a backward reaches modules as their outputs' gradients come, the reverse of the
+        order their forwards ended (the first backward's guess, `_next_in_order`)."""
+        self._last_ended: int | None = None
         self._ahead: Unit | None = None
         """The unit prefetched for the next hook's gather."""
         self._trained_of: dict[int, list[Unit]] = {}
@@ -321,6 +326,8 @@ class PartitionedPlacement(Placement):
         fresh = not unit.gathered
         if fresh:
             key = (torch._C._current_graph_task_id() != -1, unit.index)  # backward runs the other way
+            if key[0]:
+                self._last_ended = None  # the next forward's order starts afresh
             if self._last is not None:
                 self._after[self._last] = unit.index
             self._last = key
@@ -332,20 +339,21 @@ class PartitionedPlacement(Placement):
             self._prefetch_ahead(self._after.get(key, self._next_in_order(key)))
 
     def _next_in_order(self, key: tuple[bool, int]) -> int | None:
-        """Where no unit has come after this one yet (the first forward and backward: no order seen), the one the
-        units' own order puts next: another part of the same module (cut by param group: its hook runs next,
-        either way), else the next block's first part in a forward, the block before's in a backward; so that the
-        first step reads ahead too (an inference's first token). None for a frozen part cut from a block: it runs
-        in its block's call order, which its place in the list does not follow."""
+        """Where no unit has come after this one yet (the first forward and backward: no order seen), a guess, so that
+        the first step reads ahead too (an inference's first token): another part of the same module (cut by param
+        group: its hook runs next, either way); else in a forward the next block's first part, in a backward the
+        first part of the unit whose forward ended before this one's (its outputs' gradients come next). None in a
+        forward for a frozen part cut from a block: it runs in its block's call order, which its place in the list
+        does not follow."""
         backward, index = key
         units = self.units
         if index + 1 < len(units) and units[index + 1].module is units[index].module:
-            ahead = index + 1
-        elif not backward:
-            ahead = index + 1
-        else:
-            ahead = self._first_part(self._first_part(index) - 1)
-        if not 0 <= ahead < len(units) or any(units[i].flat.within is not None for i in (index, ahead)):
+            return index + 1
+        if backward:
+            ended = self._ended_after.get(self._first_part(index))
+            return None if ended is None else self._first_part(ended)
+        ahead = index + 1
+        if ahead >= len(units) or any(units[i].flat.within is not None for i in (index, ahead)):
             return None
         return ahead
 
@@ -472,6 +480,10 @@ class PartitionedPlacement(Placement):
         unit.forwards -= 1
         if unit.frozen:
             check_unwritten(unit, self.release)
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside the backward
+            if self._last_ended is not None:
+                self._ended_after[unit.index] = self._last_ended
+            self._last_ended = unit.index
         leaves, spec = tree_flatten(output)
         storage = unit.full.untyped_storage().data_ptr()
         if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == storage for t in leaves):
