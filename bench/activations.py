@@ -21,7 +21,6 @@ import argparse
 import gc
 import json
 import statistics
-import tempfile
 import time
 from dataclasses import replace
 
@@ -30,6 +29,8 @@ import torch
 import zero
 from tiering.errors import BudgetExceededError, fmt_bytes
 from zero.train.gpt import GPT, PRESETS
+
+from scratch import scratch_dir  # (bench/ is the script's directory)
 
 MODES = ("none", "device", "cpu", "nvme")
 KEEPS = {"all": "device"}
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.budget_share = 1.0  # the tiny model's peak is its units, not its activations
     modes = args.modes.split(",")
     records = {}
-    with tempfile.TemporaryDirectory(dir=args.dir) as nvme:
+    with scratch_dir(parser, args.dir) as nvme:
         for mode in modes:
             budget = None
             if mode in ("cpu", "nvme") and "device" in records:

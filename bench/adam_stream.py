@@ -15,13 +15,14 @@ import contextlib
 import json
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 
 from tiering import AioConfig, NvmeStoreConfig, SwapConfig, SwapManager, aligned_empty
 from zero.optim.driver import AdamDriver
+
+from scratch import scratch_dir  # (bench/ is the script's directory)
 
 MiB = 1 << 20
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     groups = -(-total // per)
     state_bytes = 16 * per  # one sub-group's four segments
     host_budget = 6 * state_bytes  # the one being updated, the next one read ahead, the last written back
-    with tempfile.TemporaryDirectory(dir=args.dir) as path:
+    with scratch_dir(parser, args.dir) as path:
         manager = SwapManager(SwapConfig(
             host_budget=host_budget, nvme=NvmeStoreConfig(nvme_path=path, aio=AioConfig(engine=args.engine)),
             prefetch_bytes=2 * state_bytes, reuse_distance=0, checksums=args.checksums))

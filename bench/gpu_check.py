@@ -60,6 +60,8 @@ from tiering.errors import fmt_bytes  # noqa: E402
 from zero.report.checks import run_checks  # noqa: E402
 from zero.train.gpt import GPTConfig  # noqa: E402
 
+from scratch import scratch_dir  # noqa: E402  (bench/)
+
 GRADIENT_HOOKS = "torch::autograd::AccumulateGrad"
 """The profiler's name for a leaf's gradient hook: ours reduce the gradient, send it to the host and add it there."""
 FP32_RTOL = 1e-4
@@ -452,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     plan = Plan(args.quick, args.dir)
-    with tempfile.TemporaryDirectory(dir=args.dir) as probe:
+    with scratch_dir(parser, args.dir) as probe:
         record = {"date": time.strftime("%Y-%m-%d %H:%M"), "quick": args.quick, "machine": machine(plan, probe)}
     # Tiny models on CPU: one intra-op thread is far faster than several fighting over the cores.
     checks = {"cuda-marked tests": (cuda_tests, plan), "ZeRO-3 parity": (parity, plan),

@@ -39,6 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import children  # noqa: E402  (bench/ is the script's directory)
+from scratch import scratch_dir  # noqa: E402
 from zero.inference.__main__ import Clock  # noqa: E402
 
 SYSTEMS = ("torch", "ours-cpu", "ours-nvme", "ours-nvme-stream", "deepspeed-nvme")
@@ -145,7 +146,7 @@ def main() -> None:
     from zero.plan.machine import memory_rates
     from zero.report.bandwidth import measure
 
-    with tempfile.TemporaryDirectory(dir=args.dir) as work:
+    with scratch_dir(parser, args.dir) as work:
         torch.manual_seed(0)
         config = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=max(1, args.hidden // 64),
                             vocab_size=50257 if not args.quick else 1024, n_positions=128)

@@ -18,6 +18,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from children import vm_hwm  # noqa: E402  (bench/ is the script's directory)
+from scratch import scratch_dir  # noqa: E402
 
 
 SAVE = """
@@ -43,7 +44,7 @@ def main() -> dict:
 
     import zero
 
-    with tempfile.TemporaryDirectory(dir=args.dir) as work:
+    with scratch_dir(parser, args.dir) as work:
         model_dir, nvme = os.path.join(work, "model"), os.path.join(work, "nvme")
         config = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=max(1, args.hidden // 64), n_positions=128,
                             vocab_size=1024 if args.quick else 50257)

@@ -26,7 +26,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -34,6 +33,7 @@ sys.path.insert(0, HERE)
 
 import children  # noqa: E402  (bench/ is the script's directory)
 from fio import PAGES, fio_binary, fio_rate, memory as fio_memory  # noqa: E402
+from scratch import scratch_dir  # noqa: E402
 
 GiB = 1 << 30
 SEVEN_B = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.layers, args.steps, args.host_budget, args.fio_size = 3, 3, "1MiB", str(64 << 20)
     if fio_binary() is None:
         raise SystemExit("bench/lora.py needs fio (apt-get install fio): it is the yardstick")
-    with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+    with scratch_dir(parser, args.dir) as directory:
         args.dir = directory
         before = fio_rate(directory, int(args.fio_size), "read")
         bases = args.bases.split(",")

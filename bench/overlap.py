@@ -14,13 +14,14 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 
 import torch
 
 from tiering import AioConfig, NvmeStoreConfig, SwapConfig, SwapManager
+
+from scratch import scratch_dir  # (bench/ is the script's directory)
 
 MiB = 1 << 20
 
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.segments, args.segment_mib, args.repeats = 8, 4, 2
     torch.set_num_threads(args.threads)
 
-    with tempfile.TemporaryDirectory(dir=args.dir) as nvme_path:
+    with scratch_dir(parser, args.dir) as nvme_path:
         seg_bytes = args.segment_mib * MiB
         sync = build(args, 0, nvme_path)
         prefetched = build(args, args.window * seg_bytes, nvme_path)

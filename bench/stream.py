@@ -35,6 +35,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 from fio import PAGES, fio_binary, fio_rate, memory as fio_memory  # noqa: E402  (bench/ is the script's directory)
+from scratch import scratch_dir  # noqa: E402
 
 GiB = 1 << 30
 
@@ -140,9 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
         config = json.load(f)
     if args.gradient_clipping is not None:
         config["gradient_clipping"] = args.gradient_clipping
-    if args.dir:
-        os.makedirs(args.dir, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+    with scratch_dir(parser, args.dir) as directory:
         args.dir = directory
         summary = os.path.join(directory, "summary.json")
         mixed_before = fio_mixed(directory, int(args.fio_size))

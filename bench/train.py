@@ -27,12 +27,13 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, HERE]
+
+from scratch import scratch_dir  # noqa: E402
 
 
 DEVICE_BUDGET = "512MiB"
@@ -245,9 +246,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.device_budget = QUICK_DEVICE_BUDGET
     have_deepspeed = importlib.util.find_spec("deepspeed") is not None  # imported in its children only
     records = []
-    if args.dir:
-        os.makedirs(args.dir, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=args.dir) as nvme_path:
+    with scratch_dir(parser, args.dir) as nvme_path:
         for system in args.systems.split(","):
             if system.startswith("deepspeed") and not have_deepspeed:
                 print(f"{system}: skipped (deepspeed is not installed)")

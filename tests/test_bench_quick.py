@@ -12,15 +12,23 @@ from conftest import REPO_ROOT, child_env
 
 
 def quick(script: str, tmp_path, *flags: str, files: bool = True) -> dict | list:
-    """Run `bench/<script> --quick` (and `flags`) with its files under tmp_path (`files`: it takes --dir); its JSON
-    record."""
+    """Run `bench/<script> --quick` (and `flags`) with its files in a folder under tmp_path that it makes (`files`: it
+    takes --dir); its JSON record."""
     out = tmp_path / "record.json"
-    directory = ["--dir", str(tmp_path)] if files else []
+    directory = ["--dir", str(tmp_path / "not" / "made")] if files else []
     done = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", script), "--quick", *directory,
                            "--json", str(out), *flags], env=child_env(), capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
+
+
+def test_a_dir_that_cannot_be_made_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "file").write_text("")
+    done = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "train.py"), "--quick", "--dir",
+                           str(tmp_path / "file" / "x")], env=child_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.splitlines()[-1] == f"train.py: error: --dir {tmp_path / 'file' / 'x'}: Not a directory"
 
 
 def test_infer_generates_the_same_tokens_in_every_system(tmp_path):
