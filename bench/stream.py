@@ -12,8 +12,10 @@ The config's gradient_clipping decides which step is measured: where it strikes,
 (serially); where it does not (--gradient-clipping 1e9), the step is speculated inside the backward. The column
 "optimizer" says which each step was (early, rolled back, serial).
 
-Per measured step: bytes read and written, realized GB/s against fio's, the disk's idle fraction (1 - the union
-of the nvme lanes' busy time / the step), and step / max(compute, bytes / fio mixed). Medians over the measured
+Per measured step: bytes read and written, realized GB/s against fio's, the disk's idle fraction (1 - the time the
+device had a request in flight, by the kernel's count, / the step; where the device is not known, the union of
+the nvme lanes' busy time, which also counts a transfer's time queued in our engine: column "lanes idle"), and
+step / max(compute, bytes / fio mixed). Medians over the measured
 steps; the first step against a later one (the first runs without a trace). Each run is its own process, so
 peak RSS is its own.
 
@@ -89,11 +91,13 @@ def per_step(step: dict, mixed: float, compute: float) -> dict:
     written = step["bytes_moved"].get("host->nvme", 0)
     moved = read + written
     bound = max(compute, moved / mixed)
+    busy = step["io_s"] if step.get("disk_busy_s") is None else step["disk_busy_s"]  # the device's count, if known
     bets = step.get("speculation") or {}
     how = "rolled" if bets.get("rolled_back") else "early" if bets.get("stepped_early") else "serial"
     return {"step": step["step"], "step_s": step["step_s"], "read_bytes": read, "write_bytes": written, "how": how,
             "realized_gbps": moved / step["step_s"] / 1e9, "of_fio": moved / step["step_s"] / mixed,
-            "disk_idle": 1 - min(step["io_s"], step["step_s"]) / step["step_s"],
+            "disk_idle": 1 - min(busy, step["step_s"]) / step["step_s"],
+            "lanes_idle": 1 - min(step["io_s"], step["step_s"]) / step["step_s"],
             "bound_s": bound, "vs_bound": step["step_s"] / bound}
 
 
@@ -176,8 +180,8 @@ def measured_run(ours: dict, rss: int, mixed: float, compute: float, warmup: int
     steps = [per_step(s, mixed, compute) for s in ours["steps"]]
     measured = steps[warmup:]
     median = {key: statistics.median(s[key] for s in measured)
-              for key in ("step_s", "read_bytes", "write_bytes", "realized_gbps", "of_fio", "disk_idle", "bound_s",
-                          "vs_bound")}
+              for key in ("step_s", "read_bytes", "write_bytes", "realized_gbps", "of_fio", "disk_idle", "lanes_idle",
+                          "bound_s", "vs_bound")}
     params = ours["steps"][0]["params"]
     return {"peak_rss_bytes": rss, "params": params, "losses": [s["loss"] for s in ours["steps"]], "steps": steps,
             "median": median, "bytes_per_param": (median["read_bytes"] + median["write_bytes"]) / params,
@@ -197,10 +201,11 @@ def print_result(r: dict) -> None:
               f"{run['bytes_per_param']:.1f} bytes per parameter per step, median step "
               f"{run['median']['step_s'] / first['median']['step_s']:.2f}x the first format's")
         print(f"{'step':>4} {'s':>7} {'read GB':>8} {'write GB':>8} {'GB/s':>6} {'of fio':>7} {'idle':>6} "
-              f"{'bound s':>8} {'vs bound':>8}  optimizer (gradient_clipping {r['gradient_clipping']:g})")
+              f"{'lanes idle':>10} {'bound s':>8} {'vs bound':>8}  optimizer (gradient_clipping {r['gradient_clipping']:g})")
         for s in run["steps"] + [dict(run["median"], step="med", how="")]:
             print(f"{s['step']:>4} {s['step_s']:7.2f} {s['read_bytes'] / 1e9:8.2f} {s['write_bytes'] / 1e9:8.2f} "
-                  f"{s['realized_gbps']:6.2f} {s['of_fio']:7.2f} {s['disk_idle']:6.0%} {s['bound_s']:8.2f} "
+                  f"{s['realized_gbps']:6.2f} {s['of_fio']:7.2f} {s['disk_idle']:6.0%} "
+                  f"{s['lanes_idle']:10.0%} {s['bound_s']:8.2f} "
                   f"{s['vs_bound']:8.2f}  {s['how']}")
         print(f"first step / later steps: {run['first_vs_later']:.2f}")
 

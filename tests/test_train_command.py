@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from tiering.disk_busy import DiskBusy
 from zero.train.corpus import default_corpus, split_held_out
 from zero.train import main
 from zero.cli import run_command
@@ -39,6 +40,9 @@ def test_default_job_offloads_and_the_held_out_loss_falls(tmp_path, capsys):
     written = json.loads(summary.read_text())
     assert written["held_out_loss"] == [run.held_out_before, run.held_out_after]
     assert [s["step"] for s in written["steps"]] == [0, 1, 2, 3]
+    if DiskBusy([str(tmp_path)]).files:  # the nvme device's own busy time, where the kernel says it
+        assert all(0 <= s["disk_busy_s"] <= s["step_s"] + 0.05 for s in written["steps"])
+        assert "disk busy" in out
     assert not os.listdir(tmp_path / "nvme"), "the swap file outlived the job"
 
 

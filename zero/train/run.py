@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from tqdm import tqdm
 
+from tiering.disk_busy import DiskBusy
 from tiering.errors import fmt_bytes
 
 from ..checkpoint.format import CheckpointMismatchError, CheckpointNotFoundError, read_manifest
@@ -87,6 +88,9 @@ class StepReport:
     """How the step's micro-batches ran (engine.schedule: "unit-major" or "micro-batch"); None for one."""
     frozen_read: int = 0
     """Of the bytes read from nvme, those of frozen parameters (an adapter's base: read, never written)."""
+    disk_busy_s: float | None = None
+    """The time the busiest nvme device had a request in flight, by the kernel's count (tiering/disk_busy.py: io_s's
+    lanes also count a transfer's time queued in our engine); None where the device is not known."""
 
     @property
     def bytes_per_param(self) -> float:
@@ -344,8 +348,9 @@ def main(argv: list[str] | None = None) -> TrainRun:
         # step lines, so there each step is one flushed line and nothing else.
         bar = tqdm(range(first, args.steps), unit="step", file=sys.stdout, dynamic_ncols=True,
                    disable=not (main_rank and sys.stdout.isatty()))
+        disk = DiskBusy(swap.config.nvme.directories) if swap.config.nvme is not None else None
         for step in bar:
-            reports.append(train_step(engine, batches, step, gpt_config.params))
+            reports.append(train_step(engine, batches, step, gpt_config.params, disk))
             report = reports[-1]
             bar.set_postfix_str(
                 f"loss {report.loss:.3f} | {tokens_per_step / report.step_s:,.0f} tok/s | "
@@ -414,8 +419,9 @@ def held_out_loss(engine, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
     return loss
 
 
-def train_step(engine, batches: Batches, step: int, params: int) -> StepReport:
+def train_step(engine, batches: Batches, step: int, params: int, disk: DiskBusy | None = None) -> StepReport:
     swap = engine.swap
+    busy0 = disk.read() if disk is not None else None
     stall0, moved0, frozen0 = swap.stats.stall_seconds, dict(swap.stats.bytes_moved), frozen_read(engine)
     bets0 = None if engine.speculation is None else asdict(engine.speculation.stats)
     saved0 = None if engine.activations is None else (engine.activations.saved, engine.activations.saved_bytes)
@@ -427,7 +433,8 @@ def train_step(engine, batches: Batches, step: int, params: int) -> StepReport:
         loss = engine.train_batch(micro_batches).item()
     end = time.perf_counter()
     middle = end - engine.optimizer_seconds
-    io = swap.timeline.busy_seconds("nvme->host", "host->nvme", since=start)  # the disk busy, either way
+    io = swap.timeline.busy_seconds("nvme->host", "host->nvme", since=start)  # a transfer under way, either way
+    busy = DiskBusy.busiest(busy0, disk.read()) if disk is not None else None
     moved = {pair: n - moved0.get(pair, 0) for pair, n in swap.stats.bytes_moved.items()}
     bets = None if bets0 is None else {key: n - bets0[key]
                                        for key, n in asdict(engine.speculation.stats).items()}
@@ -435,7 +442,7 @@ def train_step(engine, batches: Batches, step: int, params: int) -> StepReport:
                       schedule=engine.schedule if accumulation > 1 else None,
                       forward_backward_s=middle - start, optimizer_s=end - middle,
                       stall_s=swap.stats.stall_seconds - stall0, io_s=io, bytes_moved=moved, speculation=bets,
-                      frozen_read=frozen_read(engine) - frozen0,
+                      frozen_read=frozen_read(engine) - frozen0, disk_busy_s=busy,
                       activations=None if saved0 is None else {
                           "count": engine.activations.saved - saved0[0],
                           "bytes": engine.activations.saved_bytes - saved0[1]})
@@ -451,8 +458,9 @@ def summary_line(r: StepReport) -> str:
     moved = ", ".join(f"{pair} {fmt_bytes(n)}" for pair, n in sorted(r.bytes_moved.items()) if n)
     schedule = "" if r.schedule is None else f" {r.schedule}"
     return (f"step {r.step}: loss {r.loss:.4f} | {r.step_s:.2f} s (fwd+bwd{schedule} {r.forward_backward_s:.2f}, "
-            f"optimizer {r.optimizer_s:.2f}) | compute {r.compute_s:.2f} s, I/O {r.io_s:.2f} s, "
-            f"stall {r.stall_s:.2f} s, overlap {100 * r.overlap:.0f}% | {moved}"
+            f"optimizer {r.optimizer_s:.2f}) | compute {r.compute_s:.2f} s, I/O {r.io_s:.2f} s"
+            + ("" if r.disk_busy_s is None else f" (disk busy {r.disk_busy_s:.2f} s)")
+            + f", stall {r.stall_s:.2f} s, overlap {100 * r.overlap:.0f}% | {moved}"
             + (f" ({r.bytes_per_param:.1f} B/param)" if r.bytes_per_param else "")
             + (f", frozen read {fmt_bytes(r.frozen_read)}" if r.frozen_read else "") + (
                 "" if r.activations is None else
