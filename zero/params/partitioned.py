@@ -341,21 +341,16 @@ class PartitionedPlacement(Placement):
     def _next_in_order(self, key: tuple[bool, int]) -> int | None:
         """Where no unit has come after this one yet (the first forward and backward: no order seen), a guess, so that
         the first step reads ahead too (an inference's first token): another part of the same module (cut by param
-        group: its hook runs next, either way); else in a forward the next block's first part, in a backward the
-        first part of the unit whose forward ended before this one's (its outputs' gradients come next). None in a
-        forward for a frozen part cut from a block: it runs in its block's call order, which its place in the list
-        does not follow."""
+        group: its hook runs next, either way); else in a forward the next in the list (the next block's first
+        part; a block's frozen parts come in the order its modules are defined, most often the order it calls them:
+        a wrong guess is dropped), in a backward the first part of the unit whose forward ended before this one's
+        (its outputs' gradients come next)."""
         backward, index = key
         units = self.units
-        if index + 1 < len(units) and units[index + 1].module is units[index].module:
-            return index + 1
-        if backward:
-            ended = self._ended_after.get(self._first_part(index))
-            return None if ended is None else self._first_part(ended)
-        ahead = index + 1
-        if ahead >= len(units) or any(units[i].flat.within is not None for i in (index, ahead)):
-            return None
-        return ahead
+        if not backward or (index + 1 < len(units) and units[index + 1].module is units[index].module):
+            return index + 1 if index + 1 < len(units) else None
+        ended = self._ended_after.get(self._first_part(index))
+        return None if ended is None else self._first_part(ended)
 
     def _first_part(self, index: int) -> int:
         """The index of the first unit of unit `index`'s module (units cut from one module by param group are
