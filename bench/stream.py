@@ -15,9 +15,8 @@ The config's gradient_clipping decides which step is measured: where it strikes,
 Per measured step: bytes read and written, realized GB/s against fio's, the disk's idle fraction (1 - the time the
 device had a request in flight, by the kernel's count, / the step; where the device is not known, the union of
 the nvme lanes' busy time, which also counts a transfer's time queued in our engine: column "lanes idle"), and
-step / max(compute, bytes / fio mixed). Medians over the measured
-steps; the first step against a later one (the first runs without a trace). Each run is its own process, so
-peak RSS is its own.
+step / max(compute, bytes / fio mixed). Medians over the measured steps; the first step against a later one (the
+first runs without a trace). Each run is its own process, so peak RSS is its own.
 
     python bench/stream.py [--quick] [--preset 1b --layers 4 --host-budget 1GiB] [--formats fp32/fp32,int8/fp32]
                            [--gradient-clipping 1e9] [--json PATH]
@@ -201,7 +200,8 @@ def print_result(r: dict) -> None:
               f"{run['bytes_per_param']:.1f} bytes per parameter per step, median step "
               f"{run['median']['step_s'] / first['median']['step_s']:.2f}x the first format's")
         print(f"{'step':>4} {'s':>7} {'read GB':>8} {'write GB':>8} {'GB/s':>6} {'of fio':>7} {'idle':>6} "
-              f"{'lanes idle':>10} {'bound s':>8} {'vs bound':>8}  optimizer (gradient_clipping {r['gradient_clipping']:g})")
+              f"{'lanes idle':>10} {'bound s':>8} {'vs bound':>8}  "
+              f"optimizer (gradient_clipping {r['gradient_clipping']:g})")
         for s in run["steps"] + [dict(run["median"], step="med", how="")]:
             print(f"{s['step']:>4} {s['step_s']:7.2f} {s['read_bytes'] / 1e9:8.2f} {s['write_bytes'] / 1e9:8.2f} "
                   f"{s['realized_gbps']:6.2f} {s['of_fio']:7.2f} {s['disk_idle']:6.0%} "
