@@ -68,7 +68,7 @@ def test_stream_bounds_each_step_by_fio_and_the_in_memory_step(tmp_path):
         for step in run["steps"]:
             moved = step["read_bytes"] + step["write_bytes"]
             assert abs(step["bound_s"] - max(result["in_memory_step_s"], moved / mixed)) < 1e-9
-            assert 0 <= step["disk_idle"] <= 1 and 0 <= step["lanes_idle"] <= 1 and step["vs_bound"] > 0
+            assert 0 <= step["disk_idle"] <= 1 and step["vs_bound"] > 0
         assert sum(step["read_bytes"] for step in run["steps"]) > 0  # the quick model does stream through nvme
     assert result["formats"]["int8/fp32"]["bytes_per_param"] < result["formats"]["fp32/fp32"]["bytes_per_param"]
 

@@ -18,10 +18,14 @@ def test_a_path_on_no_block_device_knows_nothing(tmp_path):
         assert DiskBusy.busiest(disk.read(), disk.read()) is None
 
 
+def test_the_count_wrapping_between_two_reads_is_still_the_time_between_them():
+    assert DiskBusy.busiest((2**32 - 5, 100), (3, 100)) == 0.008  # io_ticks: 32-bit milliseconds
+
+
 def test_direct_writes_make_the_device_busy_for_no_longer_than_they_took(tmp_path):
     disk = DiskBusy([str(tmp_path)])
     if not disk.files:
-        pytest.skip(f"{tmp_path} is on no block device the kernel counts (tmpfs, overlay)")
+        pytest.skip(f"{tmp_path} is on no disk whose time the kernel counts (tmpfs, overlay, iostats off)")
     buffer = aligned_empty(8 << 20).fill_(7)
     fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0))
     try:

@@ -421,10 +421,10 @@ def held_out_loss(engine, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
 
 def train_step(engine, batches: Batches, step: int, params: int, disk: DiskBusy | None = None) -> StepReport:
     swap = engine.swap
-    busy0 = disk.read() if disk is not None else None
     stall0, moved0, frozen0 = swap.stats.stall_seconds, dict(swap.stats.bytes_moved), frozen_read(engine)
     bets0 = None if engine.speculation is None else asdict(engine.speculation.stats)
     saved0 = None if engine.activations is None else (engine.activations.saved, engine.activations.saved_bytes)
+    busy0 = disk.read() if disk is not None else None
     start = time.perf_counter()
     accumulation = engine.gradient_accumulation_steps()
     # One call for the step: its micro-batches through each block at once where the engine can (train_batch).
@@ -432,9 +432,9 @@ def train_step(engine, batches: Batches, step: int, params: int, disk: DiskBusy 
     with swap.compute(f"step {step}"):
         loss = engine.train_batch(micro_batches).item()
     end = time.perf_counter()
+    busy1 = disk.read() if disk is not None else None
     middle = end - engine.optimizer_seconds
     io = swap.timeline.busy_seconds("nvme->host", "host->nvme", since=start)  # a transfer under way, either way
-    busy = DiskBusy.busiest(busy0, disk.read()) if disk is not None else None
     moved = {pair: n - moved0.get(pair, 0) for pair, n in swap.stats.bytes_moved.items()}
     bets = None if bets0 is None else {key: n - bets0[key]
                                        for key, n in asdict(engine.speculation.stats).items()}
@@ -442,7 +442,7 @@ def train_step(engine, batches: Batches, step: int, params: int, disk: DiskBusy 
                       schedule=engine.schedule if accumulation > 1 else None,
                       forward_backward_s=middle - start, optimizer_s=end - middle,
                       stall_s=swap.stats.stall_seconds - stall0, io_s=io, bytes_moved=moved, speculation=bets,
-                      frozen_read=frozen_read(engine) - frozen0, disk_busy_s=busy,
+                      frozen_read=frozen_read(engine) - frozen0, disk_busy_s=DiskBusy.busiest(busy0, busy1),
                       activations=None if saved0 is None else {
                           "count": engine.activations.saved - saved0[0],
                           "bytes": engine.activations.saved_bytes - saved0[1]})
