@@ -18,6 +18,37 @@ def test_a_path_on_no_block_device_knows_nothing(tmp_path):
         assert DiskBusy.busiest(disk.read(), disk.read()) is None
 
 
+def fake_sysfs(root, path, *, partition: bool, iostats: str) -> str:
+    """A sysfs under `root` whose block device for `path` is a disk `sda` (or its partition `sda1`): the stat file of
+    the disk says 250 ms busy, the partition's 40."""
+    device = os.stat(path).st_dev
+    disk = root / "devices" / "sda"
+    (disk / "queue").mkdir(parents=True)
+    (disk / "queue" / "iostats").write_text(iostats + "\n")
+    (disk / "stat").write_text("1 0 8 5 2 0 16 7 0 250 12 0 0 0 0\n")
+    target = disk
+    if partition:
+        target = disk / "sda1"
+        target.mkdir()
+        (target / "partition").write_text("1\n")
+        (target / "stat").write_text("1 0 8 5 2 0 16 7 0 40 12 0 0 0 0\n")
+    (root / "dev" / "block").mkdir(parents=True)
+    (root / "dev" / "block" / f"{os.major(device)}:{os.minor(device)}").symlink_to(target)
+    return str(root)
+
+
+@pytest.mark.parametrize("partition", [False, True])
+def test_a_path_on_a_partition_is_counted_on_its_whole_disk(partition, tmp_path):
+    disk = DiskBusy([str(tmp_path)], sysfs=fake_sysfs(tmp_path / "sys", tmp_path, partition=partition, iostats="1"))
+    assert disk.files == [str(tmp_path / "sys" / "devices" / "sda" / "stat")] and disk.read() == (250,)
+
+
+def test_a_disk_that_keeps_no_counts_knows_nothing(tmp_path):
+    """`queue/iostats` 0: its io_ticks stay still, and would read as idle."""
+    disk = DiskBusy([str(tmp_path)], sysfs=fake_sysfs(tmp_path / "sys", tmp_path, partition=False, iostats="0"))
+    assert disk.files == [] and disk.read() is None
+
+
 def test_the_count_wrapping_between_two_reads_is_still_the_time_between_them():
     assert DiskBusy.busiest((2**32 - 5, 100), (3, 100)) == 0.008  # io_ticks: 32-bit milliseconds
 

@@ -14,11 +14,11 @@ WRAP = 1 << 32
 """io_ticks is an unsigned 32-bit count of milliseconds: it wraps after ~49.7 days busy."""
 
 
-def _stat_file(path: str) -> str | None:
+def _stat_file(path: str, sysfs: str) -> str | None:
     """The stat file of the whole disk holding `path`, or None where there is none that counts."""
     try:
         device = os.stat(path).st_dev
-        disk = os.path.realpath(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}")
+        disk = os.path.realpath(os.path.join(sysfs, "dev", "block", f"{os.major(device)}:{os.minor(device)}"))
         if os.path.exists(os.path.join(disk, "partition")):
             disk = os.path.dirname(disk)
         with open(os.path.join(disk, "queue", "iostats")) as f:
@@ -31,10 +31,10 @@ def _stat_file(path: str) -> str | None:
 
 class DiskBusy:
     """The disks holding `paths`; `read()` their io_ticks now, `busiest(before, after)` the most seconds any of them
-    was busy between two reads."""
+    was busy between two reads. `sysfs`: where sysfs is mounted."""
 
-    def __init__(self, paths: Iterable[str]):
-        self.files = sorted({f for f in map(_stat_file, paths) if f is not None})
+    def __init__(self, paths: Iterable[str], sysfs: str = "/sys"):
+        self.files = sorted({f for f in (_stat_file(p, sysfs) for p in paths) if f is not None})
 
     def read(self) -> tuple[int, ...] | None:
         """Each disk's io_ticks (milliseconds, wrapping at 2^32); None where no disk is known."""
